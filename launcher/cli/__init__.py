@@ -1,0 +1,102 @@
+"""The command line: parse arguments, call one core function per verb, print, map exit codes.
+
+Only this package prints to the user or exits. Each module in it registers its verbs with
+``register(subparsers)`` and imports the core it calls lazily, so ``llama-launcher X`` pays
+only for the imports X needs.
+
+Exit codes: 0 success (changed or not), 1 other error, 2 invalid input (nothing changed),
+3 deploy failed and rolled back, 4 rollback failed, 5 lock timeout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import pkgutil
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+EPILOG = """exit codes:
+  0  success (changed or not)
+  1  other error
+  2  invalid input: nothing was changed
+  3  deploy failed: the previous config was restored and serves again
+  4  rollback failed: both configs failed; nothing was deleted
+  5  lock timeout: another deploy holds the state dir
+"""
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="llama-launcher",
+        description="Launch llama-server under systemd and deploy its flags safely.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    from launcher import __version__
+
+    parser.add_argument("--version", action="version", version=f"llama-launcher {__version__}")
+    sub = parser.add_subparsers(dest="verb", metavar="VERB")
+    sub.required = True
+    exec_p = sub.add_parser(
+        "exec", help="the unit's ExecStart: read the env file strictly and exec llama-server"
+    )
+    exec_p.add_argument("--env-file", required=True)
+    exec_p.add_argument("--print-argv", action="store_true")
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        register = getattr(module, "register", None)
+        if register is not None:
+            register(sub)
+    return parser
+
+
+def emit(data: dict[str, Any], as_json: bool, human: Callable[[], str]) -> None:
+    """Print ``data`` as one JSON object, or the human text."""
+    if as_json:
+        print(json.dumps(data, indent=None, sort_keys=False, default=str))
+    else:
+        text = human()
+        if text:
+            print(text)
+
+
+def fail(error: Exception, as_json: bool) -> int:
+    """Report a ``LauncherError`` and return its exit code."""
+    from launcher.errors import LauncherError
+
+    code = error.exit_code if isinstance(error, LauncherError) else 1
+    if as_json:
+        data: dict[str, Any] = {"ok": False, "error": type(error).__name__, "message": str(error)}
+        if isinstance(error, LauncherError):
+            data.update(error.details())
+        result = getattr(error, "result", None)
+        if result is not None and hasattr(result, "to_dict"):
+            data.update(result.to_dict())
+        print(json.dumps(data, default=str))
+    else:
+        print(f"llama-launcher: {error}", file=sys.stderr)
+    return code
+
+
+def main(args: Sequence[str]) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(list(args))
+    if ns.verb == "exec":
+        from launcher import launch
+
+        return launch.main(["--env-file", ns.env_file, *(["--print-argv"] if ns.print_argv else [])])
+    handler: Handler = ns.func
+    from launcher.errors import LauncherError
+
+    try:
+        return handler(ns)
+    except LauncherError as e:
+        return fail(e, getattr(ns, "json", False))
+    except KeyboardInterrupt:
+        print("llama-launcher: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,127 @@
+"""The one exception tree of llama-launcher. The CLI maps each leaf to an exit code.
+
+::
+
+    LauncherError                      exit 1 unless a leaf says otherwise
+    ├── InvalidInput                   exit 2: nothing was changed
+    │   ├── ConfigInvalid              a value of the typed config (names field, value, fix)
+    │   ├── ValidationFailed           a named step of the validation chain failed
+    │   ├── OvercommitError            a shared KV pool that can be over-committed
+    │   └── MemoryGuardError           the estimate does not fit the box
+    ├── CommandError                   a subprocess failed (argv, status, stderr tail)
+    │   └── CommandTimeout
+    ├── SystemdError                   systemctl/journalctl said something unexpected
+    ├── ProbeError                     the HTTP probe of llama-server failed
+    ├── StoreError                     the generation store is unreadable or inconsistent
+    ├── LockTimeout                    exit 5: another deploy holds the lock
+    ├── DeployFailed                   exit 3: the new config failed, the old one serves again
+    └── RollbackFailed                 exit 4: the old config failed as well; nothing was deleted
+
+Every message names the value at fault and the fix. Causes are chained with ``raise ... from``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+class LauncherError(Exception):
+    """Root of every error llama-launcher raises on purpose."""
+
+    exit_code = 1
+
+    def details(self) -> dict[str, Any]:
+        """Machine-readable extras for ``--json`` output."""
+        return {}
+
+
+class InvalidInput(LauncherError):
+    """The input is wrong; nothing on the host was changed."""
+
+    exit_code = 2
+
+
+class ConfigInvalid(InvalidInput):
+    """A value of the typed config or the tool settings is invalid."""
+
+
+class ValidationFailed(InvalidInput):
+    """A step of the validation chain failed on the rendered file."""
+
+    def __init__(self, step: str, message: str) -> None:
+        self.step = step
+        super().__init__(f"validation step '{step}' failed: {message}")
+
+    def details(self) -> dict[str, Any]:
+        return {"step": self.step}
+
+
+class OvercommitError(InvalidInput):
+    """Under a unified pool, n_slots x n_ctx_slot exceeds the pool: the seed's failure."""
+
+
+class MemoryGuardError(InvalidInput):
+    """The config's memory estimate exceeds what the box can give."""
+
+
+class CommandError(LauncherError):
+    """A subprocess exited non-zero or could not run."""
+
+    def __init__(self, argv: Sequence[str], status: int | None, stderr: str, note: str = "") -> None:
+        self.argv = list(argv)
+        self.status = status
+        self.stderr = stderr
+        tail = "\n".join(stderr.strip().splitlines()[-10:])
+        what = f"exited with status {status}" if status is not None else "could not run"
+        msg = f"command {' '.join(self.argv)!s} {what}"
+        if note:
+            msg += f" ({note})"
+        if tail:
+            msg += f":\n{tail}"
+        super().__init__(msg)
+
+    def details(self) -> dict[str, Any]:
+        return {"argv": self.argv, "status": self.status, "stderr_tail": self.stderr[-2000:]}
+
+
+class CommandTimeout(CommandError):
+    """A subprocess did not finish within its timeout."""
+
+
+class SystemdError(LauncherError):
+    """systemd did something the tool cannot work with."""
+
+
+class ProbeError(LauncherError):
+    """llama-server did not answer the probe as it should."""
+
+
+class StoreError(LauncherError):
+    """The generation store is unreadable or inconsistent."""
+
+
+class LockTimeout(LauncherError):
+    """Another deploy holds the state dir's lock."""
+
+    exit_code = 5
+
+
+class DeployFailed(LauncherError):
+    """The new config failed its gate; the previous generation was restored and is healthy."""
+
+    exit_code = 3
+
+    def __init__(self, message: str, result: Any = None) -> None:
+        self.result = result
+        super().__init__(message)
+
+
+class RollbackFailed(LauncherError):
+    """The restore failed too. Nothing was deleted; the message says what was tried."""
+
+    exit_code = 4
+
+    def __init__(self, message: str, result: Any = None) -> None:
+        self.result = result
+        super().__init__(message)

@@ -1,0 +1,132 @@
+"""The unit's ExecStart: read the env file without executing it, then exec llama-server.
+
+``llama-launcher exec --env-file PATH`` parses the file with the strict parser of
+``launcher.envfile``, builds llama-server's argv and replaces itself with llama-server
+(``os.execve``), so systemd supervises llama-server directly: signals and exit statuses pass
+through unchanged. A configuration error of the launcher's own exits with ``EX_CONFIG`` (78),
+which the units list in ``RestartPreventExitStatus=``.
+
+This is on the path of every server start. It imports the standard library and
+``launcher.envfile`` only - no pydantic, httpx or the rest of the tool.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Mapping, Sequence
+
+from launcher import envfile
+
+#: The keys an env file may hold. Anything else is refused: a stray ``LLAMA_ARG_*`` line
+#: would silently change llama-server behind the typed config's back.
+KEYS = ("LLAMA_SERVER", "EXTRA_ARGS", "API_KEY_FILE")
+REQUIRED = ("LLAMA_SERVER", "EXTRA_ARGS")
+#: Environment variables llama-server reads as flags; removed so only the argv counts.
+_SCRUBBED_PREFIXES = ("LLAMA_ARG_",)
+_SCRUBBED = ("LLAMA_API_KEY",)
+
+
+class LaunchError(Exception):
+    """A configuration error of the launcher itself (exit status 78)."""
+
+
+def argv_from_values(values: Mapping[str, str], path: str = "<env>") -> list[str]:
+    """Build llama-server's argv from parsed env file values."""
+    unknown = [k for k in values if k not in KEYS]
+    if unknown:
+        raise LaunchError(
+            f"{path}: unknown key {unknown[0]!r}; an env file for llama-launcher holds only "
+            f"{', '.join(KEYS)} (llama-server flags go into EXTRA_ARGS)"
+        )
+    missing = [k for k in REQUIRED if not values.get(k)]
+    if missing:
+        raise LaunchError(f"{path}: {missing[0]} is missing or empty; set it, e.g. "
+                          f"{missing[0]}=\"...\"")
+    try:
+        words = envfile.split_words(values["EXTRA_ARGS"])
+    except ValueError as e:
+        raise LaunchError(f"{path}: {e}") from None
+    for word in words:
+        if word in ("--api-key",) or word.startswith("--api-key="):
+            raise LaunchError(
+                f"{path}: EXTRA_ARGS carries --api-key, which any user can read with ps; "
+                "put the key in a file and set API_KEY_FILE instead"
+            )
+    argv = [values["LLAMA_SERVER"], *words]
+    if not any(w == "--log-colors" or w.startswith("--log-colors=") for w in words):
+        argv += ["--log-colors", "off"]
+    if values.get("API_KEY_FILE"):
+        argv += ["--api-key-file", values["API_KEY_FILE"]]
+    return argv
+
+
+def read_argv(path: str) -> list[str]:
+    """Read and parse the env file at ``path`` into llama-server's argv."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise LaunchError(f"cannot read the env file {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise LaunchError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    try:
+        values = envfile.parse(text, path)
+    except envfile.EnvFileError as e:
+        raise LaunchError(str(e)) from None
+    return argv_from_values(values, path)
+
+
+def server_environ(environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment llama-server gets: ours, less the variables it would read as flags."""
+    return {
+        k: v
+        for k, v in environ.items()
+        if k not in _SCRUBBED and not k.startswith(_SCRUBBED_PREFIXES)
+    }
+
+
+_USAGE = "usage: llama-launcher exec --env-file PATH [--print-argv]"
+
+
+def _parse_args(args: Sequence[str]) -> tuple[str, bool]:
+    env_file, print_argv, i = "", False, 0
+    while i < len(args):
+        a = args[i]
+        if a == "--env-file" and i + 1 < len(args):
+            env_file, i = args[i + 1], i + 2
+        elif a.startswith("--env-file="):
+            env_file, i = a.split("=", 1)[1], i + 1
+        elif a == "--print-argv":
+            print_argv, i = True, i + 1
+        elif a in ("-h", "--help"):
+            print(_USAGE + "\n\nRead the env file strictly and exec llama-server "
+                  "(--print-argv: print the argv as JSON and exit).")
+            raise SystemExit(0)
+        else:
+            raise LaunchError(f"unexpected argument {a!r}; {_USAGE}")
+    if not env_file:
+        raise LaunchError(f"--env-file is required; {_USAGE}")
+    return env_file, print_argv
+
+
+def main(args: Sequence[str]) -> int:
+    """Entry point of ``llama-launcher exec``; returns an exit status or does not return."""
+    try:
+        env_file, print_argv = _parse_args(args)
+        argv = read_argv(env_file)
+        if print_argv:
+            print(json.dumps(argv))
+            return 0
+        try:
+            os.execve(argv[0], argv, server_environ(os.environ))
+        except OSError as e:
+            raise LaunchError(
+                f"cannot execute LLAMA_SERVER={argv[0]!r}: {e.strerror}; "
+                "set LLAMA_SERVER to the llama-server binary"
+            ) from None
+    except LaunchError as e:
+        print(f"llama-launcher: config error: {e}", file=sys.stderr, flush=True)
+        return envfile.EX_CONFIG
+    return 0  # pragma: no cover - execve does not return

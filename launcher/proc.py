@@ -1,0 +1,67 @@
+"""The one chokepoint for subprocesses.
+
+argv lists only (never a shell string), an explicit environment, a timeout, and every
+failure turned into ``CommandError`` naming the command and the tail of its stderr.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from launcher.errors import CommandError, CommandTimeout
+
+DEFAULT_TIMEOUT = 60.0
+
+
+@dataclass(frozen=True)
+class Result:
+    argv: list[str]
+    status: int
+    stdout: str
+    stderr: str
+
+
+def run(
+    argv: Sequence[str],
+    *,
+    check: bool = True,
+    timeout: float = DEFAULT_TIMEOUT,
+    env: Mapping[str, str] | None = None,
+    input: str | None = None,
+    cwd: str | None = None,
+) -> Result:
+    """Run ``argv`` and return its output; raise ``CommandError`` on failure when ``check``.
+
+    ``env`` replaces the environment when given (pass ``dict(os.environ, ...)`` to extend it).
+    """
+    args = [str(a) for a in argv]
+    try:
+        p = subprocess.run(
+            args,
+            capture_output=True,
+            text=True,
+            errors="replace",
+            timeout=timeout,
+            env=dict(env) if env is not None else None,
+            input=input,
+            cwd=cwd,
+            stdin=None if input is not None else subprocess.DEVNULL,
+        )
+    except subprocess.TimeoutExpired as e:
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        raise CommandTimeout(args, None, err, f"timed out after {timeout:g}s") from e
+    except OSError as e:
+        raise CommandError(args, None, str(e), e.strerror or "") from e
+    if check and p.returncode != 0:
+        raise CommandError(args, p.returncode, p.stderr or p.stdout)
+    return Result(args, p.returncode, p.stdout, p.stderr)
+
+
+def base_env(**extra: str) -> dict[str, str]:
+    """The current environment with a C locale for stable output, plus ``extra``."""
+    env = dict(os.environ)
+    env.update({"LC_ALL": "C.UTF-8", "SYSTEMD_COLORS": "0", "SYSTEMD_PAGER": "", **extra})
+    return env

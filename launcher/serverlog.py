@@ -1,0 +1,165 @@
+"""Every llama-server log line the tool reads, in one place.
+
+Read from llama.cpp build b11434 (tools/server/*, common/*, src/*; see
+../shared/LLAMA_SERVER_FACTS.md) and confirmed against the real server by the tests.
+Lines may carry llama-server's prefix (``0.00.035.060 I ``) and, if colours were left on,
+ANSI escapes; ``clean`` strips both.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+#: The build these patterns were read from and tested against.
+TESTED_BUILD = 11434
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# "%d.%02d.%03d.%03d " timestamp, then a level letter (common/log.cpp:125-155).
+_PREFIX = re.compile(r"^(?:\d+\.\d{2}\.\d{3}\.\d{3} )?(?:[IWED] )?")
+
+# server-context.cpp:1383-1384
+STARTUP = re.compile(
+    r"initializing, n_slots = (?P<n_slots>\d+), n_ctx_slot = (?P<n_ctx_slot>\d+), "
+    r"kv_unified = '(?P<kv_unified>true|false)'"
+)
+# server.cpp:184
+POOL_SIZING = re.compile(
+    r"--kv-unified-per-slot: sizing KV pool to n_parallel \* kv_unified_per_slot = "
+    r"(?P<np>\d+) \* (?P<per_slot>\d+) = (?P<n_ctx>\d+)"
+)
+# server.cpp:495-498, :525-526
+MODEL_LOADED = re.compile(r"srv  llama_server: model loaded")
+LISTENING = re.compile(r"llama_server: listening on (?P<address>\S+)")
+# common/arg.cpp:757
+CONFIG_FILE = re.compile(r"using config file: (?P<path>.+)$")
+
+#: Startup warnings about the context (reported by the deploy gate).
+CONTEXT_WARNINGS = {
+    # src/llama-context.cpp:330
+    "ctx_over_train": re.compile(
+        r"n_ctx_seq \((?P<n_ctx_seq>\d+)\) > n_ctx_train \((?P<n_ctx_train>\d+)\)"
+    ),
+    # src/llama-context.cpp:306
+    "ctx_rounded": re.compile(r"n_ctx is not divisible by n_seq_max - rounding down to (\d+)"),
+    # server-context.cpp:1350
+    "slot_capped": re.compile(
+        r"capping per-slot context \((?P<from>\d+)\) to --kv-unified-per-slot \((?P<to>\d+)\)"
+    ),
+    # server-context.cpp:1354-1358
+    "cap_no_effect": re.compile(
+        r"--kv-unified-per-slot \((\d+)\) exceeds the per-slot pool capacity \((\d+)\)"
+    ),
+    # server-context.cpp:1366
+    "slot_over_train": re.compile(
+        r"the slot context \((\d+)\) exceeds the training context of the model \((\d+)\)"
+    ),
+}
+
+#: Why a server failed to start, most specific first (common/arg.cpp, server.cpp,
+#: server-http.cpp, ggml/src/gguf.cpp, src/llama-context.cpp).
+FAILURES: list[tuple[str, re.Pattern[str], str]] = [
+    ("unknown_argument", re.compile(r"error: invalid argument: (?P<arg>\S+)"),
+     "llama-server does not know the flag {arg}"),
+    ("bad_value", re.compile(r'error while handling argument "(?P<arg>[^"]+)": (?P<what>.*)'),
+     "llama-server refused the value of {arg}: {what}"),
+    ("bad_cache_type", re.compile(r"Unsupported cache type: (?P<type>\S+)"),
+     "llama-server does not support the cache type {type}"),
+    ("model_missing", re.compile(r"failed to open GGUF file '(?P<path>[^']*)'"),
+     "the model file {path} cannot be opened"),
+    ("port_in_use", re.compile(
+        r"couldn't bind HTTP server socket, hostname: (?P<host>\S+), port: (?P<port>\d+)"),
+     "the port {port} on {host} is already in use"),
+    ("out_of_memory", re.compile(
+        r"(?P<what>failed to allocate buffer for kv cache|failed to allocate compute|"
+        r"out of memory|cannot allocate memory)", re.I),
+     "llama-server ran out of memory ({what})"),
+    ("quantized_v_needs_fa", re.compile(r"quantized V cache requires flash_attn to be enabled"),
+     "a quantized V cache needs flash attention; drop -fa off"),
+    ("block_size", re.compile(
+        r"(?P<which>[KV]) cache type (?P<type>\S+) with block size (?P<bs>\d+) does not divide "
+        r"n_embd_head_\w+=(?P<hd>\d+)"),
+     "the {which} cache type {type} (block {bs}) does not fit this model's head size {hd}"),
+    ("model_load", re.compile(r"failed to load model|error loading model"),
+     "llama-server could not load the model"),
+    ("context_create", re.compile(r"failed to create[_ ]context"),
+     "llama-server could not create the context"),
+]
+
+
+def clean(line: str) -> str:
+    """Strip ANSI colours, llama-server's timestamp/level prefix and the line ending."""
+    return _PREFIX.sub("", _ANSI.sub("", line.rstrip("\r\n")), count=1)
+
+
+@dataclass(frozen=True)
+class Startup:
+    """The values of the startup line, plus what the lines around it said."""
+
+    n_slots: int
+    n_ctx_slot: int
+    kv_unified: bool
+    pool_cells: int | None = None  # from the per-slot sizing line, when printed
+    warnings: tuple[str, ...] = ()
+    config_file: str | None = None
+
+
+@dataclass
+class StartupScan:
+    """Accumulates startup facts from a stream of lines (the journal since a cursor)."""
+
+    startup: Startup | None = None
+    pool_cells: int | None = None
+    warnings: list[str] = field(default_factory=list)
+    config_file: str | None = None
+    model_loaded: bool = False
+    failure: tuple[str, str] | None = None  # (class, sentence)
+
+    def feed(self, raw: str) -> None:
+        line = clean(raw)
+        if m := STARTUP.search(line):
+            self.startup = Startup(
+                int(m["n_slots"]), int(m["n_ctx_slot"]), m["kv_unified"] == "true",
+                self.pool_cells, tuple(self.warnings), self.config_file,
+            )
+            return
+        if m := POOL_SIZING.search(line):
+            self.pool_cells = int(m["n_ctx"])
+        elif m := CONFIG_FILE.search(line):
+            self.config_file = m["path"].strip()
+        elif MODEL_LOADED.search(line):
+            self.model_loaded = True
+        else:
+            for pattern in CONTEXT_WARNINGS.values():
+                if pattern.search(line):
+                    self.warnings.append(line.strip())
+                    return
+            if self.failure is None:
+                self.failure = classify_failure(line)
+
+    def feed_all(self, lines: Iterable[str]) -> StartupScan:
+        for line in lines:
+            self.feed(line)
+        return self
+
+
+def classify_failure(line: str) -> tuple[str, str] | None:
+    """Return (class, sentence) when ``line`` says why llama-server could not start."""
+    text = clean(line)
+    for name, pattern, template in FAILURES:
+        m = pattern.search(text)
+        if m:
+            return name, template.format(**m.groupdict())
+    return None
+
+
+def classify(lines: Iterable[str]) -> tuple[str, str] | None:
+    """The first failure class found in ``lines`` (most specific pattern wins per line)."""
+    found: tuple[str, str] | None = None
+    rank = {name: i for i, (name, _, _) in enumerate(FAILURES)}
+    for line in lines:
+        hit = classify_failure(line)
+        if hit and (found is None or rank[hit[0]] < rank[found[0]]):
+            found = hit
+    return found

