@@ -68,7 +68,9 @@ class MemoryGuardError(InvalidInput):
 class CommandError(LauncherError):
     """A subprocess exited non-zero or could not run."""
 
-    def __init__(self, argv: Sequence[str], status: int | None, stderr: str, note: str = "") -> None:
+    def __init__(
+        self, argv: Sequence[str], status: int | None, stderr: str, note: str = ""
+    ) -> None:
         self.argv = list(argv)
         self.status = status
         self.stderr = stderr

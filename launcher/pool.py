@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-#: llama.cpp pads n_ctx and n_ctx_seq up to a multiple of 256 cells (GGML_PAD, llama-context.cpp:292).
+#: n_ctx and n_ctx_seq are padded to a multiple of 256 cells (GGML_PAD, llama-context.cpp:292).
 CELL_PAD = 256
 #: -np -1 (auto) resolves to 4 slots with a forced unified pool (server.cpp:168-173).
 AUTO_SLOTS = 4
@@ -64,13 +64,12 @@ class PoolPlan:
     def describe(self) -> str:
         """The startup line read as a sentence, as seed 000 does."""
         kind = "one shared pool" if self.kv_unified else "split pools"
-        text = (
-            f"{self.n_slots} slots x {self.n_ctx_slot} cells each, {kind} of {self.n_ctx} cells"
-        )
+        text = f"{self.n_slots} slots x {self.n_ctx_slot} cells each, {kind} of {self.n_ctx} cells"
         if self.overcommitted:
             text += (
                 f": over-committed by {self.promised - self.n_ctx} cells - every slot is promised "
-                f"{self.n_ctx_slot} but only {self.guaranteed_window} is guaranteed when all are busy"
+                f"{self.n_ctx_slot} but only {self.guaranteed_window} is guaranteed "
+                "when all are busy"
             )
         else:
             text += f": every slot is guaranteed {self.guaranteed_window}"

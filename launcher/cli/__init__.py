@@ -33,6 +33,7 @@ Handler = Callable[[argparse.Namespace], int]
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="llama-launcher",
+        allow_abbrev=False,
         description="Launch llama-server under systemd and deploy its flags safely.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -79,17 +80,28 @@ def fail(error: Exception, as_json: bool) -> int:
             data.update(result.to_dict())
         print(json.dumps(data, default=str))
     else:
+        result = getattr(error, "result", None)
+        if result is not None:
+            from launcher.cli.deploy import human
+
+            print(human(result))
         print(f"llama-launcher: {error}", file=sys.stderr)
     return code
 
 
 def main(args: Sequence[str]) -> int:
     parser = build_parser()
-    ns = parser.parse_args(list(args))
+    # llama-server flags (`set -ctk q8_0 ...`) are whatever the verb's own options are not.
+    ns, extra = parser.parse_known_args(list(args))
+    if extra and not getattr(ns, "takes_flags", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    ns.flags = extra
     if ns.verb == "exec":
         from launcher import launch
 
-        return launch.main(["--env-file", ns.env_file, *(["--print-argv"] if ns.print_argv else [])])
+        return launch.main(
+            ["--env-file", ns.env_file, *(["--print-argv"] if ns.print_argv else [])]
+        )
     handler: Handler = ns.func
     from launcher.errors import LauncherError
 

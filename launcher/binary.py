@@ -1,0 +1,135 @@
+"""The installed llama-server binary: its flags (parsed from ``--help``), version and identity.
+
+``--help`` is the flag schema of the binary the unit really runs (peers: llserve, mdl doctor).
+The parse is cached per binary fingerprint (path, size, mtime, inode) in the cache dir.
+Help format of b11434 (common/arg.cpp:180-215): option lines start at column 0 with the
+spellings joined by ", ", then a value hint, padded to column 40; continuation lines are
+indented.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from launcher import proc
+from launcher.errors import CommandError, ValidationFailed
+
+_COL = 40
+_FLAG = re.compile(r"^-{1,2}[A-Za-z0-9][A-Za-z0-9_-]*$")
+
+
+@dataclass(frozen=True)
+class FlagSpec:
+    spellings: tuple[str, ...]
+    value: str  # the value hint ("" for a switch); "[...]" means optional
+
+
+@dataclass(frozen=True)
+class BinaryInfo:
+    path: str
+    fingerprint: str
+    version: str
+    flags: dict[str, FlagSpec]
+
+    def knows(self, flag: str) -> bool:
+        return flag in self.flags
+
+    def takes_value(self, flag: str) -> bool:
+        spec = self.flags.get(flag)
+        return bool(spec and spec.value and not spec.value.startswith("["))
+
+    def suggest(self, flag: str) -> list[str]:
+        return difflib.get_close_matches(flag, list(self.flags), n=3, cutoff=0.6)
+
+
+def parse_help(text: str) -> dict[str, FlagSpec]:
+    """Map every spelling in ``llama-server --help`` to its spec."""
+    flags: dict[str, FlagSpec] = {}
+    for line in text.splitlines():
+        if not line.startswith("-"):
+            continue
+        # Flags padded to column 40 then help text; a longer flag column fills the line.
+        head = line[:_COL] if len(line) > _COL and line[_COL - 1] == " " else line
+        words = [w for w in re.split(r"[,\s]+", head) if w]
+        spellings = tuple(w for w in words if _FLAG.match(w))
+        hints = [w for w in words if not _FLAG.match(w)]
+        spec = FlagSpec(spellings, hints[-1] if hints else "")
+        for s in spellings:
+            flags[s] = spec
+    return flags
+
+
+def fingerprint(path: str) -> str:
+    st = os.stat(path)
+    key = f"{os.path.realpath(path)}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "llama-launcher" / "help"
+
+
+def inspect(path: str, cache_dir: Path | None = None) -> BinaryInfo:
+    """Flags and version of the llama-server at ``path`` (cached per fingerprint)."""
+    if not os.path.isfile(path) or not os.access(path, os.X_OK):
+        raise ValidationFailed(
+            "llama-server",
+            f"{path!r} is not an executable file; set llama_server to the "
+            "llama-server binary (e.g. --llama-server /usr/local/bin/llama-server)",
+        )
+    fp = fingerprint(path)
+    cache = (cache_dir or _cache_dir()) / f"{fp}.json"
+    try:
+        data = json.loads(cache.read_text())
+        flags = {k: FlagSpec(tuple(v[0]), v[1]) for k, v in data["flags"].items()}
+        return BinaryInfo(path, fp, data["version"], flags)
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    try:
+        helptext = proc.run([path, "--help"], timeout=30).stdout
+        version = proc.run([path, "--version"], timeout=30, check=False).stderr.strip()
+    except CommandError as e:
+        raise ValidationFailed("llama-server", f"{path} --help failed: {e}") from e
+    flags = parse_help(helptext)
+    if "--ctx-size" not in flags:
+        raise ValidationFailed(
+            "llama-server", f"{path} --help does not list --ctx-size; is it llama-server?"
+        )
+    info = BinaryInfo(path, fp, version.splitlines()[0] if version else "unknown", flags)
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        payload = {
+            "version": info.version,
+            "flags": {k: [list(v.spellings), v.value] for k, v in flags.items()},
+        }
+        tmp = cache.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(payload))
+        os.replace(tmp, cache)
+    except OSError:
+        pass  # a read-only cache only costs a --help call next time
+    return info
+
+
+def unknown_flags(info: BinaryInfo, args: list[str]) -> list[str]:
+    """Flags in ``args`` that this binary does not know (values are skipped)."""
+    bad: list[str] = []
+    skip = False
+    for word in args:
+        if skip:
+            skip = False
+            continue
+        if not word.startswith("-") or re.fullmatch(r"-\d+(\.\d+)?", word):
+            continue
+        name = word.split("=", 1)[0]
+        if not info.knows(name):
+            bad.append(name)
+        elif "=" not in word and info.takes_value(name):
+            skip = True
+    return bad

@@ -1,0 +1,391 @@
+"""Verbs of the config life cycle: render, check, deploy, set, unset, rollback, status,
+history, install, uninstall."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from launcher.cli import emit
+
+if TYPE_CHECKING:
+    from launcher.config import ServerConfig, ToolSettings
+    from launcher.deploy import Deployer, Result
+
+
+def _settings_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("where (also LLAMA_LAUNCHER_* variables or settings.toml)")
+    g.add_argument("--unit", help="systemd unit (default llama-server.service)")
+    g.add_argument("--scope", choices=["system", "user"], help="systemd manager to use")
+    g.add_argument("--env-file", type=Path, help="the live env file")
+    g.add_argument("--state-dir", type=Path, help="generations and the transaction record")
+    g.add_argument("--base-url", help="probe URL (default: from --host/--port)")
+    g.add_argument("--start-timeout", type=float, help="seconds until the startup line")
+    g.add_argument("--health-timeout", type=float, help="seconds until /health 200")
+    g.add_argument("--probe-timeout", type=float, help="seconds for the real completion")
+    g.add_argument("--lock-timeout", type=float, help="seconds to wait for another deploy")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _config_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", type=Path, help="a TOML file with the whole desired config")
+    p.add_argument(
+        "--llama-server", dest="llama_server_bin", type=Path, help="the llama-server binary"
+    )
+    p.add_argument(
+        "--allow-overcommit",
+        action="store_true",
+        help="accept a shared KV pool whose slots can exhaust it",
+    )
+
+
+def _parser(sub: Any, name: str, help: str, flags: bool = False) -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = sub.add_parser(
+        name, help=help, description=help, allow_abbrev=False
+    )
+    p.set_defaults(takes_flags=flags)
+    return p
+
+
+def register(sub: Any) -> None:
+    flags_note = " LLAMA-SERVER FLAGS follow, in llama-server's own spellings (-c, -np, -ctk...)."
+    p = _parser(sub, "render", "print the env file for a config." + flags_note, True)
+    _config_options(p)
+    _settings_options(p)
+    p.set_defaults(func=cmd_render)
+
+    p = _parser(
+        sub,
+        "check",
+        "validate a config and show the argv diff against the live env "
+        "file; change nothing." + flags_note,
+        True,
+    )
+    _config_options(p)
+    _settings_options(p)
+    p.set_defaults(func=cmd_check)
+
+    p = _parser(
+        sub,
+        "deploy",
+        "deploy a whole desired config through the gate (the Ansible path)." + flags_note,
+        True,
+    )
+    _config_options(p)
+    _mode_options(p)
+    _settings_options(p)
+    p.set_defaults(func=cmd_deploy)
+
+    p = _parser(
+        sub,
+        "set",
+        "change some flags of the live config and deploy it, e.g. "
+        "llama-launcher set -ctk q8_0 -ctv q8_0",
+        True,
+    )
+    p.add_argument("--allow-overcommit", action="store_true")
+    _mode_options(p)
+    _settings_options(p)
+    p.set_defaults(func=cmd_set)
+
+    p = _parser(
+        sub,
+        "unset",
+        "remove flags from the live config and deploy it, e.g. llama-launcher unset -ctk -ctv",
+        True,
+    )
+    _mode_options(p)
+    _settings_options(p)
+    p.set_defaults(func=cmd_unset)
+
+    p = _parser(
+        sub,
+        "rollback",
+        "go back to the last known-good generation (or --to N) through the same gate",
+    )
+    p.add_argument("--to", type=int, metavar="N", help="generation number (see history)")
+    _settings_options(p)
+    p.set_defaults(func=cmd_rollback)
+
+    p = _parser(
+        sub,
+        "status",
+        "unit state, live generation, startup values, the guaranteed "
+        "per-slot window and process memory",
+    )
+    _settings_options(p)
+    p.set_defaults(func=cmd_status)
+
+    p = _parser(sub, "history", "generations with time, outcome and argv diff")
+    _settings_options(p)
+    p.set_defaults(func=cmd_history)
+
+    p = _parser(
+        sub,
+        "recover",
+        "finish or revert a deploy that was killed half-way "
+        "(every other verb does this first, too)",
+    )
+    _settings_options(p)
+    p.set_defaults(func=cmd_recover)
+
+    p = _parser(
+        sub,
+        "install",
+        "first deployment on a host: install the unit, create the "
+        "env and state folders, enable it and deploy through the gate." + flags_note,
+        True,
+    )
+    _config_options(p)
+    p.add_argument("--instance", help="install llama-server@INSTANCE.service (template unit)")
+    p.add_argument("--unit-dir", type=Path, help="where the unit file goes")
+    _settings_options(p)
+    p.set_defaults(func=cmd_install)
+
+    p = _parser(
+        sub,
+        "uninstall",
+        "stop, disable and remove the unit and env file (generations are kept unless --purge)",
+    )
+    p.add_argument("--instance")
+    p.add_argument("--unit-dir", type=Path)
+    p.add_argument("--purge", action="store_true", help="also delete the generations")
+    _settings_options(p)
+    p.set_defaults(func=cmd_uninstall)
+
+
+def _mode_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="validate and diff only; change nothing (like ansible --check)",
+    )
+    p.add_argument("--diff", action="store_true", help="show the argv diff (like ansible --diff)")
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+
+def settings_from(ns: argparse.Namespace) -> ToolSettings:
+    from launcher import config
+
+    unit = getattr(ns, "unit", None)
+    if getattr(ns, "instance", None):
+        unit = f"llama-server@{ns.instance}.service"
+    return config.load_settings(
+        unit=unit,
+        scope=ns.scope,
+        env_file=ns.env_file,
+        state_dir=ns.state_dir,
+        base_url=ns.base_url,
+        start_timeout=ns.start_timeout,
+        health_timeout=ns.health_timeout,
+        probe_timeout=ns.probe_timeout,
+        lock_timeout=ns.lock_timeout,
+        unit_dir=getattr(ns, "unit_dir", None),
+    )
+
+
+def config_from(ns: argparse.Namespace, base: dict[str, Any] | None = None) -> ServerConfig:
+    """The desired config: --config TOML, then llama-server flags on top."""
+    import tomllib
+
+    from launcher import config
+    from launcher.errors import ConfigInvalid
+
+    data: dict[str, Any] = dict(base or {})
+    if ns.config:
+        try:
+            data.update(tomllib.loads(ns.config.read_text()))
+        except OSError as e:
+            raise ConfigInvalid(f"cannot read --config {ns.config}: {e.strerror}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigInvalid(f"--config {ns.config} is not valid TOML: {e}") from None
+    if ns.llama_server_bin:
+        data["llama_server"] = ns.llama_server_bin
+    if getattr(ns, "allow_overcommit", False):
+        data["allow_overcommit"] = True
+    data.setdefault("llama_server", _default_server())
+    if "model" not in data and not any(f in ("-m", "--model") for f in ns.flags):
+        raise ConfigInvalid('no model: give -m /path/to/model.gguf or model = "..." in --config')
+    return config.from_flags(ns.flags, data)
+
+
+def _default_server() -> str:
+    import os
+    import shutil
+
+    return (
+        os.environ.get("LLAMA_SERVER_BIN")
+        or shutil.which("llama-server")
+        or "/usr/local/bin/llama-server"
+    )
+
+
+def deployer_for(ns: argparse.Namespace) -> Deployer:
+    from launcher.deploy import Deployer
+
+    return Deployer(settings_from(ns), progress=None if ns.json else _progress())
+
+
+def _progress() -> Any:
+    tty = sys.stderr.isatty()
+    last = [0.0]
+
+    def show(phase: str, elapsed: float, line: str) -> None:
+        now = time.monotonic()
+        if now - last[0] < (0.1 if tty else 2.0) and phase in ("starting", "loading"):
+            return
+        last[0] = now
+        text = f"[{phase} {elapsed:5.1f}s] {line[-100:]}" if elapsed else f"[{phase}]"
+        if tty:
+            print("\r\x1b[2K" + text, end="", file=sys.stderr, flush=True)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+    return show
+
+
+def human(result: Result, show_diff: bool = True) -> str:
+    lines = [f"{result.outcome}: {result.message}".rstrip(": ")]
+    if result.planned:
+        p = result.planned
+        lines.append(
+            f"  plan: n_slots = {p['n_slots']}, n_ctx_slot = {p['n_ctx_slot']}, "
+            f"kv_unified = {str(p['kv_unified']).lower()}, pool = {p['pool_cells']} "
+            f"cells; guaranteed per-slot window {p['guaranteed_window']}"
+        )
+    if result.startup:
+        s = result.startup
+        lines.append(
+            f"  startup line: n_slots = {s['n_slots']}, n_ctx_slot = {s['n_ctx_slot']}, "
+            f"kv_unified = '{str(s['kv_unified']).lower()}'"
+        )
+    if result.probe:
+        lines.append(
+            f"  completion: {result.probe['completion_tokens']} tokens in {result.probe['ms']} ms"
+        )
+    for w in result.warnings:
+        lines.append(f"  warning: {w}")
+    if result.memory.get("after"):
+        before = result.memory.get("before")
+        lines.append(f"  memory of the service: {_mib(before)} -> {_mib(result.memory['after'])}")
+    if show_diff and result.diff:
+        lines.append("  argv diff:")
+        lines += [f"    {d}" for d in result.diff]
+    if result.failure:
+        lines.append(f"  failure ({result.failure['phase']}): {result.failure['message']}")
+        for line in result.failure.get("log_tail", [])[-8:]:
+            lines.append(f"    | {line}")
+    if result.recovered:
+        lines.append(f"  recovered an interrupted deploy first: {result.recovered}")
+    return "\n".join(lines)
+
+
+def _mib(value: Any) -> str:
+    return f"{value / 2**20:.1f} MiB" if isinstance(value, int) else "?"
+
+
+def _finish(ns: argparse.Namespace, result: Result) -> int:
+    if not ns.json and sys.stderr.isatty():
+        print("\r\x1b[2K", end="", file=sys.stderr)
+    emit(
+        result.to_dict(),
+        ns.json,
+        lambda: human(result, getattr(ns, "diff", True) or result.outcome == "checked"),
+    )
+    return 0
+
+
+# -- verbs -------------------------------------------------------------------------------------
+
+
+def cmd_render(ns: argparse.Namespace) -> int:
+    from launcher import validate
+
+    cfg = config_from(ns)
+    text = validate.render(cfg)
+    emit({"env": text, "argv": cfg.argv()}, ns.json, lambda: text.rstrip("\n"))
+    return 0
+
+
+def cmd_check(ns: argparse.Namespace) -> int:
+    ns.diff = True
+    return _finish(ns, deployer_for(ns).deploy(config_from(ns), check=True, origin="check"))
+
+
+def cmd_deploy(ns: argparse.Namespace) -> int:
+    d = deployer_for(ns)
+    return _finish(ns, d.deploy(config_from(ns), check=ns.check))
+
+
+def cmd_set(ns: argparse.Namespace) -> int:
+    from launcher.errors import ConfigInvalid
+
+    if not ns.flags:
+        raise ConfigInvalid("set needs llama-server flags, e.g. llama-launcher set -ctk q8_0")
+    flags = ns.flags + (["--allow-overcommit"] if ns.allow_overcommit else [])
+    d = deployer_for(ns)
+    return _finish(ns, d.set_flags(flags, check=ns.check))
+
+
+def cmd_unset(ns: argparse.Namespace) -> int:
+    from launcher.errors import ConfigInvalid
+
+    if not ns.flags:
+        raise ConfigInvalid("unset needs flag names, e.g. llama-launcher unset -ctk -ctv")
+    return _finish(ns, deployer_for(ns).unset_flags(ns.flags, check=ns.check))
+
+
+def cmd_rollback(ns: argparse.Namespace) -> int:
+    return _finish(ns, deployer_for(ns).rollback(ns.to))
+
+
+def cmd_recover(ns: argparse.Namespace) -> int:
+    report = deployer_for(ns).recover_only()
+    emit(
+        {"ok": True, "recovered": report},
+        ns.json,
+        lambda: f"recovered: {report}" if report else "nothing to recover",
+    )
+    return 0
+
+
+def cmd_status(ns: argparse.Namespace) -> int:
+    from launcher import inventory
+
+    data = inventory.status(settings_from(ns))
+    emit(data, ns.json, lambda: inventory.status_text(data))
+    return 0
+
+
+def cmd_history(ns: argparse.Namespace) -> int:
+    from launcher import inventory
+
+    data = inventory.history(settings_from(ns))
+    emit(data, ns.json, lambda: inventory.history_text(data))
+    return 0
+
+
+def cmd_install(ns: argparse.Namespace) -> int:
+    from launcher import install
+
+    settings = settings_from(ns)
+    result = install.install(
+        settings,
+        config_from(ns),
+        template=bool(ns.instance),
+        progress=None if ns.json else _progress(),
+    )
+    return _finish(ns, result)
+
+
+def cmd_uninstall(ns: argparse.Namespace) -> int:
+    from launcher import install
+
+    data = install.uninstall(settings_from(ns), purge=ns.purge)
+    emit(data, ns.json, lambda: "\n".join(f"{k}: {v}" for k, v in data.items()))
+    return 0

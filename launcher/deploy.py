@@ -1,0 +1,783 @@
+"""The deploy transaction, top to bottom.
+
+A config change ends either with the new config serving real completions, or with the old
+one serving again::
+
+    lock -> recover an interrupted transaction -> render + validate -> unchanged? stop here
+    -> store the new generation, write the transaction record (the rollback is registered
+       before anything live is touched) -> atomic swap of the env file (old one kept)
+    -> journal cursor -> systemctl restart -> gate:
+         the unit stays up (first exit detected, not after systemd's restart loop),
+         the startup line equals the plan, /health 200, /props agrees, a real completion
+    -> success: mark the generation deployed
+    -> any failure, SIGINT or SIGTERM: restore the previous generation, reset-failed,
+       restart, and run the same gate on it -> rolled_back, or rollback_failed.
+
+If the deployer dies (kill -9), the next invocation finds ``txn.json`` and reverts it first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import getpass
+import hashlib
+import json
+import os
+import secrets
+import signal
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from launcher import config, envfile, launch, pool, serverlog, store, validate
+from launcher.errors import (
+    ConfigInvalid,
+    DeployFailed,
+    LauncherError,
+    ProbeError,
+    RollbackFailed,
+    StoreError,
+)
+from launcher.probe import Probe, read_api_key
+from launcher.systemd import Systemd, UnitState
+
+Progress = Callable[[str, float, str], None]  # (phase, elapsed seconds, last log line)
+
+
+class Interrupted(BaseException):
+    """SIGINT/SIGTERM arrived during a transaction: roll back, then report."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+
+
+class GateFailure(LauncherError):
+    """The gate refused the running config. Carries the phase, a class and the log tail."""
+
+    def __init__(self, phase: str, kind: str, message: str, log_tail: list[str]) -> None:
+        self.phase, self.kind, self.log_tail = phase, kind, log_tail
+        super().__init__(message)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "phase": self.phase,
+            "class": self.kind,
+            "message": str(self),
+            "log_tail": self.log_tail[-20:],
+        }
+
+
+@dataclass
+class GateResult:
+    startup: dict[str, Any]
+    props: dict[str, Any]
+    probe: dict[str, Any]
+    warnings: list[str]
+    timings: dict[str, float]
+    state: UnitState
+
+
+@dataclass
+class Result:
+    """What a verb did: the one JSON object of ``--json``."""
+
+    outcome: str
+    changed: bool
+    generation: int | None = None
+    previous_generation: int | None = None
+    message: str = ""
+    startup: dict[str, Any] | None = None
+    planned: dict[str, Any] | None = None
+    probe: dict[str, Any] | None = None
+    client_window: dict[str, Any] | None = None
+    warnings: list[str] = field(default_factory=list)
+    diff: list[str] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+    memory: dict[str, Any] = field(default_factory=dict)
+    failure: dict[str, Any] | None = None
+    rollback: dict[str, Any] | None = None
+    recovered: dict[str, Any] | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome in ("deployed", "unchanged", "checked", "restored")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ok": self.ok, **self.__dict__}
+
+
+def plan_dict(plan: pool.PoolPlan) -> dict[str, Any]:
+    return {
+        "n_slots": plan.n_slots,
+        "n_ctx_slot": plan.n_ctx_slot,
+        "kv_unified": plan.kv_unified,
+        "pool_cells": plan.n_ctx,
+        "guaranteed_window": plan.guaranteed_window,
+        "overcommitted": plan.overcommitted,
+    }
+
+
+def argv_diff(old: list[str], new: list[str]) -> list[str]:
+    """A readable diff of two argvs, one flag per line."""
+
+    def lines(argv: list[str]) -> list[str]:
+        out: list[str] = []
+        for word in argv:
+            if (word.startswith("-") and not word[1:].replace(".", "").isdigit()) or not out:
+                out.append(word)
+            else:
+                out[-1] += " " + envfile.join_words([word])
+        return out
+
+    return [
+        d
+        for d in difflib.unified_diff(lines(old), lines(new), "live", "new", lineterm="", n=0)
+        if not d.startswith("@@")
+    ]
+
+
+def process_memory(state: UnitState) -> int | None:
+    """The service's memory: the cgroup's MemoryCurrent, else MainPID's RSS from /proc."""
+    if state.memory_current:
+        return state.memory_current
+    if state.main_pid > 0:
+        try:
+            for line in Path(f"/proc/{state.main_pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            return None
+    return None
+
+
+class Deployer:
+    """Runs deploy, rollback and recovery for one unit. Collaborators are passed in."""
+
+    def __init__(
+        self,
+        settings: config.ToolSettings,
+        systemd: Systemd | None = None,
+        progress: Progress | None = None,
+    ) -> None:
+        self.settings = settings
+        self.systemd = systemd or Systemd(settings.unit_name, settings.scope)
+        self.store = store.Store(settings.resolved_state_dir())
+        self.env_file = settings.resolved_env_file()
+        self.progress = progress
+        self._rolling_back = False
+        self._pending_signal: int | None = None
+
+    # -- entry points ----------------------------------------------------------------------
+
+    def deploy(
+        self, cfg: config.ServerConfig, check: bool = False, origin: str = "deploy"
+    ) -> Result:
+        """Deploy a whole desired config (``check``: validate and diff only)."""
+        with self._locked() as recovered:
+            result = self._deploy_locked(cfg, check, origin)
+            result.recovered = recovered
+            return result
+
+    def set_flags(self, tokens: list[str], check: bool = False) -> Result:
+        """Change some flags of the live config."""
+        with self._locked() as recovered:
+            base = self.live_config_data()
+            cfg = config.from_flags(tokens, base)
+            result = self._deploy_locked(cfg, check, "set " + envfile.join_words(tokens))
+            result.recovered = recovered
+            return result
+
+    def unset_flags(self, names: list[str], check: bool = False) -> Result:
+        with self._locked() as recovered:
+            data = config.remove_flags(self.live_config_data(), names)
+            cfg = config.build(data)
+            result = self._deploy_locked(cfg, check, "unset " + " ".join(names))
+            result.recovered = recovered
+            return result
+
+    def rollback(self, to: int | None = None) -> Result:
+        """Go back to generation ``to`` or the last known-good one, through the same gate."""
+        with self._locked() as recovered:
+            live = self.store.live_number()
+            target = self.store.get(to) if to is not None else self.store.last_good(exclude=live)
+            if target is None:
+                raise StoreError(
+                    f"no known-good generation other than the live one ({live}) in "
+                    f"{self.store.gen_dir}; see llama-launcher history"
+                )
+            cfg = config.build(dict(target.meta["config"]))
+            result = self._deploy_locked(
+                cfg, False, f"rollback to {target.number}", force_restart=True
+            )
+            result.recovered = recovered
+            return result
+
+    def recover_only(self) -> dict[str, Any] | None:
+        with self._locked() as recovered:
+            return recovered
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def live_config_data(self) -> dict[str, Any]:
+        live = self.store.live()
+        if live is None:
+            raise ConfigInvalid(
+                f"nothing deployed yet for {self.settings.unit_name} (no live generation in "
+                f"{self.store.root}); run llama-launcher install or deploy --config FILE first"
+            )
+        return dict(live.meta["config"])
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[dict[str, Any] | None]:
+        with self.store.lock(self.settings.lock_timeout), self._signals():
+            yield self._recover()
+
+    @contextlib.contextmanager
+    def _signals(self) -> Iterator[None]:
+        def handler(signum: int, frame: FrameType | None) -> None:
+            if self._rolling_back:
+                self._pending_signal = signum  # finish restoring first
+                return
+            raise Interrupted(signum)
+
+        old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+
+    def _checkpoint(self, phase: str) -> None:
+        """Fault injection for the crash-safety tests: LLAMA_LAUNCHER_CRASH_AT=phase."""
+        self.store.mark(phase=phase)
+        if os.environ.get("LLAMA_LAUNCHER_CRASH_AT") == phase:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def _say(self, phase: str, elapsed: float = 0.0, line: str = "") -> None:
+        if self.progress:
+            self.progress(phase, elapsed, line)
+
+    def _materialize_key(self, cfg: config.ServerConfig, write: bool) -> config.ServerConfig:
+        """Turn ``api_key`` into a 0600 key file named by a salted hash (so the same key
+        renders the same file, and a new key a new one); the config keeps only the path."""
+        if cfg.api_key is None:
+            return cfg
+        self.store.ensure()
+        salt_path = self.store.root / "key-salt"
+        if not salt_path.exists():
+            store.atomic_write(salt_path, secrets.token_hex(16).encode(), 0o600)
+        key = cfg.api_key.get_secret_value()
+        if "\n" in key or not key:
+            raise ConfigInvalid("api_key must be one non-empty line")
+        digest = hashlib.sha256(salt_path.read_bytes() + key.encode()).hexdigest()[:16]
+        path = self.store.root / "keys" / f"{digest}.key"
+        if write and not path.exists():
+            path.parent.mkdir(mode=0o700, exist_ok=True)
+            store.atomic_write(path, (key + "\n").encode(), 0o600)
+        return cfg.model_copy(update={"api_key": None, "api_key_file": path})
+
+    # -- recovery --------------------------------------------------------------------------
+
+    def _recover(self) -> dict[str, Any] | None:
+        """Complete or revert a transaction a dead deployer left behind."""
+        txn = self.store.txn()
+        if not txn:
+            return None
+        pid = int(txn.get("pid", 0))
+        if pid and pid != os.getpid() and _alive(pid):
+            return None  # cannot happen under the lock, but never touch a live transaction
+        phase = str(txn.get("phase", "begin"))
+        report: dict[str, Any] = {
+            "interrupted_phase": phase,
+            "from": txn.get("from"),
+            "to": txn.get("to"),
+        }
+        old_text = txn.get("old_text")
+        if phase in ("begin", "stored"):
+            report["action"] = "nothing live was touched; discarded"
+        else:
+            self._restore_text(old_text)
+            if phase in ("restart", "gate"):
+                report["action"] = "restored the previous env file and restarted it"
+                report["gate"] = self._restart_old(txn.get("from"), old_text)
+            else:
+                report["action"] = "restored the previous env file (no restart had happened)"
+        if txn.get("to"):
+            with contextlib.suppress(StoreError):
+                gen = self.store.get(int(txn["to"]))
+                self.store.update(gen, outcome="interrupted")
+        self.store.end()
+        return report
+
+    def _restore_text(self, old_text: str | None) -> None:
+        if old_text is None:
+            with contextlib.suppress(FileNotFoundError):
+                self.env_file.unlink()
+        elif not self.env_file.exists() or self.env_file.read_text() != old_text:
+            store.swap_env(self.env_file, old_text, backup=False)
+
+    def _restart_old(self, number: Any, old_text: str | None) -> dict[str, Any]:
+        if old_text is None:
+            self.systemd.stop()
+            self.systemd.reset_failed()
+            return {"ok": True, "note": "there was no previous config; the unit is stopped"}
+        plan = None
+        if number:
+            with contextlib.suppress(StoreError, ConfigInvalid, KeyError):
+                gen = self.store.get(int(number))
+                plan = config.build(dict(gen.meta["config"])).pool_plan(
+                    gen.meta.get("model", {}).get("n_ctx_train")
+                )
+        self.systemd.reset_failed()
+        cursor = self.systemd.cursor()
+        before = self.systemd.state()
+        self.systemd.restart()
+        try:
+            argv = self._argv_of(old_text)
+            gate = self.gate(plan, cursor, before, self._key_for_text(old_text), argv)
+            return {"ok": True, "startup": gate.startup}
+        except (GateFailure, ProbeError) as e:
+            return {"ok": False, "message": str(e)}
+
+    def _key_for_text(self, env_text: str | None) -> str | None:
+        if not env_text:
+            return None
+        values = envfile.parse(env_text, str(self.env_file))
+        path = values.get("API_KEY_FILE")
+        return read_api_key(Path(path)) if path else None
+
+    # -- the transaction -------------------------------------------------------------------
+
+    def _deploy_locked(
+        self, cfg: config.ServerConfig, check: bool, origin: str, force_restart: bool = False
+    ) -> Result:
+        t0 = time.monotonic()
+        timings: dict[str, float] = {}
+        cfg = self._materialize_key(cfg, write=not check)
+        self._say("validate")
+        checked = validate.validate(cfg)
+        timings["validate"] = round(time.monotonic() - t0, 3)
+        live_text = self.env_file.read_text() if self.env_file.exists() else None
+        live_argv = self._argv_of(live_text)
+        diff = (
+            argv_diff(live_argv, checked.argv)
+            if live_text is not None
+            else [f"+{w}" for w in checked.argv]
+        )
+        planned = plan_dict(checked.plan)
+        prev_number = self.store.live_number()
+        if live_text == checked.env_text and not force_restart:
+            return Result(
+                "unchanged",
+                False,
+                prev_number,
+                prev_number,
+                message="the rendered env file is byte-identical to the live one; "
+                "nothing restarted",
+                planned=planned,
+                timings=timings,
+            )
+        if check:
+            return Result(
+                "checked",
+                live_text != checked.env_text,
+                None,
+                prev_number,
+                message="valid; nothing was changed (check mode)",
+                planned=planned,
+                diff=diff,
+                timings=timings,
+            )
+        prev_number = self._adopt_unmanaged(live_text, prev_number)
+        return self._transaction(
+            checked, live_text, prev_number, origin, diff, planned, timings, t0
+        )
+
+    def _argv_of(self, text: str | None) -> list[str]:
+        if text is None:
+            return []
+        try:
+            return launch.argv_from_values(envfile.parse(text, str(self.env_file)))
+        except (envfile.EnvFileError, launch.LaunchError):
+            return ["(unreadable live env file)"]
+
+    def _adopt_unmanaged(self, live_text: str | None, prev: int | None) -> int | None:
+        """A live env file the store does not know (hand-written) is kept as a generation,
+        so it can be rolled back to. Nothing is lost."""
+        if live_text is None:
+            return prev
+        if prev is not None and self.store.get(prev).env_text == live_text:
+            return prev
+        gen = self.store.new(
+            live_text,
+            {"origin": "adopted: found in the live env file", "time": time.time(), "config": {}},
+        )
+        self.store.update(gen, outcome="adopted")
+        return gen.number
+
+    def _transaction(
+        self,
+        checked: validate.Validated,
+        live_text: str | None,
+        prev_number: int | None,
+        origin: str,
+        diff: list[str],
+        planned: dict[str, Any],
+        timings: dict[str, float],
+        t0: float,
+    ) -> Result:
+        meta = {
+            "time": time.time(),
+            "user": _user(),
+            "origin": origin,
+            "argv": checked.argv,
+            "config": checked.config.masked(),
+            "model": checked.model,
+            "llama_server": {
+                "path": checked.server.path,
+                "version": checked.server.version,
+                "fingerprint": checked.server.fingerprint,
+            },
+            "planned": planned,
+            "previous": prev_number,
+        }
+        # The rollback is registered before the risky step: the record names the old text.
+        self.store.begin(
+            {
+                "phase": "begin",
+                "from": prev_number,
+                "to": None,
+                "env_file": str(self.env_file),
+                "old_text": live_text,
+            }
+        )
+        gen = self.store.new(checked.env_text, meta)
+        self.store.mark(to=gen.number)
+        self._checkpoint("stored")
+        result = Result(
+            "deployed", True, gen.number, prev_number, planned=planned, diff=diff, timings=timings
+        )
+        before = self.systemd.state()
+        result.memory["before"] = process_memory(before) if before.running else None
+        try:
+            self._checkpoint("swap")
+            store.swap_env(self.env_file, checked.env_text)
+            self._checkpoint("swapped")
+            cursor = self.systemd.cursor()
+            self.systemd.reset_failed()
+            self._checkpoint("restart")
+            t_restart = time.monotonic()
+            self.systemd.restart()
+            self._checkpoint("gate")
+            gate = self.gate(
+                checked.plan,
+                cursor,
+                before,
+                read_api_key(checked.config.api_key_file),
+                checked.argv,
+            )
+            timings.update(gate.timings)
+            timings["restart_to_serving"] = round(time.monotonic() - t_restart, 3)
+        except (GateFailure, ProbeError, LauncherError, Interrupted) as e:
+            return self._fail(e, gen, live_text, prev_number, result, t0)
+        result.startup, result.probe, result.warnings = gate.startup, gate.probe, gate.warnings
+        result.memory["after"] = process_memory(gate.state)
+        result.client_window = self._client_window(checked, gen.number)
+        timings["total"] = round(time.monotonic() - t0, 3)
+        self.store.update(
+            gen,
+            outcome="deployed",
+            startup=gate.startup,
+            probe=gate.probe,
+            memory=result.memory,
+            warnings=gate.warnings,
+            timings=timings,
+        )
+        self.store.set_live(gen.number)
+        self.store.end()
+        result.message = f"generation {gen.number} is serving: {pool_sentence(checked.plan)}"
+        return result
+
+    def _fail(
+        self,
+        error: BaseException,
+        gen: store.Generation,
+        live_text: str | None,
+        prev_number: int | None,
+        result: Result,
+        t0: float,
+    ) -> Result:
+        failure = (
+            error.to_dict()
+            if isinstance(error, GateFailure)
+            else {
+                "phase": "interrupted" if isinstance(error, Interrupted) else "gate",
+                "class": "interrupted" if isinstance(error, Interrupted) else type(error).__name__,
+                "message": str(error),
+                "log_tail": self._tail(),
+            }
+        )
+        self._rolling_back = True
+        try:
+            self.store.update(gen, outcome="failed", failure=failure)
+            self._say("rollback")
+            self._restore_text(live_text)
+            rb = self._restart_old(prev_number, live_text)
+        finally:
+            self._rolling_back = False
+        self.store.end()
+        result.failure, result.rollback = failure, rb
+        result.timings["total"] = round(time.monotonic() - t0, 3)
+        if prev_number is not None:
+            self.store.set_live(prev_number)
+        if rb.get("ok"):
+            result.outcome = "rolled_back"
+            what = (
+                f"generation {prev_number} is serving again"
+                if live_text is not None
+                else rb.get("note", "")
+            )
+            result.message = (
+                f"generation {gen.number} failed ({failure['class']}: {failure['message']}); {what}"
+            )
+            exc: LauncherError = DeployFailed(result.message, result)
+        else:
+            result.outcome = "rollback_failed"
+            result.message = (
+                f"generation {gen.number} failed ({failure['message']}) and restoring generation "
+                f"{prev_number} failed too ({rb.get('message')}). Nothing was deleted: the old env "
+                f"file is back in {self.env_file}; read `journalctl -u {self.systemd.unit}`, fix "
+                f"the cause (model, binary, port, memory), then run llama-launcher rollback"
+            )
+            exc = RollbackFailed(result.message, result)
+        if self._pending_signal is not None or isinstance(error, Interrupted):
+            result.message += " (interrupted by a signal)"
+        raise exc
+
+    def _tail(self, n: int = 30) -> list[str]:
+        try:
+            return self.systemd.tail(n)
+        except LauncherError:
+            return []
+
+    def _client_window(self, checked: validate.Validated, number: int) -> dict[str, Any]:
+        """Publish the guaranteed per-slot window next to the env file (seed 000)."""
+        plan = checked.plan
+        data = {
+            "unit": self.settings.unit_name,
+            "generation": number,
+            "per_slot_window": plan.guaranteed_window,
+            "slots": plan.n_slots,
+            "n_ctx_slot": plan.n_ctx_slot,
+            "pool_cells": plan.n_ctx,
+            "kv_unified": plan.kv_unified,
+            "cache_type_k": str(checked.config.cache_type_k or "f16"),
+            "cache_type_v": str(checked.config.cache_type_v or "f16"),
+        }
+        path = self.env_file.with_name("client-window.json")
+        store.atomic_write(path, (json.dumps(data, indent=2) + "\n").encode(), 0o644)
+        return data
+
+    # -- the gate --------------------------------------------------------------------------
+
+    def url_for(self, argv: list[str]) -> str:
+        """The probe's base URL: the setting, else --host/--port of the argv being gated."""
+        if self.settings.base_url:
+            return self.settings.base_url
+        return url_from_argv(argv)
+
+    def gate(
+        self,
+        plan: pool.PoolPlan | None,
+        cursor: str | None,
+        before: UnitState,
+        api_key: str | None,
+        argv: list[str],
+    ) -> GateResult:
+        """Wait for the restarted unit to serve; raise GateFailure with the reason."""
+        t0 = time.monotonic()
+        timings: dict[str, float] = {}
+        scan = serverlog.StartupScan()
+        log: list[str] = []
+        deadline = t0 + self.settings.start_timeout
+        started = False
+        while scan.startup is None:
+            lines, cursor = self.systemd.messages(cursor)
+            log.extend(lines)
+            scan.feed_all(lines)
+            state = self.systemd.state()
+            started = (
+                started
+                or state.invocation_id != before.invocation_id
+                or state.main_pid not in (0, before.main_pid)
+            )
+            if scan.startup is not None:
+                break
+            dead = _dead(state, before, started)
+            if dead:
+                more, cursor = self.systemd.messages(cursor)
+                log.extend(more)
+                raise self._exited(dead, log)
+            if time.monotonic() > deadline:
+                raise GateFailure(
+                    "startup",
+                    "timeout",
+                    (
+                        f"no startup line within {self.settings.start_timeout:g}s "
+                        "(raise --start-timeout for a large model)"
+                    ),
+                    log[-30:],
+                )
+            self._say("starting", time.monotonic() - t0, log[-1] if log else "")
+            time.sleep(0.03)
+        timings["startup_line"] = round(time.monotonic() - t0, 3)
+        startup = scan.startup
+        startup_d = {
+            "n_slots": startup.n_slots,
+            "n_ctx_slot": startup.n_ctx_slot,
+            "kv_unified": startup.kv_unified,
+            "pool_cells": startup.pool_cells,
+            "config_file": startup.config_file,
+        }
+        if plan is not None:
+            self._compare(plan, startup_d, log)
+        probe = Probe(self.url_for(argv), api_key)
+        try:
+
+            def alive() -> str | None:
+                st = self.systemd.state()
+                return _dead(st, before, True)
+
+            def progress(waited: float, detail: str) -> None:
+                self._say("loading", waited, detail)
+
+            probe.wait_healthy(self.settings.health_timeout, alive, progress)
+            timings["healthy"] = round(time.monotonic() - t0, 3)
+            props = probe.props()
+            self._compare_props(plan, props, log)
+            completion = probe.chat(self.settings.probe_timeout)
+            timings["completion"] = round(time.monotonic() - t0, 3)
+        except ProbeError as e:
+            raise GateFailure("probe", "probe", str(e), (log + self._tail(10))[-30:]) from e
+        finally:
+            probe.close()
+        time.sleep(self.settings.settle_seconds)
+        state = self.systemd.state()
+        dead = _dead(state, before, True)
+        if dead:
+            raise self._exited(dead, log + self._tail(20))
+        return GateResult(
+            startup_d,
+            {
+                "total_slots": props.get("total_slots"),
+                "n_ctx": props.get("default_generation_settings", {}).get("n_ctx"),
+            },
+            completion.to_dict(),
+            list(startup.warnings),
+            timings,
+            state,
+        )
+
+    def _exited(self, reason: str, log: list[str]) -> GateFailure:
+        hit = serverlog.classify(log)
+        kind, sentence = hit if hit else ("exited", "")
+        msg = reason + (f": {sentence}" if sentence else "")
+        return GateFailure("startup", kind, msg, log[-30:])
+
+    def _compare(self, plan: pool.PoolPlan, startup: dict[str, Any], log: list[str]) -> None:
+        want = {
+            "n_slots": plan.n_slots,
+            "n_ctx_slot": plan.n_ctx_slot,
+            "kv_unified": plan.kv_unified,
+        }
+        got = {k: startup[k] for k in want}
+        if got != want:
+            bad = ", ".join(
+                f"{k} = {got[k]} (planned {want[k]})" for k in want if got[k] != want[k]
+            )
+            cause = ""
+            if startup.get("config_file"):
+                cause = (
+                    f"; llama-server read the config file {startup['config_file']} - "
+                    "remove it or put its settings into the typed config"
+                )
+            elif got["n_ctx_slot"] < want["n_ctx_slot"]:
+                cause = "; fit may have shrunk the context to fit memory - set -c explicitly"
+            raise GateFailure(
+                "startup",
+                "gate_mismatch",
+                f"the startup line differs from the plan: {bad}{cause}",
+                log[-30:],
+            )
+
+    def _compare_props(
+        self, plan: pool.PoolPlan | None, props: dict[str, Any], log: list[str]
+    ) -> None:
+        if plan is None:
+            return
+        slots = props.get("total_slots")
+        n_ctx = props.get("default_generation_settings", {}).get("n_ctx")
+        if slots != plan.n_slots or n_ctx != plan.n_ctx_slot:
+            raise GateFailure(
+                "probe",
+                "gate_mismatch",
+                f"/props says total_slots = {slots}, n_ctx = {n_ctx}; planned "
+                f"{plan.n_slots} and {plan.n_ctx_slot}",
+                log[-30:],
+            )
+
+
+def pool_sentence(plan: pool.PoolPlan) -> str:
+    return plan.describe()
+
+
+def url_from_argv(argv: list[str]) -> str:
+    """http://HOST:PORT from llama-server's --host/--port (defaults 127.0.0.1:8080)."""
+    host, port = "127.0.0.1", "8080"
+    for i, word in enumerate(argv[:-1]):
+        if word == "--host":
+            host = argv[i + 1].split(",")[0]
+        elif word == "--port":
+            port = argv[i + 1]
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _dead(state: UnitState, before: UnitState, started: bool) -> str | None:
+    """Why the unit is not running after our restart, or None while it still may be fine."""
+    if state.n_restarts > before.n_restarts:
+        return (
+            f"llama-server exited with status {state.exec_main_status} and systemd "
+            f"restarted it ({state.n_restarts - before.n_restarts} restart(s))"
+        )
+    if not started:
+        return None
+    if state.active in ("failed", "inactive") or state.sub in ("auto-restart", "failed", "dead"):
+        status = state.exec_main_status
+        if status == envfile.EX_CONFIG:
+            return f"the launcher refused the env file (status {status})"
+        return f"llama-server exited with status {status} ({state.result})"
+    return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return str(os.getuid())

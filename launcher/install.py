@@ -1,0 +1,100 @@
+"""First deployment on a host (``install``) and its reverse (``uninstall``)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from launcher import config, units
+from launcher.deploy import Deployer, Progress, Result
+from launcher.errors import DeployFailed, LauncherError
+from launcher.systemd import Systemd
+
+
+def launcher_path() -> str:
+    """The installed ``llama-launcher`` executable for ExecStart (absolute)."""
+    here = Path(sys.argv[0])
+    if here.name == "llama-launcher" and here.exists():
+        return str(here.resolve())
+    found = shutil.which("llama-launcher")
+    if found:
+        return str(Path(found).resolve())
+    exe = Path(sys.executable).with_name("llama-launcher")
+    return str(exe) if exe.exists() else units.DEFAULT_LAUNCHER
+
+
+def install(
+    settings: config.ToolSettings,
+    cfg: config.ServerConfig,
+    template: bool = False,
+    progress: Progress | None = None,
+    systemd: Systemd | None = None,
+) -> Result:
+    """Install the unit, create folders with safe modes, enable it, deploy through the gate.
+
+    A failed first deploy leaves the unit stopped (and says why).
+    """
+    env_file = settings.resolved_env_file()
+    unit_dir = settings.resolved_unit_dir()
+    env_file.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+    state_dir = settings.resolved_state_dir()
+    state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(state_dir, 0o700)
+    unit_dir.mkdir(parents=True, exist_ok=True)
+    if template:
+        unit_file = unit_dir / "llama-server@.service"
+        text = units.render(
+            launcher_path(), str(env_file.parent / "%i.env"), settings.scope, template=True
+        )
+    else:
+        unit_file = unit_dir / settings.unit_name
+        text = units.render(launcher_path(), str(env_file), settings.scope)
+    if not unit_file.exists() or unit_file.read_text() != text:
+        unit_file.write_text(text)
+    systemd = systemd or Systemd(settings.unit_name, settings.scope)
+    systemd.daemon_reload()
+    systemd.enable()
+    deployer = Deployer(settings, systemd, progress)
+    try:
+        return deployer.deploy(cfg, origin="install")
+    except DeployFailed:
+        systemd.stop()
+        raise
+
+
+def uninstall(
+    settings: config.ToolSettings, purge: bool = False, systemd: Systemd | None = None
+) -> dict[str, Any]:
+    systemd = systemd or Systemd(settings.unit_name, settings.scope)
+    done: dict[str, Any] = {}
+    try:
+        systemd.stop()
+        done["stopped"] = settings.unit_name
+    except LauncherError as e:
+        done["stop_error"] = str(e)
+    systemd.disable()
+    unit_file = settings.resolved_unit_dir() / settings.unit_name
+    if unit_file.exists():
+        unit_file.unlink()
+        done["removed_unit"] = str(unit_file)
+    env_file = settings.resolved_env_file()
+    for f in (
+        env_file,
+        env_file.with_name(env_file.name + ".bak"),
+        env_file.with_name("client-window.json"),
+    ):
+        if f.exists():
+            f.unlink()
+            done.setdefault("removed", []).append(str(f))
+    state = settings.resolved_state_dir()
+    if purge and state.exists():
+        shutil.rmtree(state)
+        done["purged"] = str(state)
+    else:
+        done["kept_generations"] = str(state)
+    systemd.daemon_reload()
+    systemd.reset_failed()
+    return done

@@ -1,0 +1,133 @@
+"""Read-only views of a unit: ``status`` and ``history``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from launcher import config, store
+from launcher.deploy import argv_diff, process_memory
+from launcher.errors import LauncherError
+from launcher.systemd import Systemd
+
+
+def status(settings: config.ToolSettings, systemd: Systemd | None = None) -> dict[str, Any]:
+    """Unit state, live generation, startup values, guaranteed window, memory."""
+    systemd = systemd or Systemd(settings.unit_name, settings.scope)
+    st = store.Store(settings.resolved_state_dir())
+    state = systemd.state()
+    live = st.live()
+    data: dict[str, Any] = {
+        "unit": settings.unit_name,
+        "scope": settings.scope,
+        "env_file": str(settings.resolved_env_file()),
+        "state_dir": str(st.root),
+        "state": state.to_dict(),
+        "memory": process_memory(state) if state.running else None,
+        "live_generation": live.number if live else None,
+        "pending_transaction": bool(st.txn()),
+    }
+    if live is not None:
+        planned = live.meta.get("planned", {})
+        data.update(
+            {
+                "argv": live.meta.get("argv"),
+                "startup": live.meta.get("startup"),
+                "planned": planned,
+                "client_window": planned.get("guaranteed_window"),
+                "deployed_at": live.meta.get("time"),
+                "outcome": live.outcome,
+                "memory_at_deploy": live.meta.get("memory"),
+                "kv_estimate": live.meta.get("kv_estimate"),
+            }
+        )
+    return data
+
+
+def status_text(d: dict[str, Any]) -> str:
+    s = d["state"]
+    lines = [
+        f"{d['unit']} ({d['scope']}): {s['active']}/{s['sub']}, pid {s['main_pid']}, "
+        f"restarts {s['n_restarts']}, last exit status {s['exec_main_status']}"
+    ]
+    if d.get("memory"):
+        lines.append(f"  memory now: {d['memory'] / 2**20:.1f} MiB")
+    if d.get("live_generation") is None:
+        lines.append("  no generation deployed by llama-launcher yet")
+        return "\n".join(lines)
+    lines.append(f"  live generation: {d['live_generation']} ({d['outcome']})")
+    if d.get("startup"):
+        su = d["startup"]
+        lines.append(
+            f"  startup line: n_slots = {su['n_slots']}, n_ctx_slot = {su['n_ctx_slot']}, "
+            f"kv_unified = '{str(su['kv_unified']).lower()}'"
+        )
+    p = d.get("planned") or {}
+    if p:
+        lines.append(
+            f"  clients: guaranteed per-slot window {p['guaranteed_window']} tokens "
+            f"({p['n_slots']} slots, pool {p['pool_cells']} cells"
+            f"{', over-committed' if p.get('overcommitted') else ''})"
+        )
+    mem = d.get("memory_at_deploy") or {}
+    if mem.get("after"):
+        before = f"{mem['before'] / 2**20:.1f}" if mem.get("before") else "?"
+        lines.append(f"  memory at deploy: {before} -> {mem['after'] / 2**20:.1f} MiB")
+    if d.get("kv_estimate"):
+        lines.append(f"  KV estimate: {d['kv_estimate'].get('total_mib')} MiB")
+    if d.get("pending_transaction"):
+        lines.append("  a deploy was interrupted: the next verb recovers it")
+    return "\n".join(lines)
+
+
+def history(settings: config.ToolSettings) -> dict[str, Any]:
+    st = store.Store(settings.resolved_state_dir())
+    live = st.live_number()
+    out: list[dict[str, Any]] = []
+    prev_argv: list[str] = []
+    for gen in st.all():
+        argv = list(gen.meta.get("argv") or [])
+        mem = gen.meta.get("memory") or {}
+        out.append(
+            {
+                "generation": gen.number,
+                "time": gen.meta.get("time"),
+                "user": gen.meta.get("user"),
+                "origin": gen.meta.get("origin"),
+                "outcome": gen.outcome,
+                "live": gen.number == live,
+                "argv": argv,
+                "diff": argv_diff(prev_argv, argv) if prev_argv and argv else [],
+                "memory": mem,
+                "kv_estimate": gen.meta.get("kv_estimate"),
+                "failure": (gen.meta.get("failure") or {}).get("message"),
+            }
+        )
+        if argv:
+            prev_argv = argv
+    return {"unit": settings.unit_name, "live_generation": live, "generations": out}
+
+
+def history_text(d: dict[str, Any]) -> str:
+    import time as _t
+
+    if not d["generations"]:
+        return f"{d['unit']}: no generations yet"
+    lines = []
+    for g in d["generations"]:
+        when = _t.strftime("%Y-%m-%d %H:%M:%S", _t.localtime(g["time"])) if g["time"] else "?"
+        mark = "*" if g["live"] else " "
+        lines.append(f"{mark}{g['generation']:4d}  {when}  {g['outcome']:<12} {g['origin'] or ''}")
+        lines += [f"        {x}" for x in g["diff"]]
+        if g.get("failure"):
+            lines.append(f"        failed: {g['failure'][:200]}")
+        if g["memory"].get("after"):
+            est = g.get("kv_estimate") or {}
+            lines.append(
+                f"        memory {(g['memory'].get('before') or 0) / 2**20:.1f} -> "
+                f"{g['memory']['after'] / 2**20:.1f} MiB"
+                + (f" (KV estimate {est.get('total_mib')} MiB)" if est else "")
+            )
+    return "\n".join(lines)
+
+
+__all__ = ["LauncherError", "history", "history_text", "status", "status_text"]

@@ -1,0 +1,164 @@
+"""The HTTP probe of llama-server: /health, /props and a real chat completion.
+
+``/health`` answers 503 ``Loading model`` while the model loads (every route does) and 200
+when ready; an open port alone means nothing (FACTS §4.2). Readiness is a real
+``POST /v1/chat/completions`` that returns a completion with ``usage``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from launcher.errors import ProbeError
+
+
+def read_api_key(path: Path | None) -> str | None:
+    """The first key in an ``--api-key-file`` (skips blank and ``#`` lines, like llama-server)."""
+    if path is None:
+        return None
+    try:
+        for line in path.read_text().splitlines():
+            if line and not line.startswith("#"):
+                return line
+    except OSError as e:
+        raise ProbeError(f"cannot read the API key file {path}: {e.strerror}") from e
+    return None
+
+
+@dataclass(frozen=True)
+class Completion:
+    content: str
+    completion_tokens: int
+    prompt_tokens: int
+    ms: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.__dict__.copy()
+
+
+class Probe:
+    """Talks to one llama-server. ``transport`` may be passed in (e.g. a recorded one)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None = None,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.Client(
+            base_url=self.base_url, headers=headers, transport=transport, timeout=10.0
+        )
+
+    def close(self) -> None:
+        self.client.close()
+
+    def health(self) -> tuple[int | None, str]:
+        """(status, detail): None when nothing answers yet."""
+        try:
+            r = self.client.get("/health", timeout=2.0)
+        except httpx.HTTPError as e:
+            return None, type(e).__name__
+        try:
+            detail = str(r.json().get("error", {}).get("message", "")) or r.text[:100]
+        except ValueError:
+            detail = r.text[:100]
+        return r.status_code, detail
+
+    def wait_healthy(
+        self,
+        timeout: float,
+        alive: Callable[[], str | None],
+        progress: Callable[[float, str], None] | None = None,
+    ) -> float:
+        """Poll /health until 200. ``alive()`` returns a reason when the server died.
+
+        Returns the seconds waited; raises ProbeError on timeout or death.
+        """
+        start = time.monotonic()
+        delay = 0.01
+        while True:
+            status, detail = self.health()
+            waited = time.monotonic() - start
+            if status == 200:
+                return waited
+            dead = alive()
+            if dead:
+                raise ProbeError(f"llama-server stopped while loading: {dead}")
+            if waited > timeout:
+                raise ProbeError(
+                    f"/health did not return 200 within {timeout:g}s (last: {status} {detail}); "
+                    "a large model may need a longer --health-timeout"
+                )
+            if progress:
+                progress(waited, f"{status or 'no answer'} {detail}".strip())
+            time.sleep(delay)
+            delay = min(delay * 2, 0.25)
+
+    def props(self) -> dict[str, Any]:
+        r = self._get("/props")
+        data = r.json()
+        if not isinstance(data, dict):
+            raise ProbeError(f"/props returned {type(data).__name__}, not an object")
+        return data
+
+    def _get(self, path: str) -> httpx.Response:
+        try:
+            r = self.client.get(path)
+        except httpx.HTTPError as e:
+            raise ProbeError(f"GET {self.base_url}{path} failed: {e}") from e
+        if r.status_code != 200:
+            raise ProbeError(
+                f"GET {self.base_url}{path} returned {r.status_code}: {r.text[:300]}"
+                + _auth_hint(r.status_code)
+            )
+        return r
+
+    def chat(self, timeout: float, max_tokens: int = 4) -> Completion:
+        """A real, greedy chat completion; it must come back with ``usage``."""
+        body = {
+            "messages": [{"role": "user", "content": "Say OK."}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "top_k": 1,
+            "seed": 0,
+            "stream": False,
+        }
+        start = time.monotonic()
+        try:
+            r = self.client.post("/v1/chat/completions", json=body, timeout=timeout)
+        except httpx.HTTPError as e:
+            raise ProbeError(f"the chat completion failed: {type(e).__name__}: {e}") from e
+        ms = (time.monotonic() - start) * 1000
+        if r.status_code != 200:
+            raise ProbeError(
+                f"the chat completion returned {r.status_code}: {r.text[:300]}"
+                + _auth_hint(r.status_code)
+            )
+        try:
+            data = r.json()
+            usage = data["usage"]
+            content = data["choices"][0]["message"].get("content") or ""
+            return Completion(
+                str(content),
+                int(usage["completion_tokens"]),
+                int(usage["prompt_tokens"]),
+                round(ms, 1),
+            )
+        except (ValueError, KeyError, IndexError, TypeError) as e:
+            raise ProbeError(
+                f"the chat completion has no usable choices/usage: {r.text[:300]}"
+            ) from e
+
+
+def _auth_hint(status: int) -> str:
+    if status == 401:
+        return " - the server wants an API key; set api_key_file to the key the server uses"
+    return ""

@@ -1,0 +1,243 @@
+"""The generation store: every deployed env file, its metadata, the transaction record, the
+lock, and the atomic swap of the live env file.
+
+Layout of the state dir::
+
+    lock                    flock(2) target: one deploy at a time
+    txn.json                the transaction record; exists only while a deploy runs
+    generations/NNNN/env    the rendered env file of generation NNNN
+    generations/NNNN/meta.json  argv, masked config, model identity, build, times, outcome, ...
+    live                    the number of the generation in the live env file
+
+At every instant the live env file is either the old or the new one, whole (write a temp
+file, fsync, rename, fsync the directory), and the previous generation stays on disk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from launcher.errors import LockTimeout, StoreError
+
+#: Outcomes that make a generation "known good".
+GOOD = ("deployed", "restored")
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes, mode: int = 0o600, like: Path | None = None) -> None:
+    """Replace ``path`` with ``data`` atomically, keeping the owner and mode of ``like``
+    (default: of ``path`` itself when it exists, else ``mode``)."""
+    ref = like if like is not None else path
+    try:
+        st = ref.stat()
+        mode, uid, gid = st.st_mode & 0o7777, st.st_uid, st.st_gid
+    except FileNotFoundError:
+        uid, gid = -1, -1
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        if uid != -1 and os.geteuid() == 0:
+            os.chown(tmp, uid, gid)
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        raise
+    _fsync_dir(path.parent)
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    atomic_write(path, (json.dumps(data, indent=2, default=str) + "\n").encode(), 0o600)
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError) as e:
+        raise StoreError(f"cannot read {path}: {e}; move it aside to continue") from e
+    if not isinstance(data, dict):
+        raise StoreError(f"{path} is not a JSON object; move it aside to continue")
+    return data
+
+
+@dataclass(frozen=True)
+class Generation:
+    number: int
+    path: Path
+    meta: dict[str, Any]
+
+    @property
+    def env_text(self) -> str:
+        return (self.path / "env").read_text()
+
+    @property
+    def outcome(self) -> str:
+        return str(self.meta.get("outcome", "pending"))
+
+    @property
+    def good(self) -> bool:
+        return self.outcome in GOOD
+
+
+class Store:
+    """The state dir of one unit."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.gen_dir = root / "generations"
+        self.txn_path = root / "txn.json"
+
+    def ensure(self) -> None:
+        self.gen_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.root, 0o700)
+
+    # -- lock ------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def lock(self, timeout: float) -> Iterator[None]:
+        """Hold the state dir's exclusive lock; wait up to ``timeout`` seconds for it."""
+        self.ensure()
+        fd = os.open(self.root / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except OSError as e:
+                    if e.errno not in (errno.EAGAIN, errno.EACCES):
+                        raise
+                    if time.monotonic() >= deadline:
+                        holder = self._lock_holder()
+                        raise LockTimeout(
+                            f"another deploy holds {self.root / 'lock'}{holder}; waited "
+                            f"{timeout:g}s - retry later or raise --lock-timeout"
+                        ) from None
+                    time.sleep(0.05)
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+            yield
+        finally:
+            os.close(fd)
+
+    def _lock_holder(self) -> str:
+        try:
+            pid = (self.root / "lock").read_text().strip()
+        except OSError:
+            return ""
+        return f" (pid {pid})" if pid else ""
+
+    # -- generations -----------------------------------------------------------------------
+
+    def numbers(self) -> list[int]:
+        if not self.gen_dir.is_dir():
+            return []
+        return sorted(int(p.name) for p in self.gen_dir.iterdir() if p.name.isdigit())
+
+    def get(self, number: int) -> Generation:
+        path = self.gen_dir / f"{number:04d}"
+        try:
+            meta = read_json(path / "meta.json")
+        except FileNotFoundError:
+            have = ", ".join(str(n) for n in self.numbers()) or "none"
+            raise StoreError(
+                f"there is no generation {number} in {self.gen_dir}; generations: {have}"
+            ) from None
+        return Generation(number, path, meta)
+
+    def all(self) -> list[Generation]:
+        return [self.get(n) for n in self.numbers()]
+
+    def new(self, env_text: str, meta: dict[str, Any]) -> Generation:
+        """Store a new generation (pending) and return it."""
+        self.ensure()
+        number = (self.numbers() or [0])[-1] + 1
+        path = self.gen_dir / f"{number:04d}"
+        path.mkdir()
+        atomic_write(path / "env", env_text.encode(), 0o600)
+        meta = {"generation": number, "outcome": "pending", **meta}
+        write_json(path / "meta.json", meta)
+        return Generation(number, path, meta)
+
+    def update(self, gen: Generation, **changes: Any) -> Generation:
+        meta = {**gen.meta, **changes}
+        write_json(gen.path / "meta.json", meta)
+        return Generation(gen.number, gen.path, meta)
+
+    def live_number(self) -> int | None:
+        try:
+            return int((self.root / "live").read_text().strip())
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def set_live(self, number: int) -> None:
+        atomic_write(self.root / "live", f"{number}\n".encode(), 0o600)
+
+    def live(self) -> Generation | None:
+        n = self.live_number()
+        return self.get(n) if n is not None else None
+
+    def last_good(self, exclude: int | None = None) -> Generation | None:
+        for n in reversed(self.numbers()):
+            if n == exclude:
+                continue
+            gen = self.get(n)
+            if gen.good:
+                return gen
+        return None
+
+    # -- transaction record ----------------------------------------------------------------
+
+    def begin(self, record: dict[str, Any]) -> None:
+        write_json(self.txn_path, {"pid": os.getpid(), "started": time.time(), **record})
+
+    def mark(self, **changes: Any) -> None:
+        write_json(self.txn_path, {**self.txn(), **changes})
+
+    def txn(self) -> dict[str, Any]:
+        try:
+            return read_json(self.txn_path)
+        except FileNotFoundError:
+            return {}
+
+    def end(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.txn_path.unlink()
+        _fsync_dir(self.root)
+
+
+def swap_env(env_file: Path, text: str, backup: bool = True) -> None:
+    """Install ``text`` as the live env file atomically, keeping a ``.bak`` of the old one.
+
+    A new file gets mode 0600; an existing one keeps its owner and mode (0640 with a group
+    is kept as is).
+    """
+    data = text.encode()
+    if backup and env_file.exists():
+        bak = env_file.with_name(env_file.name + ".bak")
+        atomic_write(bak, env_file.read_bytes(), like=env_file)
+    atomic_write(env_file, data, 0o600)

@@ -1,0 +1,193 @@
+"""systemctl and journalctl, read in their machine-readable forms.
+
+``systemctl show -p ...`` (never ``status`` prose) and ``journalctl -o json --after-cursor``.
+The journal is matched with ``_SYSTEMD_UNIT=U + _SYSTEMD_USER_UNIT=U`` so the same query finds
+a system unit and a user unit. The runner is passed in (default: ``launcher.proc.run``), so
+tests hand in the real sandbox, never a patched module.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from launcher import proc
+from launcher.errors import CommandError, SystemdError
+
+Runner = Callable[..., proc.Result]
+Scope = Literal["system", "user"]
+
+STATE_PROPS = (
+    "ActiveState",
+    "SubState",
+    "Result",
+    "NRestarts",
+    "ExecMainStatus",
+    "ExecMainCode",
+    "MainPID",
+    "MemoryCurrent",
+    "InvocationID",
+    "LoadState",
+)
+
+
+@dataclass(frozen=True)
+class UnitState:
+    """The unit's state from ``systemctl show``."""
+
+    active: str
+    sub: str
+    result: str
+    n_restarts: int
+    exec_main_status: int
+    main_pid: int
+    memory_current: int | None
+    invocation_id: str
+    load_state: str
+
+    @property
+    def running(self) -> bool:
+        return self.active == "active" and self.sub == "running" and self.main_pid > 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.__dict__.copy()
+
+
+def _int(value: str | None) -> int:
+    try:
+        return int(value or 0)
+    except ValueError:
+        return 0
+
+
+class Systemd:
+    """One unit under one manager (system, or the calling user's)."""
+
+    def __init__(self, unit: str, scope: Scope = "system", runner: Runner = proc.run) -> None:
+        self.unit = unit
+        self.scope = scope
+        self.run = runner
+        self.env = proc.base_env()
+
+    def _ctl(self, *args: str, check: bool = True, timeout: float = 90.0) -> proc.Result:
+        argv = ["systemctl", *(["--user"] if self.scope == "user" else []), *args]
+        return self.run(argv, check=check, timeout=timeout, env=self.env)
+
+    def show(self, *props: str) -> dict[str, str]:
+        out = self._ctl("show", "-p", ",".join(props), "--", self.unit).stdout
+        return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+    def state(self) -> UnitState:
+        p = self.show(*STATE_PROPS)
+        mem = p.get("MemoryCurrent", "")
+        return UnitState(
+            active=p.get("ActiveState", ""),
+            sub=p.get("SubState", ""),
+            result=p.get("Result", ""),
+            n_restarts=_int(p.get("NRestarts")),
+            exec_main_status=_int(p.get("ExecMainStatus")),
+            main_pid=_int(p.get("MainPID")),
+            memory_current=int(mem) if mem.isdigit() else None,
+            invocation_id=p.get("InvocationID", ""),
+            load_state=p.get("LoadState", ""),
+        )
+
+    def restart(self) -> None:
+        """``systemctl restart --no-block``: the gate, not systemctl, waits for readiness."""
+        self._ctl("restart", "--no-block", "--", self.unit)
+
+    def start(self) -> None:
+        self._ctl("start", "--no-block", "--", self.unit)
+
+    def stop(self) -> None:
+        self._ctl("stop", "--", self.unit)
+
+    def reset_failed(self) -> None:
+        """Clear the start-limit counter: manual restarts count toward StartLimitBurst."""
+        self._ctl("reset-failed", "--", self.unit, check=False)
+
+    def daemon_reload(self) -> None:
+        self._ctl("daemon-reload")
+
+    def enable(self) -> None:
+        self._ctl("enable", "--", self.unit)
+
+    def disable(self) -> None:
+        self._ctl("disable", "--", self.unit, check=False)
+
+    # -- journal ---------------------------------------------------------------------------
+
+    def _journal_argv(self, *args: str) -> list[str]:
+        return [
+            "journalctl",
+            "--no-pager",
+            *args,
+            f"_SYSTEMD_UNIT={self.unit}",
+            "+",
+            f"_SYSTEMD_USER_UNIT={self.unit}",
+        ]
+
+    def cursor(self) -> str | None:
+        """The journal's current end, to read only what comes after it."""
+        r = self.run(
+            ["journalctl", "--no-pager", "-n", "1", "-o", "json"],
+            check=False,
+            timeout=30,
+            env=self.env,
+        )
+        for line in r.stdout.splitlines():
+            try:
+                return str(json.loads(line)["__CURSOR"])
+            except (ValueError, KeyError):
+                continue
+        return None
+
+    def messages(
+        self, after_cursor: str | None, limit: int | None = None
+    ) -> tuple[list[str], str | None]:
+        """The unit's journal messages after ``after_cursor``; returns (lines, new cursor)."""
+        args = ["-o", "json"]
+        if after_cursor:
+            args += ["--after-cursor", after_cursor]
+        if limit:
+            args += ["-n", str(limit)]
+        try:
+            r = self.run(self._journal_argv(*args), timeout=30, env=self.env)
+        except CommandError as e:
+            raise SystemdError(f"cannot read the journal of {self.unit}: {e}") from e
+        lines, cursor = [], after_cursor
+        for raw in r.stdout.splitlines():
+            try:
+                entry = json.loads(raw)
+            except ValueError:
+                continue
+            cursor = entry.get("__CURSOR", cursor)
+            msg = entry.get("MESSAGE")
+            if isinstance(msg, list):  # journald stores non-UTF-8 messages as byte arrays
+                msg = bytes(msg).decode(errors="replace")
+            if isinstance(msg, str):
+                lines.extend(msg.splitlines() or [""])
+        return lines, cursor
+
+    def tail(self, n: int = 30) -> list[str]:
+        """The unit's last ``n`` journal messages."""
+        return self.messages(None, limit=n)[0]
+
+
+def stream_journal(unit: str, since: str | None = None, extra: Sequence[str] = ()) -> Iterator[str]:
+    """Stream a unit's journal messages, one per line, in constant memory."""
+    argv = ["journalctl", "--no-pager", "-o", "cat", *extra]
+    if since:
+        argv += ["--since", since]
+    argv += [f"_SYSTEMD_UNIT={unit}", "+", f"_SYSTEMD_USER_UNIT={unit}"]
+    with subprocess.Popen(
+        argv, stdout=subprocess.PIPE, text=True, errors="replace", env=proc.base_env()
+    ) as p:
+        assert p.stdout is not None
+        yield from p.stdout
+        status = p.wait()
+    if status != 0:
+        raise SystemdError(f"journalctl for {unit} exited with status {status}")

@@ -1,0 +1,201 @@
+"""The validation chain: prove what llama-server will receive before anything live is touched.
+
+Runs on the rendered temporary file; each step is named in its error:
+
+1. ``lint``       the launcher's strict parser reads the file;
+2. ``bash -n``    bash parses it;
+3. ``subshell``   ``env -i bash -c 'set -f; source FILE; printf ...'`` prints exactly the
+                  expected values (seed 000's check, with expansion and globbing off);
+4. ``argv``       ``llama-launcher exec --print-argv`` on the file equals the typed argv;
+5. ``flags``      every flag is known to the installed llama-server (``--help``);
+6. ``model``      the model exists, is readable and is a GGUF whose metadata loads;
+7. ``pool``       the pool arithmetic: no over-committed shared pool unless allowed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from launcher import binary, config, envfile, launch, pool, proc
+from launcher.errors import CommandError, ConfigInvalid, ValidationFailed
+
+STEPS = ("lint", "bash -n", "subshell", "argv", "flags", "model", "pool")
+
+
+@dataclass(frozen=True)
+class Validated:
+    """A config that passed every step, with what the steps learned."""
+
+    config: config.ServerConfig
+    env_text: str
+    values: dict[str, str]
+    argv: list[str]
+    plan: pool.PoolPlan
+    model: dict[str, Any]
+    server: binary.BinaryInfo
+    steps: tuple[str, ...] = field(default=STEPS)
+
+
+def env_values(cfg: config.ServerConfig, key_file: str | None = None) -> dict[str, str]:
+    """The env file's variables for ``cfg``, in file order."""
+    values = {
+        "LLAMA_SERVER": str(cfg.llama_server),
+        "EXTRA_ARGS": envfile.join_words(cfg.server_args()),
+    }
+    key = key_file or (str(cfg.api_key_file) if cfg.api_key_file else None)
+    if key:
+        values["API_KEY_FILE"] = key
+    return values
+
+
+HEADER = (
+    "llama-server settings, rendered by llama-launcher.",
+    "Change them with `llama-launcher set ...` or `deploy`;",
+    "a hand edit is kept as a generation and replaced on the next deploy.",
+    "Values are quoted so bash `source`, systemd EnvironmentFile= and the launcher read the same.",
+)
+
+
+def render(cfg: config.ServerConfig, key_file: str | None = None) -> str:
+    """The env file text for ``cfg``: pure and deterministic."""
+    try:
+        return envfile.render_assignments(env_values(cfg, key_file), HEADER)
+    except ValueError as e:
+        raise ConfigInvalid(str(e)) from None
+
+
+def _step_lint(path: Path) -> list[str]:
+    try:
+        return launch.read_argv(str(path))
+    except launch.LaunchError as e:
+        raise ValidationFailed("lint", str(e)) from None
+
+
+def _step_bash(path: Path, values: dict[str, str]) -> None:
+    try:
+        proc.run(["bash", "-n", str(path)], timeout=10)
+    except CommandError as e:
+        raise ValidationFailed("bash -n", e.stderr.strip() or str(e)) from e
+    names = list(values)
+    script = 'set -f; source "$1" || exit 97; shift; for n in "$@"; do printf "%s\\0" "${!n}"; done'
+    try:
+        r = proc.run(
+            ["env", "-i", "bash", "-c", script, "bash", str(path), *names], timeout=10, env={}
+        )
+    except CommandError as e:
+        raise ValidationFailed("subshell", f"sourcing the file failed: {e}") from e
+    got = r.stdout.split("\0")[: len(names)]
+    for name, value in zip(names, got, strict=False):
+        if value != values[name]:
+            raise ValidationFailed(
+                "subshell", f"bash reads {name} as [{value}] but the config means [{values[name]}]"
+            )
+    if len(got) != len(names):
+        raise ValidationFailed("subshell", f"bash printed {len(got)} values for {len(names)}")
+
+
+def _step_argv(path: Path, expected: list[str]) -> None:
+    try:
+        r = proc.run(
+            [sys.executable, "-m", "launcher", "exec", "--env-file", str(path), "--print-argv"],
+            timeout=30,
+        )
+        got = json.loads(r.stdout)
+    except (CommandError, ValueError) as e:
+        raise ValidationFailed("argv", f"llama-launcher exec --print-argv failed: {e}") from e
+    if got != expected:
+        raise ValidationFailed(
+            "argv",
+            "the launcher would exec\n  "
+            + json.dumps(got)
+            + "\nbut the config means\n  "
+            + json.dumps(expected),
+        )
+
+
+def check_flags(info: binary.BinaryInfo, args: list[str]) -> None:
+    """Refuse flags the installed llama-server does not know, with a did-you-mean."""
+    for name in binary.unknown_flags(info, args):
+        if name in config.REMOVED:
+            hint = f"it was removed; use {config.REMOVED[name]}"
+        else:
+            close = info.suggest(name)
+            hint = f"did you mean {' or '.join(close)}?" if close else "see llama-server --help"
+        raise ValidationFailed(
+            "flags", f"{name} is not a flag of {info.path} ({info.version}); {hint}"
+        )
+
+
+def model_facts(path: Path) -> dict[str, Any]:
+    """Identity and key metadata of the GGUF at ``path``; raises ValidationFailed('model')."""
+    if not path.exists():
+        raise ValidationFailed("model", f"the model file {path} does not exist; check -m/model")
+    if not os.access(path, os.R_OK):
+        raise ValidationFailed("model", f"the model file {path} is not readable; fix its mode")
+    n_ctx_train, arch = _ctx_train(path)
+    st = path.stat()
+    return {
+        "path": str(path),
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+        "inode": st.st_ino,
+        "arch": arch,
+        "n_ctx_train": n_ctx_train,
+    }
+
+
+def _ctx_train(path: Path) -> tuple[int | None, str]:
+    try:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(str(path), "r")
+        arch_field = reader.fields["general.architecture"]
+        arch = bytes(arch_field.parts[arch_field.data[0]]).decode()
+        ctx = reader.fields.get(f"{arch}.context_length")
+        return (int(ctx.parts[ctx.data[0]][0]) if ctx else None), arch
+    except Exception as e:
+        raise ValidationFailed(
+            "model", f"{path} is not a GGUF model llama-server can load ({e})"
+        ) from e
+
+
+def validate_file(
+    path: Path, cfg: config.ServerConfig, values: dict[str, str], expected_argv: list[str]
+) -> binary.BinaryInfo:
+    """Steps 1-5 on an env file already written at ``path``."""
+    argv = _step_lint(path)
+    if argv != expected_argv:
+        raise ValidationFailed(
+            "lint", f"the parser reads {argv} but the config means {expected_argv}"
+        )
+    _step_bash(path, values)
+    _step_argv(path, expected_argv)
+    info = binary.inspect(str(cfg.llama_server))
+    check_flags(info, expected_argv[1:])
+    return info
+
+
+def validate(
+    cfg: config.ServerConfig, key_file: str | None = None, workdir: Path | None = None
+) -> Validated:
+    """Render ``cfg`` to a temporary file and run the whole chain on it."""
+    text = render(cfg, key_file)
+    values = env_values(cfg, key_file)
+    expected = cfg.argv(key_file)
+    with tempfile.TemporaryDirectory(prefix="llama-launcher-", dir=workdir) as tmp:
+        path = Path(tmp) / "candidate.env"
+        path.write_text(text)
+        os.chmod(path, 0o600)
+        info = validate_file(path, cfg, values, expected)
+    model = model_facts(cfg.model)
+    try:
+        plan = cfg.check_overcommit(model.get("n_ctx_train"))
+    except ConfigInvalid as e:
+        raise ValidationFailed("pool", str(e)) from None
+    return Validated(cfg, text, values, expected, plan, model, info)
