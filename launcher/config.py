@@ -286,7 +286,7 @@ def overcommit_message(plan: pool.PoolPlan, config: ServerConfig | None = None) 
         f"  2. the same at 8-bit, about half the KV memory: "
         f"llama-launcher set --kv-unified-per-slot {w} -c {n * w} -ctk q8_0 -ctv q8_0\n"
         f"  3. split the pool instead (each slot gets {pool.pad(plan.n_ctx // n)}): "
-        f"llama-launcher set -no-kvu\n"
+        f"llama-launcher set -np {n} -no-kvu\n"
         f"or accept the risk with allow_overcommit = true (--allow-overcommit)."
     )
 
@@ -321,6 +321,10 @@ def parse_flags(tokens: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
     while i < len(tokens):
         tok = tokens[i]
         name, eq, inline = tok.partition("=")
+        if name == "--allow-overcommit":  # the tool's own switch, never llama-server's
+            fields["allow_overcommit"] = True
+            i += 1
+            continue
         flag = SPELLING.get(name)
         if flag is None:
             extra.append(tok)

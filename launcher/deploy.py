@@ -203,11 +203,28 @@ class Deployer:
     def rollback(self, to: int | None = None) -> Result:
         """Go back to generation ``to`` or the last known-good one, through the same gate."""
         with self._locked() as recovered:
-            live = self.store.live_number()
-            target = self.store.get(to) if to is not None else self.store.last_good(exclude=live)
+            live = self.store.live()
+            text = self.env_file.read_text() if self.env_file.exists() else None
+            if to is not None:
+                target: store.Generation | None = self.store.get(to)
+            elif (
+                live is not None
+                and live.good
+                and (
+                    text != live.env_text
+                    or not self.systemd.state().running
+                    or live.meta.get("gate_failed_at")
+                )
+            ):
+                # the live file was changed behind our back, or the unit is down: the live
+                # generation is the last known-good one
+                target = live
+            else:
+                target = self.store.last_good(exclude=live.number if live else None)
             if target is None:
                 raise StoreError(
-                    f"no known-good generation other than the live one ({live}) in "
+                    f"no known-good generation other than the live one "
+                    f"({live.number if live else None}) in "
                     f"{self.store.gen_dir}; see llama-launcher history"
                 )
             cfg = config.build(dict(target.meta["config"]))
@@ -253,10 +270,19 @@ class Deployer:
                 signal.signal(s, h)
 
     def _checkpoint(self, phase: str) -> None:
-        """Fault injection for the crash-safety tests: LLAMA_LAUNCHER_CRASH_AT=phase."""
+        """Record the phase in the transaction record.
+
+        Fault injection for the crash-safety tests (documented in README):
+        ``LLAMA_LAUNCHER_FAULT=PHASE:kill`` kills the deployer with SIGKILL at PHASE;
+        ``PHASE:pause`` sleeps there (60 s) so a test can signal it at a known point.
+        """
         self.store.mark(phase=phase)
-        if os.environ.get("LLAMA_LAUNCHER_CRASH_AT") == phase:
+        fault = os.environ.get("LLAMA_LAUNCHER_FAULT", "")
+        at, _, action = fault.partition(":")
+        if at == phase and action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        elif at == phase and action == "pause":
+            time.sleep(60)
 
     def _say(self, phase: str, elapsed: float = 0.0, line: str = "") -> None:
         if self.progress:
@@ -548,6 +574,9 @@ class Deployer:
             exc: LauncherError = DeployFailed(result.message, result)
         else:
             result.outcome = "rollback_failed"
+            if prev_number is not None:
+                with contextlib.suppress(StoreError):
+                    self.store.update(self.store.get(prev_number), gate_failed_at=time.time())
             result.message = (
                 f"generation {gen.number} failed ({failure['message']}) and restoring generation "
                 f"{prev_number} failed too ({rb.get('message')}). Nothing was deleted: the old env "

@@ -10,15 +10,16 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import realserver  # noqa: E402
-import tinymodel  # noqa: E402
+import realserver
+import tinymodel
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -52,27 +53,150 @@ class Sandbox:
         self.unit_dir = root / "units"
 
     def systemctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(["systemctl", "--user", *args], capture_output=True, text=True,
-                              check=check, timeout=60)
+        return subprocess.run(
+            ["systemctl", "--user", *args], capture_output=True, text=True, check=check, timeout=60
+        )
 
     def show(self, unit: str, *props: str) -> dict[str, str]:
         out = self.systemctl("show", "-p", ",".join(props), unit).stdout
         return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
 
-    def journal(self, unit: str) -> str:
+    def cursor(self) -> str:
+        import json
+
+        out = subprocess.run(
+            ["journalctl", "--no-pager", "-n", "1", "-o", "json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout
+        return str(json.loads(out.splitlines()[-1])["__CURSOR"]) if out.strip() else ""
+
+    def journal(self, unit: str, after: str = "") -> str:
+        """The unit's messages (after the cursor ``after``: unit names recur across runs)."""
+        args = ["--after-cursor", after] if after else []
         return subprocess.run(
-            ["journalctl", "--no-pager", "-o", "cat", f"_SYSTEMD_UNIT={unit}", "+",
-             f"_SYSTEMD_USER_UNIT={unit}"], capture_output=True, text=True, timeout=60).stdout
+            [
+                "journalctl",
+                "--no-pager",
+                "-o",
+                "cat",
+                *args,
+                f"_SYSTEMD_UNIT={unit}",
+                "+",
+                f"_SYSTEMD_USER_UNIT={unit}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout
 
 
 @pytest.fixture(scope="session")
 def sandbox() -> Sandbox:
     root = os.environ.get("LLAMA_LAUNCHER_SANDBOX")
     if not root or not os.environ.get("XDG_RUNTIME_DIR"):
-        pytest.fail("not inside the sandboxed systemd: run scripts/test, or "
-                    "scripts/sandbox start && scripts/sandbox run -- python -m pytest")
+        pytest.fail(
+            "not inside the sandboxed systemd: run scripts/test, or "
+            "scripts/sandbox start && scripts/sandbox run -- python -m pytest"
+        )
     sb = Sandbox(Path(root))
     state = sb.systemctl("is-system-running", check=False)
     if state.stdout.strip() not in ("running", "degraded"):
         pytest.fail(f"the sandbox manager is not running: {state.stdout}{state.stderr}")
     return sb
+
+
+class Host:
+    """One llama-server unit in the sandbox, driven through the real CLI."""
+
+    def __init__(self, sandbox: Sandbox, root: Path, name: str, model: Path, server: str) -> None:
+        self.sandbox, self.root, self.model, self.server = sandbox, root, model, server
+        self.unit = f"{name}.service"
+        self.port = realserver.free_port()
+        self.env_file = root / "etc" / f"{name}.env"
+        self.state_dir = root / "state"
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cursor = sandbox.cursor()
+        self.env = dict(
+            os.environ,
+            LLAMA_LAUNCHER_UNIT=self.unit,
+            LLAMA_LAUNCHER_SCOPE="user",
+            LLAMA_LAUNCHER_ENV_FILE=str(self.env_file),
+            LLAMA_LAUNCHER_STATE_DIR=str(self.state_dir),
+            LLAMA_LAUNCHER_UNIT_DIR=str(sandbox.unit_dir),
+            LLAMA_LAUNCHER_START_TIMEOUT="30",
+            LLAMA_LAUNCHER_HEALTH_TIMEOUT="30",
+            LLAMA_LAUNCHER_LOCK_TIMEOUT="5",
+            LLAMA_SERVER_BIN=server,
+        )
+
+    def base_flags(self) -> list[str]:
+        return ["-m", str(self.model), "--port", str(self.port), "--llama-server", self.server]
+
+    def cli(
+        self, *args: str, env: dict[str, str] | None = None, timeout: float = 120
+    ) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "launcher", *args],
+            capture_output=True,
+            text=True,
+            env={**self.env, **(env or {})},
+            timeout=timeout,
+        )
+
+    def cli_json(self, *args: str, env: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
+        import json
+
+        p = self.cli(*args, "--json", env=env)
+        try:
+            return p.returncode, json.loads(p.stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            raise AssertionError(f"no JSON from {args}: rc={p.returncode}\n{p.stdout}\n{p.stderr}")
+
+    def install(self, *flags: str) -> tuple[int, dict[str, Any]]:
+        return self.cli_json("install", *self.base_flags(), *flags)
+
+    def state(self) -> dict[str, str]:
+        return self.sandbox.show(
+            self.unit, "ActiveState", "SubState", "MainPID", "NRestarts", "ExecMainStatus", "Result"
+        )
+
+    def chat(self) -> dict[str, Any]:
+        import httpx
+
+        r = httpx.post(
+            self.url + "/v1/chat/completions",
+            timeout=30,
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+        )
+        r.raise_for_status()
+        return r.json()  # type: ignore[no-any-return]
+
+    def journal(self) -> str:
+        return self.sandbox.journal(self.unit, self.cursor)
+
+    def remove(self) -> None:
+        self.sandbox.systemctl("stop", self.unit, check=False)
+        self.sandbox.systemctl("reset-failed", self.unit, check=False)
+        (self.sandbox.unit_dir / self.unit).unlink(missing_ok=True)
+
+
+@pytest.fixture
+def host(
+    sandbox: Sandbox,
+    tmp_path: Path,
+    tiny_model: Path,
+    llama_server_bin: str,
+    request: pytest.FixtureRequest,
+) -> Iterator[Host]:
+    """A fresh unit (its own name, port, env file and state dir) for one test."""
+    import re
+    import shutil
+
+    name = "ll-" + re.sub(r"[^a-z0-9]+", "-", request.node.name.lower())[:40].strip("-")
+    model = tmp_path / "model.gguf"
+    shutil.copy(tiny_model, model)
+    h = Host(sandbox, tmp_path, name, model, llama_server_bin)
+    yield h
+    h.remove()

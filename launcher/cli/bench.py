@@ -1,0 +1,78 @@
+"""``llama-launcher bench``: total and per-agent speed of several agents on one llama-server."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from typing import Any
+
+from launcher.cli import emit
+
+HELP = "measure total and per-agent tok/s, latency and time to first token with N agents"
+DESCRIPTION = """\
+Send concurrent streamed chat completions to any OpenAI-compatible llama-server and report,
+per number of agents: total tok/s, mean per-agent tok/s, wall time, p50/p95 latency and time
+to first token. Tokens are the server's own usage counts. With --long-prompt, one extra agent
+sends a long prompt while the others chat, and the others' latency and time to first token
+are shown with and without it: llama-server reads a long prompt in the same batches as the
+other slots' decode steps, so every agent waits while it is read.
+"""
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser(
+        "bench",
+        help=HELP,
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--url", default="http://127.0.0.1:8080", help="server base URL (%(default)s)")
+    p.add_argument("--api-key-file", metavar="F", help="file holding the server's --api-key")
+    p.add_argument(
+        "--agents", type=int, nargs="+", default=[1, 2, 4], metavar="N",
+        help="agent counts to measure (default: 1 2 4)",
+    )  # fmt: skip
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens per answer (%(default)s)")
+    p.add_argument(
+        "--prompt-tokens", type=int, metavar="N",
+        help="size each agent's prompt to about N tokens (default: one chat line)",
+    )  # fmt: skip
+    p.add_argument(
+        "--long-prompt", type=int, metavar="TOKENS",
+        help="also measure with one extra agent sending a prompt of about TOKENS tokens",
+    )  # fmt: skip
+    p.add_argument("--rounds", type=int, default=1, help="rounds per agent count (%(default)s)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per request (%(default)s)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--plot", metavar="FILE.png", help="write a PNG of tok/s against agents")
+    p.set_defaults(func=run)
+
+
+def run(ns: argparse.Namespace, generation: Mapping[str, Any] | None = None) -> int:
+    """Run the bench. ``generation``: the live generation, when llama-launcher deployed it."""
+    from launcher import bench
+
+    settings = bench.BenchSettings(
+        url=ns.url,
+        agents=tuple(ns.agents),
+        max_tokens=ns.max_tokens,
+        prompt_tokens=ns.prompt_tokens,
+        long_prompt_tokens=ns.long_prompt,
+        rounds=ns.rounds,
+        timeout_s=ns.timeout,
+    )
+    settings.validate()
+    if ns.plot:
+        bench.check_plot_available()
+    api_key = bench.read_api_key(ns.api_key_file) if ns.api_key_file else None
+    result = bench.run_bench(settings, api_key=api_key, generation=generation)
+    data = result.to_dict()
+    if ns.plot:
+        data["plot"] = str(bench.write_plot(result, ns.plot))
+
+    def human() -> str:
+        text = bench.render_text(result)
+        return text + (f"\nplot written to {ns.plot}" if ns.plot else "")
+
+    emit(data, ns.json, human)
+    return 0

@@ -1,0 +1,178 @@
+"""``llama-launcher diagnose``: why requests failed with "Context size has been exceeded"."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from collections.abc import Iterator
+from typing import IO, TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from launcher.diagnose import Failure, Fix, Report
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "diagnose",
+        help="read llama-server's log: count context errors, add up the slots, name the fix",
+        description=(
+            "Read a llama-server log (a unit's journal, a file, or stdin) and explain every "
+            "'Context size has been exceeded' failure: the startup promise, the batch-halving "
+            "cascade, the slot release lines that add up to the pool, the class, and the fix."
+        ),
+    )
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--unit", help="read this systemd unit's journal (system or --user)")
+    src.add_argument("--log", metavar="FILE", help="read a log file ('-' for stdin)")
+    src.add_argument("stdin", nargs="?", choices=["-"], help="read stdin")
+    p.add_argument("--since", metavar="TIME", help="with --unit: journalctl --since TIME")
+    p.add_argument(
+        "--pool",
+        type=int,
+        metavar="N",
+        help="the KV pool in cells, when the log does not state it (-c)",
+    )
+    p.add_argument("--json", action="store_true", help="one JSON object")
+    p.set_defaults(func=run)
+
+
+@contextlib.contextmanager
+def _open(ns: argparse.Namespace) -> Iterator[tuple[IO[bytes], str]]:
+    from launcher import diagnose
+    from launcher.errors import ConfigInvalid
+
+    if ns.since and not ns.unit:
+        raise ConfigInvalid(
+            f"--since {ns.since!r} needs --unit: a log file's timestamps are "
+            "relative to the server start; cut the file instead"
+        )
+    if ns.unit:
+        with diagnose.journal(ns.unit, ns.since) as stream:
+            yield stream, f"journal of {ns.unit}"
+    elif ns.log and ns.log != "-":
+        try:
+            f = open(ns.log, "rb")  # noqa: SIM115 - closed below
+        except OSError as e:
+            raise ConfigInvalid(
+                f"cannot read the log {ns.log!r}: {e.strerror}; give a readable file, '-' or --unit"
+            ) from e
+        with f:
+            yield f, ns.log
+    elif ns.log == "-" or ns.stdin == "-":
+        yield sys.stdin.buffer, "stdin"
+    else:
+        raise ConfigInvalid("no log given; use --unit UNIT, --log FILE or - (stdin)")
+
+
+def run(ns: argparse.Namespace) -> int:
+    from launcher import diagnose
+    from launcher.cli import emit
+    from launcher.errors import ConfigInvalid
+
+    if ns.pool is not None and ns.pool <= 0:
+        raise ConfigInvalid(f"--pool {ns.pool} is not a positive number of cells; give -c")
+    with _open(ns) as (stream, source):
+        report = diagnose.diagnose(stream, source, pool_hint=ns.pool, pool_hint_source="--pool")
+    emit(report.to_dict(), ns.json, lambda: render(report))
+    return 0
+
+
+def _n(x: int | None) -> str:
+    return "?" if x is None else f"{x:,}"
+
+
+def _pct(x: float | None) -> str:
+    return "?" if x is None else f"{100 * x:.1f} %"
+
+
+def _failure(f: Failure) -> list[str]:
+    where = f"line {f.line}"
+    head = f"Failure {f.number} ({where}): {f.error}"
+    out = [head]
+    if f.n_steps > 1:
+        views = [s.size for s in f.steps if s.size is not None]
+        out.append(
+            f"  cascade: {f.n_steps} tries at {f.offsets} offset(s), views "
+            f"{_n(views[0] if views else None)} -> {_n(views[-1] if views else None)}"
+            f"{f', {f.purges} idle slot(s) purged' if f.purges else ''}; "
+            f"gave up at off = {f.off}"
+        )
+    if not f.slots:
+        out.append("  no slot release lines followed")
+        return out
+    out.append(f"  {'Slot':<6}{'Tokens at the failure':>22}  {'Share of the pool':>17}")
+    for s in f.slots:
+        out.append(f"  {s.slot:<6}{s.n_tokens:>22,}  {_pct(s.share):>17}")
+    share = f.total / f.pool_cells if f.pool_cells else None
+    out.append(f"  {'Sum':<6}{f.total:>22,}  {_pct(share):>17}")
+    if f.pool_cells is not None and f.overflow is not None:
+        check = {True: "adds up", False: "does NOT add up", None: "inferred"}[f.adds_up]
+        out.append(
+            f"  pool {f.pool_cells:,} + overflow {f.overflow:,} (the batch that could not be "
+            f"placed, {f.overflow_source}) = {f.pool_cells + f.overflow:,}: {check}"
+        )
+    return out
+
+
+def _fix(fix: Fix, lead: str) -> list[str]:
+    mem = "unknown" if fix.memory_bytes is None else f"{fix.memory_bytes / 2**30:.2f} GiB"
+    return [
+        f"  {lead}{fix.command}",
+        f"  {' ' * len(lead)}every slot guaranteed {fix.guaranteed_window:,}; pool "
+        f"{fix.pool_cells:,} cells; KV memory {mem}; {fix.note}",
+    ]
+
+
+def render(r: Report) -> str:
+    """The report in seed 000's style."""
+    out = [f"Source: {r.source} ({r.lines:,} lines)"]
+    out.append(
+        f"'Context size has been exceeded': {r.exceeded_lines:,} lines (grep -c), "
+        f"{r.failures_total:,} failure(s), {r.requests_failed:,} request(s) answered 500"
+    )
+    out.append(
+        f"Requests refused as too long (400 exceed_context_size_error): {r.rejections_total:,}"
+    )
+    if r.recovered_cascades:
+        out.append(f"Cascades that found room after all: {r.recovered_cascades:,}")
+    c = r.config
+    if c is None:
+        out.append("Startup: no startup line in the input (widen --since, or give --pool)")
+    else:
+        out.append(
+            f"Startup (line {c.line}, {r.startups} in the input): n_slots = {c.n_slots}, "
+            f"n_ctx_slot = {c.n_ctx_slot}, kv_unified = '{str(c.kv_unified).lower()}'"
+        )
+        out.append(f"  {c.promise}")
+    out.append(f"  pool: {_n(r.pool_cells)} cells, from {r.pool_source}")
+    if r.failures:
+        shown = len(r.failures)
+        if shown < r.failures_total:
+            out.append(f"Showing the last {shown} of {r.failures_total:,} failures")
+        if r.checked:
+            out.append(
+                f"Release lines add up to pool + overflow in {r.adds_up} of {r.checked} "
+                "failure(s) that could be checked"
+            )
+        for f in r.failures:
+            out.append("")
+            out.extend(_failure(f))
+    for rej in r.rejections[-3:]:
+        out.append(
+            f"Refused (line {rej.line}): request of {rej.n_prompt:,} tokens, "
+            f"slot holds {rej.n_ctx:,}"
+        )
+    for v in r.verdicts:
+        out.append("")
+        out.append(f"Verdict: {v.cls.value} ({v.count:,}): {v.reason}")
+        for i, fix in enumerate(v.fixes):
+            out.extend(_fix(fix, "Fix: " if i == 0 else "Or:  "))
+    if not r.verdicts:
+        out.append("")
+        out.append("Verdict: no context failures in the input")
+    if r.drift_lines:
+        out.append("")
+        out.append(f"Possible format drift: {r.drift_lines:,} slot/KV line(s) not understood:")
+        out.extend(f"  {s}" for s in r.drift_samples)
+    return "\n".join(out)

@@ -1,0 +1,117 @@
+"""``llama-launcher plan``: the options for N slots x W tokens, their memory, a recommendation."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from launcher.plan import Plan
+
+GIB = 1024.0
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``plan`` verb."""
+    p = subparsers.add_parser(
+        "plan",
+        help="compare shared, split and per-slot KV pools for N slots x W tokens",
+        description=(
+            "Lay out seed 000's options for N clients that each need a W-token window: the "
+            "shared over-committed pool, split pools, the per-slot cap at f16/q8_0/q4_0, fewer "
+            "slots and a smaller window; with --model, the KV memory of each and what is left "
+            "of MemAvailable. Changes nothing."
+        ),
+    )
+    p.add_argument("--slots", required=True, metavar="N", help="clients served at once (-np)")
+    p.add_argument(
+        "--window", required=True, metavar="W", help="tokens each client needs, e.g. 262144 or 256k"
+    )
+    p.add_argument("--cache", default="f16", metavar="TYPE", help="KV cache type (default f16)")
+    p.add_argument("--model", metavar="FILE", help="the GGUF model, for the memory estimate")
+    p.add_argument(
+        "--mem-available",
+        metavar="MIB",
+        help="memory to plan for in MiB (default: MemAvailable of this machine)",
+    )
+    p.add_argument("--json", action="store_true", help="one JSON object")
+    p.set_defaults(func=handle)
+
+
+def _count(flag: str, value: str, example: str) -> int:
+    """A positive whole number, optionally with a k (x1024) suffix."""
+    from launcher.errors import ConfigInvalid
+
+    m = re.fullmatch(r"\s*(\d+)\s*([kK]?)\s*", value)
+    if not m:
+        raise ConfigInvalid(f"{flag} {value!r} is not a whole number; e.g. {flag} {example}")
+    return int(m[1]) * (1024 if m[2] else 1)
+
+
+def handle(ns: argparse.Namespace) -> int:
+    """Run the plan and print it."""
+    from launcher.cli import emit
+    from launcher.plan import MIB, make_plan
+
+    slots = _count("--slots", ns.slots, "4")
+    window = _count("--window", ns.window, "262144")
+    available = None
+    if ns.mem_available is not None:
+        available = _count("--mem-available", ns.mem_available, "131072") * MIB
+    plan = make_plan(slots, window, ns.cache, ns.model, available)
+    emit({"ok": True, **plan.to_dict()}, ns.json, lambda: render(plan))
+    return 0
+
+
+def _gib(value: float | None) -> str:
+    return "-" if value is None else f"{value / GIB:.1f}"
+
+
+def render(plan: Plan) -> str:
+    """The plan as a table for people."""
+    lines = [f"plan: {plan.slots} slots x {plan.window} tokens each, KV cache {plan.cache}"]
+    if plan.model is not None:
+        m = plan.model
+        lines.append(
+            f"model: {m.path} ({m.arch}, n_ctx_train {m.n_ctx_train}, "
+            f"weights {m.weights_bytes / 2**30:.1f} GiB)"
+        )
+        lines.append(
+            f"memory: {plan.mem_available_bytes / 2**30:.1f} GiB available, "
+            f"{plan.headroom_mib} MiB kept as headroom"
+        )
+    lines.append("")
+    head = ("option", "window/slot", "promised", "pool cells", "KV GiB", "free GiB", "")
+    rows = [head]
+    for o in plan.options:
+        mark = "<- recommended" if o.key == plan.recommended else ""
+        if o.pool.overcommitted:
+            mark = "over-committed" + (" " + mark if mark else "")
+        elif o.fits(plan.headroom_mib) is False:
+            mark = "does not fit" + (" " + mark if mark else "")
+        rows.append(
+            (
+                o.key,
+                str(o.guaranteed_window),
+                str(o.pool.n_ctx_slot),
+                str(o.pool.n_ctx),
+                _gib(o.kv_mib),
+                _gib(o.free_mib),
+                mark,
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    for r in rows:
+        numbers = zip(r[1:-1], widths[1:-1], strict=True)
+        cells = [r[0].ljust(widths[0])] + [c.rjust(w) for c, w in numbers]
+        lines.append("  ".join([*cells, r[-1]]).rstrip())
+    lines.append("")
+    for o in plan.options:
+        lines.append(f"{o.key}: {o.summary}")
+        lines.append(f"    {' '.join(o.flags)}")
+    lines.append("")
+    lines.append(f"recommended ({plan.recommended}): {plan.reason}")
+    lines.append(f"    {plan.recommendation.set_command}")
+    lines += [f"note: {n}" for n in plan.notes]
+    return "\n".join(lines)

@@ -1,0 +1,335 @@
+"""The deploy transaction: sandboxed systemd, the real llama-server and the tiny model."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import Host
+
+BAD_TEMPLATE = (
+    "{% for message in messages %}{% if message['content'] == 'Say OK.' %}"
+    "{{ raise_exception('this template refuses the probe') }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def installed(host: Host, *flags: str) -> dict:  # type: ignore[type-arg]
+    rc, out = host.install("-c", "4096", "-np", "2", *flags)
+    assert rc == 0, out
+    assert out["outcome"] == "deployed"
+    return out
+
+
+def test_install_serves_a_real_completion(host: Host) -> None:
+    out = installed(host)
+    assert out["startup"]["n_slots"] == 2
+    assert out["startup"]["n_ctx_slot"] == 2048
+    assert out["startup"]["kv_unified"] is False
+    assert out["probe"]["completion_tokens"] > 0
+    assert host.state()["ActiveState"] == "active"
+    assert host.chat()["usage"]["completion_tokens"] > 0
+
+
+def test_good_change_is_deployed_as_a_new_generation(host: Host) -> None:
+    installed(host)
+    rc, out = host.cli_json("set", "-ctk", "q8_0", "-ctv", "q8_0")
+    assert (rc, out["outcome"], out["changed"]) == (0, "deployed", True)
+    assert (out["generation"], out["previous_generation"]) == (2, 1)
+    assert "-ctk q8_0" in host.env_file.read_text()
+    assert "+-ctk q8_0" in out["diff"]
+
+
+def test_identical_change_restarts_nothing(host: Host) -> None:
+    installed(host, "-ctk", "q8_0")
+    pid = host.state()["MainPID"]
+    rc, out = host.cli_json("set", "--cache-type-k", "q8_0")
+    assert (rc, out["outcome"], out["changed"]) == (0, "unchanged", False)
+    assert host.state()["MainPID"] == pid
+
+
+def test_unknown_flag_is_refused_before_anything_changes(host: Host) -> None:
+    installed(host)
+    before, pid = host.env_file.read_text(), host.state()["MainPID"]
+    rc, out = host.cli_json("set", "--kv-unified-per-slots", "1024")
+    assert rc == 2
+    assert "--kv-unified-per-slots is not a flag" in out["message"]
+    assert "did you mean --kv-unified-per-slot" in out["message"]
+    assert host.env_file.read_text() == before
+    assert host.state()["MainPID"] == pid
+
+
+def test_removed_flag_names_its_replacement(host: Host) -> None:
+    installed(host)
+    rc, out = host.cli_json("set", "--no-mmap")
+    assert rc == 2
+    assert "-lm none" in out["message"]
+
+
+def test_missing_model_is_refused(host: Host) -> None:
+    installed(host)
+    rc, out = host.cli_json("set", "-m", str(host.root / "nope.gguf"))
+    assert rc == 2
+    assert "model" in out["message"] and "nope.gguf" in out["message"]
+
+
+def test_crash_at_start_rolls_back_after_one_start(host: Host) -> None:
+    installed(host, "-ctk", "q8_0", "-ctv", "q8_0")
+    rc, out = host.cli_json("set", "-fa", "off")
+    assert rc == 3
+    assert out["outcome"] == "rolled_back"
+    assert out["failure"]["class"] == "quantized_v_needs_fa"
+    assert out["rollback"]["ok"] is True
+    journal = host.journal()
+    assert "quantized V cache requires flash_attn" in journal
+    assert journal.count("exiting due to model loading error") == 1  # started once
+    assert "-fa off" not in host.env_file.read_text()
+    assert host.chat()["usage"]["completion_tokens"] > 0
+
+
+def test_startup_line_different_from_plan_rolls_back(host: Host, tmp_path: Path) -> None:
+    installed(host)
+    ini = tmp_path / "xdg" / "llama.cpp" / "config.ini"
+    ini.parent.mkdir(parents=True)
+    # Caps 4096-cell slots to 3000 but leaves the old 2048-cell slots alone.
+    ini.write_text("kv-unified-per-slot = 3000\n")
+    host.sandbox.systemctl("set-environment", f"XDG_CONFIG_HOME={ini.parent.parent}")
+    try:
+        rc, out = host.cli_json("set", "-c", "8192")
+    finally:
+        host.sandbox.systemctl("unset-environment", "XDG_CONFIG_HOME")
+    assert (rc, out["outcome"]) == (3, "rolled_back"), out
+    assert out["failure"]["class"] == "gate_mismatch"
+    assert "n_ctx_slot = 3000 (planned 4096)" in out["failure"]["message"]
+    assert str(ini) in out["failure"]["message"]
+
+
+def test_completion_failure_rolls_back(host: Host, tmp_path: Path) -> None:
+    installed(host)
+    template = tmp_path / "bad.jinja"
+    template.write_text(BAD_TEMPLATE)
+    rc, out = host.cli_json("set", "--chat-template-file", str(template))
+    assert (rc, out["outcome"]) == (3, "rolled_back")
+    assert out["failure"]["phase"] == "probe"
+    assert "refuses the probe" in out["failure"]["message"]
+    assert host.chat()["usage"]["completion_tokens"] > 0
+
+
+def test_both_configs_failing_is_rollback_failed_and_keeps_everything(
+    host: Host, tmp_path: Path
+) -> None:
+    installed(host)
+    good = host.env_file.read_text()
+    ini = tmp_path / "xdg" / "llama.cpp" / "config.ini"
+    ini.parent.mkdir(parents=True)
+    ini.write_text("api-key = a-key-the-probe-does-not-have\n")
+    host.sandbox.systemctl("set-environment", f"XDG_CONFIG_HOME={ini.parent.parent}")
+    try:
+        rc, out = host.cli_json("set", "-c", "8192")
+    finally:
+        host.sandbox.systemctl("unset-environment", "XDG_CONFIG_HOME")
+    assert (rc, out["outcome"]) == (4, "rollback_failed")
+    assert "401" in out["failure"]["message"]
+    assert "Nothing was deleted" in out["message"]
+    assert host.env_file.read_text() == good
+    assert len(list((host.state_dir / "generations").iterdir())) == 2
+    rc, out = host.cli_json("rollback")
+    assert (rc, out.get("outcome")) == (0, "deployed"), out
+
+
+def test_rollback_to_a_generation(host: Host) -> None:
+    installed(host)
+    first = host.env_file.read_text()
+    assert host.cli_json("set", "-c", "8192")[0] == 0
+    rc, out = host.cli_json("rollback", "--to", "1")
+    assert (rc, out["outcome"], out["generation"]) == (0, "deployed", 3)
+    assert host.env_file.read_text() == first
+    assert out["startup"]["n_ctx_slot"] == 2048
+
+
+def test_rollback_after_start_limit_hit(host: Host) -> None:
+    installed(host)
+    good = host.env_file.read_text()
+    host.env_file.write_text(good.replace("-np 2", "-np 2 --no-such-flag"))
+    refused = ""
+    for _ in range(10):  # manual restarts count toward StartLimitBurst=5
+        p = host.sandbox.systemctl("restart", host.unit, check=False)
+        if "too often" in p.stderr:
+            refused = p.stderr
+            break
+    assert "start of the service was attempted too often" in refused
+    assert "too often" in host.sandbox.systemctl("start", host.unit, check=False).stderr
+    rc, out = host.cli_json("rollback")
+    assert (rc, out["outcome"]) == (0, "deployed"), out
+    assert host.env_file.read_text() == good
+    assert host.chat()["usage"]["completion_tokens"] > 0
+
+
+def _popen(host: Host, *args: str, fault: str) -> subprocess.Popen[str]:
+    env = {**host.env, "LLAMA_LAUNCHER_FAULT": fault}
+    return subprocess.Popen(
+        [sys.executable, "-m", "launcher", *args, "--json"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _wait_phase(host: Host, phase: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    txn = host.state_dir / "txn.json"
+    while time.monotonic() < deadline:
+        try:
+            if json.loads(txn.read_text()).get("phase") == phase:
+                return
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.02)
+    raise AssertionError(f"the deploy never reached phase {phase}")
+
+
+def test_sigterm_during_the_gate_rolls_back(host: Host) -> None:
+    installed(host)
+    good = host.env_file.read_text()
+    p = _popen(host, "set", "-c", "8192", fault="gate:pause")
+    _wait_phase(host, "gate")
+    p.send_signal(signal.SIGTERM)
+    stdout, _ = p.communicate(timeout=60)
+    out = json.loads(stdout.strip().splitlines()[-1])
+    assert (p.returncode, out["outcome"]) == (3, "rolled_back")
+    assert out["failure"]["class"] == "interrupted"
+    assert host.env_file.read_text() == good
+    assert not (host.state_dir / "txn.json").exists()
+    assert host.chat()["usage"]["completion_tokens"] > 0
+
+
+def test_second_deploy_waits_for_the_lock_then_gives_up(host: Host) -> None:
+    installed(host)
+    first = _popen(host, "set", "-c", "8192", fault="gate:pause")
+    _wait_phase(host, "gate")
+    try:
+        rc, out = host.cli_json("set", "-c", "6144", env={"LLAMA_LAUNCHER_LOCK_TIMEOUT": "0.5"})
+        assert rc == 5
+        assert out["error"] == "LockTimeout"
+        assert f"pid {first.pid}" in out["message"]
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.communicate(timeout=60)
+
+
+@pytest.mark.parametrize("phase", ["stored", "swap", "swapped", "restart", "gate"])
+def test_kill_9_at_a_step_boundary_is_recovered(host: Host, phase: str) -> None:
+    installed(host)
+    good = host.env_file.read_text()
+    p = _popen(host, "set", "-c", "8192", fault=f"{phase}:kill")
+    p.communicate(timeout=60)
+    assert p.returncode == -signal.SIGKILL
+    text = host.env_file.read_text()
+    assert text == good or "-c 8192" in text  # whole: the old file or the new one
+    assert (host.state_dir / "txn.json").exists()
+    rc, out = host.cli_json("status")
+    assert out["pending_transaction"] is True
+    rc, out = host.cli_json("recover")
+    assert rc == 0
+    assert out["recovered"]["interrupted_phase"] == phase
+    assert host.env_file.read_text() == good
+    assert not (host.state_dir / "txn.json").exists()
+    assert (
+        json.loads((host.state_dir / "generations/0002/meta.json").read_text())["outcome"]
+        == "interrupted"
+    )
+    assert host.chat()["usage"]["completion_tokens"] > 0
+    rc, out = host.cli_json("set", "-c", "8192")
+    assert (rc, out["outcome"]) == (0, "deployed")
+
+
+def test_check_mode_changes_nothing_and_shows_the_diff(host: Host) -> None:
+    installed(host)
+    before, pid = host.env_file.read_text(), host.state()["MainPID"]
+    rc, out = host.cli_json("set", "--check", "-ctk", "q8_0")
+    assert (rc, out["outcome"], out["changed"]) == (0, "checked", True)
+    assert out["diff"] == ["--- live", "+++ new", "+-ctk q8_0"]
+    assert host.env_file.read_text() == before
+    assert host.state()["MainPID"] == pid
+
+
+def test_status_and_history_report_the_live_generation(host: Host) -> None:
+    installed(host)
+    host.cli_json("set", "-c", "8192")
+    rc, status = host.cli_json("status")
+    assert rc == 0
+    assert status["live_generation"] == 2
+    assert status["client_window"] == 4096
+    assert status["startup"]["n_ctx_slot"] == 4096
+    assert status["memory"] > 0
+    window = json.loads((host.env_file.parent / "client-window.json").read_text())
+    assert window["per_slot_window"] == 4096 and window["generation"] == 2
+    rc, hist = host.cli_json("history")
+    assert [g["outcome"] for g in hist["generations"]] == ["deployed", "deployed"]
+    assert "+-c 8192" in hist["generations"][1]["diff"]
+
+
+def test_overcommitted_shared_pool_is_refused_with_its_numbers(host: Host) -> None:
+    installed(host)
+    rc, out = host.cli_json("set", "-c", "4096", "-np", "4", "-kvu")
+    assert rc == 2
+    assert "4 slots x n_ctx_slot 4096 = 16384 cells promised" in out["message"]
+    assert "unified pool holds 4096" in out["message"]
+    assert "--kv-unified-per-slot 4096 -c 16384" in out["message"]
+
+
+def test_api_key_reaches_the_server_through_a_file_never_argv(host: Host) -> None:
+    import httpx
+
+    installed(host)
+    rc, out = host.cli_json("deploy", "--config", _toml(host, api_key="s3cret-key"))
+    assert (rc, out["outcome"]) == (0, "deployed"), out
+    assert "s3cret-key" not in host.env_file.read_text()
+    pid = host.state()["MainPID"]
+    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode()
+    assert "s3cret-key" not in cmdline and "--api-key-file" in cmdline
+    assert httpx.get(host.url + "/props").status_code == 401
+    ok = httpx.get(host.url + "/props", headers={"Authorization": "Bearer s3cret-key"})
+    assert ok.status_code == 200
+    meta = (host.state_dir / "generations/0002/meta.json").read_text()
+    assert "s3cret-key" not in meta
+
+
+def _toml(host: Host, **extra: str) -> str:
+    path = host.root / "desired.toml"
+    lines = [
+        f'llama_server = "{host.server}"',
+        f'model = "{host.model}"',
+        f"port = {host.port}",
+        "ctx_size = 4096",
+        "parallel = 2",
+    ]
+    lines += [f'{k} = "{v}"' for k, v in extra.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def test_first_deploy_that_fails_leaves_the_unit_stopped(host: Host, tmp_path: Path) -> None:
+    template = tmp_path / "bad.jinja"
+    template.write_text(BAD_TEMPLATE)
+    rc, out = host.install("-c", "4096", "-np", "2", "--chat-template-file", str(template))
+    assert (rc, out["outcome"]) == (3, "rolled_back")
+    assert host.state()["ActiveState"] in ("inactive", "failed")
+    assert not host.env_file.exists()
+
+
+def test_env_file_is_private_and_keeps_its_mode(host: Host) -> None:
+    installed(host)
+    assert oct(host.env_file.stat().st_mode & 0o777) == "0o600"
+    os.chmod(host.env_file, 0o640)
+    assert host.cli_json("set", "-c", "8192")[0] == 0
+    assert oct(host.env_file.stat().st_mode & 0o777) == "0o640"
+    assert (host.env_file.parent / (host.env_file.name + ".bak")).exists()
