@@ -11,8 +11,8 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -152,7 +152,8 @@ class Host:
         try:
             return p.returncode, json.loads(p.stdout.strip().splitlines()[-1])
         except (ValueError, IndexError):
-            raise AssertionError(f"no JSON from {args}: rc={p.returncode}\n{p.stdout}\n{p.stderr}")
+            msg = f"no JSON from {args}: rc={p.returncode}\n{p.stdout}\n{p.stderr}"
+            raise AssertionError(msg) from None
 
     def install(self, *flags: str) -> tuple[int, dict[str, Any]]:
         return self.cli_json("install", *self.base_flags(), *flags)
