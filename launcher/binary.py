@@ -1,7 +1,7 @@
 """The installed llama-server binary: its flags (parsed from ``--help``), version and identity.
 
 ``--help`` is the flag schema of the binary the unit really runs (peers: llserve, mdl doctor).
-The parse is cached per binary fingerprint (path, size, mtime, inode) in the cache dir.
+The parse is cached per binary identity (path, size, mtime, inode) by ``launcher.cache``.
 Help format of b11434 (common/arg.cpp:180-215): option lines start at column 0 with the
 spellings joined by ", ", then a value hint, padded to column 40; continuation lines are
 indented.
@@ -10,14 +10,13 @@ indented.
 from __future__ import annotations
 
 import difflib
-import hashlib
-import json
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from launcher import proc
+from launcher import cache, proc
 from launcher.errors import CommandError, ValidationFailed
 
 _COL = 40
@@ -65,56 +64,35 @@ def parse_help(text: str) -> dict[str, FlagSpec]:
     return flags
 
 
-def fingerprint(path: str) -> str:
-    st = os.stat(path)
-    key = f"{os.path.realpath(path)}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
-    return hashlib.sha256(key.encode()).hexdigest()[:16]
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "llama-launcher" / "help"
-
-
 def inspect(path: str, cache_dir: Path | None = None) -> BinaryInfo:
-    """Flags and version of the llama-server at ``path`` (cached per fingerprint)."""
+    """Flags and version of the llama-server at ``path`` (cached per binary identity)."""
     if not os.path.isfile(path) or not os.access(path, os.X_OK):
         raise ValidationFailed(
             "llama-server",
             f"{path!r} is not an executable file; set llama_server to the "
             "llama-server binary (e.g. --llama-server /usr/local/bin/llama-server)",
         )
-    fp = fingerprint(path)
-    cache = (cache_dir or _cache_dir()) / f"{fp}.json"
-    try:
-        data = json.loads(cache.read_text())
-        flags = {k: FlagSpec(tuple(v[0]), v[1]) for k, v in data["flags"].items()}
-        return BinaryInfo(path, fp, data["version"], flags)
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    try:
-        helptext = proc.run([path, "--help"], timeout=30).stdout
-        version = proc.run([path, "--version"], timeout=30, check=False).stderr.strip()
-    except CommandError as e:
-        raise ValidationFailed("llama-server", f"{path} --help failed: {e}") from e
-    flags = parse_help(helptext)
-    if "--ctx-size" not in flags:
-        raise ValidationFailed(
-            "llama-server", f"{path} --help does not list --ctx-size; is it llama-server?"
-        )
-    info = BinaryInfo(path, fp, version.splitlines()[0] if version else "unknown", flags)
-    try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        payload = {
-            "version": info.version,
+    key = cache.file_key(path)
+
+    def read() -> dict[str, Any]:
+        try:
+            helptext = proc.run([path, "--help"], timeout=30).stdout
+            version = proc.run([path, "--version"], timeout=30, check=False).stderr.strip()
+        except CommandError as e:
+            raise ValidationFailed("llama-server", f"{path} --help failed: {e}") from e
+        flags = parse_help(helptext)
+        if "--ctx-size" not in flags:
+            raise ValidationFailed(
+                "llama-server", f"{path} --help does not list --ctx-size; is it llama-server?"
+            )
+        return {
+            "version": version.splitlines()[0] if version else "unknown",
             "flags": {k: [list(v.spellings), v.value] for k, v in flags.items()},
         }
-        tmp = cache.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(payload))
-        os.replace(tmp, cache)
-    except OSError:
-        pass  # a read-only cache only costs a --help call next time
-    return info
+
+    data = cache.cached("help", key, read, cache_dir)
+    flags = {k: FlagSpec(tuple(v[0]), v[1]) for k, v in data["flags"].items()}
+    return BinaryInfo(path, key, str(data["version"]), flags)
 
 
 def unknown_flags(info: BinaryInfo, args: list[str]) -> list[str]:

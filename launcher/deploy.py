@@ -171,6 +171,8 @@ class Deployer:
         self.progress = progress
         self._rolling_back = False
         self._pending_signal: int | None = None
+        #: deploy even when the memory guard says the config does not fit (--force-memory)
+        self.force_memory = False
 
     # -- entry points ----------------------------------------------------------------------
 
@@ -386,7 +388,9 @@ class Deployer:
         timings: dict[str, float] = {}
         cfg = self._materialize_key(cfg, write=not check)
         self._say("validate")
-        checked = validate.validate(cfg)
+        running = self.systemd.state()
+        releasable = (process_memory(running) or 0) if running.running else 0
+        checked = validate.validate(cfg, releasable=releasable, force_memory=self.force_memory)
         timings["validate"] = round(time.monotonic() - t0, 3)
         live_text = self.env_file.read_text() if self.env_file.exists() else None
         live_argv = self._argv_of(live_text)
@@ -471,6 +475,7 @@ class Deployer:
             },
             "planned": planned,
             "previous": prev_number,
+            "kv_estimate": checked.memory.to_dict(),
         }
         # The rollback is registered before the risky step: the record names the old text.
         self.store.begin(
@@ -490,6 +495,7 @@ class Deployer:
         )
         before = self.systemd.state()
         result.memory["before"] = process_memory(before) if before.running else None
+        result.memory["estimate"] = checked.memory.to_dict()
         try:
             self._checkpoint("swap")
             store.swap_env(self.env_file, checked.env_text)
@@ -635,35 +641,38 @@ class Deployer:
         log: list[str] = []
         deadline = t0 + self.settings.start_timeout
         started = False
-        while scan.startup is None:
-            lines, cursor = self.systemd.messages(cursor)
-            log.extend(lines)
-            scan.feed_all(lines)
-            state = self.systemd.state()
-            started = (
-                started
-                or state.invocation_id != before.invocation_id
-                or state.main_pid not in (0, before.main_pid)
-            )
-            if scan.startup is not None:
-                break
-            dead = _dead(state, before, started)
-            if dead:
-                more, cursor = self.systemd.messages(cursor)
-                log.extend(more)
-                raise self._exited(dead, log)
-            if time.monotonic() > deadline:
-                raise GateFailure(
-                    "startup",
-                    "timeout",
-                    (
-                        f"no startup line within {self.settings.start_timeout:g}s "
-                        "(raise --start-timeout for a large model)"
-                    ),
-                    log[-30:],
+        next_state = 0.0
+        with self.systemd.follow(cursor) as journal:
+            while scan.startup is None:
+                lines = journal.read(0.02)
+                log.extend(lines)
+                scan.feed_all(lines)
+                if scan.startup is not None:
+                    break
+                if time.monotonic() < next_state:
+                    continue
+                next_state = time.monotonic() + 0.05
+                state = self.systemd.state()
+                started = (
+                    started
+                    or state.invocation_id != before.invocation_id
+                    or state.main_pid not in (0, before.main_pid)
                 )
-            self._say("starting", time.monotonic() - t0, log[-1] if log else "")
-            time.sleep(0.03)
+                dead = _dead(state, before, started)
+                if dead:
+                    log.extend(journal.read(0.2))
+                    raise self._exited(dead, log)
+                if time.monotonic() > deadline:
+                    raise GateFailure(
+                        "startup",
+                        "timeout",
+                        (
+                            f"no startup line within {self.settings.start_timeout:g}s "
+                            "(raise --start-timeout for a large model)"
+                        ),
+                        log[-30:],
+                    )
+                self._say("starting", time.monotonic() - t0, log[-1] if log else "")
         timings["startup_line"] = round(time.monotonic() - t0, 3)
         startup = scan.startup
         startup_d = {

@@ -32,6 +32,7 @@ def install(
     template: bool = False,
     progress: Progress | None = None,
     systemd: Systemd | None = None,
+    force_memory: bool = False,
 ) -> Result:
     """Install the unit, create folders with safe modes, enable it, deploy through the gate.
 
@@ -58,6 +59,7 @@ def install(
     systemd.daemon_reload()
     systemd.enable()
     deployer = Deployer(settings, systemd, progress)
+    deployer.force_memory = force_memory
     try:
         return deployer.deploy(cfg, origin="install")
     except DeployFailed:

@@ -32,27 +32,64 @@ class LaunchError(Exception):
     """A configuration error of the launcher itself (exit status 78)."""
 
 
-def argv_from_values(values: Mapping[str, str], path: str = "<env>") -> list[str]:
-    """Build llama-server's argv from parsed env file values."""
+def _key_lines(text: str) -> dict[str, int]:
+    """The line number of each key's last assignment in text the parser has accepted."""
+    lines: dict[str, int] = {}
+    for lineno, raw in enumerate(text.split("\n"), start=1):
+        line = raw.strip(" \t")
+        if line and not line.startswith("#"):
+            lines[line.partition("=")[0]] = lineno
+    return lines
+
+
+def argv_from_values(
+    values: Mapping[str, str], path: str = "<env>", lines: Mapping[str, int] | None = None
+) -> list[str]:
+    """Build llama-server's argv from parsed env file values.
+
+    ``lines`` maps each key to the line that set it, so a refusal can name it.
+    """
+
+    def where(key: str) -> str:
+        lineno = (lines or {}).get(key)
+        return f"{path}:{lineno}" if lineno else path
+
     unknown = [k for k in values if k not in KEYS]
     if unknown:
+        key = unknown[0]
+        reads = (
+            ", and llama-server reads LLAMA_ARG_* variables as flags behind the typed config"
+            if key.startswith("LLAMA_ARG_")
+            else ""
+        )
         raise LaunchError(
-            f"{path}: unknown key {unknown[0]!r}; an env file for llama-launcher holds only "
+            f"{where(key)}: unknown key {key!r}: bash would set it (set -a exports it to "
+            f"llama-server){reads}; an env file for llama-launcher holds only "
             f"{', '.join(KEYS)} (llama-server flags go into EXTRA_ARGS)"
         )
     missing = [k for k in REQUIRED if not values.get(k)]
     if missing:
-        raise LaunchError(f"{path}: {missing[0]} is missing or empty; set it, e.g. "
-                          f"{missing[0]}=\"...\"")
+        key = missing[0]
+        state = "is empty" if key in values else "is missing (no line sets it)"
+        raise LaunchError(
+            f"{where(key)}: {key} {state}: a bash launcher would "
+            + (
+                "start llama-server without its flags"
+                if key == "EXTRA_ARGS"
+                else "run the first word of EXTRA_ARGS as the program"
+            )
+            + f'; set it, e.g. {key}="..."'
+        )
     try:
         words = envfile.split_words(values["EXTRA_ARGS"])
     except ValueError as e:
-        raise LaunchError(f"{path}: {e}") from None
+        raise LaunchError(f"{where('EXTRA_ARGS')}: {e}") from None
     for word in words:
         if word in ("--api-key",) or word.startswith("--api-key="):
             raise LaunchError(
-                f"{path}: EXTRA_ARGS carries --api-key, which any user can read with ps; "
-                "put the key in a file and set API_KEY_FILE instead"
+                f"{where('EXTRA_ARGS')}: EXTRA_ARGS carries --api-key: bash would put the key "
+                "on llama-server's command line, where any user can read it with ps; put "
+                "the key in a file and set API_KEY_FILE instead"
             )
     argv = [values["LLAMA_SERVER"], *words]
     if not any(w == "--log-colors" or w.startswith("--log-colors=") for w in words):
@@ -65,7 +102,9 @@ def argv_from_values(values: Mapping[str, str], path: str = "<env>") -> list[str
 def read_argv(path: str) -> list[str]:
     """Read and parse the env file at ``path`` into llama-server's argv."""
     try:
-        with open(path, encoding="utf-8") as f:
+        # newline="": universal newlines would turn a CR into a line break and hide a CRLF
+        # file, which bash reads with a CR at the end of every value, from the parser.
+        with open(path, encoding="utf-8", newline="") as f:
             text = f.read()
     except OSError as e:
         raise LaunchError(f"cannot read the env file {path}: {e.strerror}") from None
@@ -75,7 +114,7 @@ def read_argv(path: str) -> list[str]:
         values = envfile.parse(text, path)
     except envfile.EnvFileError as e:
         raise LaunchError(str(e)) from None
-    return argv_from_values(values, path)
+    return argv_from_values(values, path, _key_lines(text))
 
 
 def server_environ(environ: Mapping[str, str]) -> dict[str, str]:
@@ -101,8 +140,10 @@ def _parse_args(args: Sequence[str]) -> tuple[str, bool]:
         elif a == "--print-argv":
             print_argv, i = True, i + 1
         elif a in ("-h", "--help"):
-            print(_USAGE + "\n\nRead the env file strictly and exec llama-server "
-                  "(--print-argv: print the argv as JSON and exit).")
+            print(
+                _USAGE + "\n\nRead the env file strictly and exec llama-server "
+                "(--print-argv: print the argv as JSON and exit)."
+            )
             raise SystemExit(0)
         else:
             raise LaunchError(f"unexpected argument {a!r}; {_USAGE}")

@@ -60,31 +60,65 @@ CONTEXT_WARNINGS = {
 #: Why a server failed to start, most specific first (common/arg.cpp, server.cpp,
 #: server-http.cpp, ggml/src/gguf.cpp, src/llama-context.cpp).
 FAILURES: list[tuple[str, re.Pattern[str], str]] = [
-    ("unknown_argument", re.compile(r"error: invalid argument: (?P<arg>\S+)"),
-     "llama-server does not know the flag {arg}"),
-    ("bad_value", re.compile(r'error while handling argument "(?P<arg>[^"]+)": (?P<what>.*)'),
-     "llama-server refused the value of {arg}: {what}"),
-    ("bad_cache_type", re.compile(r"Unsupported cache type: (?P<type>\S+)"),
-     "llama-server does not support the cache type {type}"),
-    ("model_missing", re.compile(r"failed to open GGUF file '(?P<path>[^']*)'"),
-     "the model file {path} cannot be opened"),
-    ("port_in_use", re.compile(
-        r"couldn't bind HTTP server socket, hostname: (?P<host>\S+), port: (?P<port>\d+)"),
-     "the port {port} on {host} is already in use"),
-    ("out_of_memory", re.compile(
-        r"(?P<what>failed to allocate buffer for kv cache|failed to allocate compute|"
-        r"out of memory|cannot allocate memory)", re.I),
-     "llama-server ran out of memory ({what})"),
-    ("quantized_v_needs_fa", re.compile(r"quantized V cache requires flash_attn to be enabled"),
-     "a quantized V cache needs flash attention; drop -fa off"),
-    ("block_size", re.compile(
-        r"(?P<which>[KV]) cache type (?P<type>\S+) with block size (?P<bs>\d+) does not divide "
-        r"n_embd_head_\w+=(?P<hd>\d+)"),
-     "the {which} cache type {type} (block {bs}) does not fit this model's head size {hd}"),
-    ("model_load", re.compile(r"failed to load model|error loading model"),
-     "llama-server could not load the model"),
-    ("context_create", re.compile(r"failed to create[_ ]context"),
-     "llama-server could not create the context"),
+    (
+        "unknown_argument",
+        re.compile(r"error: invalid argument: (?P<arg>\S+)"),
+        "llama-server does not know the flag {arg}",
+    ),
+    (
+        "bad_value",
+        re.compile(r'error while handling argument "(?P<arg>[^"]+)": (?P<what>.*)'),
+        "llama-server refused the value of {arg}: {what}",
+    ),
+    (
+        "bad_cache_type",
+        re.compile(r"Unsupported cache type: (?P<type>\S+)"),
+        "llama-server does not support the cache type {type}",
+    ),
+    (
+        "model_missing",
+        re.compile(r"failed to open GGUF file '(?P<path>[^']*)'"),
+        "the model file {path} cannot be opened",
+    ),
+    (
+        "port_in_use",
+        re.compile(
+            r"couldn't bind HTTP server socket, hostname: (?P<host>\S+), port: (?P<port>\d+)"
+        ),
+        "the port {port} on {host} is already in use",
+    ),
+    (
+        "out_of_memory",
+        re.compile(
+            r"(?P<what>failed to allocate buffer for kv cache|failed to allocate compute|"
+            r"out of memory|cannot allocate memory)",
+            re.I,
+        ),
+        "llama-server ran out of memory ({what})",
+    ),
+    (
+        "quantized_v_needs_fa",
+        re.compile(r"quantized V cache requires flash_attn to be enabled"),
+        "a quantized V cache needs flash attention; drop -fa off",
+    ),
+    (
+        "block_size",
+        re.compile(
+            r"(?P<which>[KV]) cache type (?P<type>\S+) with block size (?P<bs>\d+) does not divide "
+            r"n_embd_head_\w+=(?P<hd>\d+)"
+        ),
+        "the {which} cache type {type} (block {bs}) does not fit this model's head size {hd}",
+    ),
+    (
+        "model_load",
+        re.compile(r"failed to load model|error loading model"),
+        "llama-server could not load the model",
+    ),
+    (
+        "context_create",
+        re.compile(r"failed to create[_ ]context"),
+        "llama-server could not create the context",
+    ),
 ]
 
 
@@ -120,8 +154,12 @@ class StartupScan:
         line = clean(raw)
         if m := STARTUP.search(line):
             self.startup = Startup(
-                int(m["n_slots"]), int(m["n_ctx_slot"]), m["kv_unified"] == "true",
-                self.pool_cells, tuple(self.warnings), self.config_file,
+                int(m["n_slots"]),
+                int(m["n_ctx_slot"]),
+                m["kv_unified"] == "true",
+                self.pool_cells,
+                tuple(self.warnings),
+                self.config_file,
             )
             return
         if m := POOL_SIZING.search(line):
@@ -163,3 +201,124 @@ def classify(lines: Iterable[str]) -> tuple[str, str] | None:
         if hit and (found is None or rank[hit[0]] < rank[found[0]]):
             found = hit
     return found
+
+
+# ---------------------------------------------------------------------------------------------
+# Runtime lines: KV exhaustion, request-time rejections (read by ``launcher.diagnose``).
+# All of them print at the default verbosity (3) unless noted. The patterns are searched, not
+# anchored, so they match behind every prefix form: llama-server's ``0.00.035.060 I ``, ANSI
+# colours, journald's ``-o short`` prefix and inside a ``--log-jsonl`` record's "msg".
+# ---------------------------------------------------------------------------------------------
+
+# src/llama-context.cpp:1843 (WARN, libllama; ``llama_context::decode`` then returns 1)
+MEMORY_SLOT = re.compile(r"decode: failed to find a memory slot for batch of size (?P<size>\d+)")
+# tools/server/server-context.cpp:4061 (SRV_WRN). n_batch is the size of the NEXT try: it is
+# halved, or kept when try_clear_idle_slots purged an idle slot (unified pools only).
+DECODE_RETRY = re.compile(
+    r"failed to find free space in the KV cache, retrying with smaller batch size, "
+    r"off = (?P<off>\d+), n_batch = (?P<n_batch>\d+), ret = (?P<ret>-?\d+)"
+)
+# server-context.cpp:1813 (SRV_WRN, try_clear_idle_slots; the function name prints as
+# ``try_clear_id``)
+PURGE = re.compile(r"purging slot (?P<slot>\d+) with (?P<tokens>\d+) tokens")
+# server-context.cpp:4019-4038 (SRV_ERR): the error that ends a cascade. Only
+# "Context size has been exceeded." is KV exhaustion; the other two are other faults.
+DECODE_ERROR = re.compile(
+    r"(?P<error>Context size has been exceeded\.|Invalid input batch\.|Compute error\.) "
+    r"off = (?P<off>\d+), n_batch = (?P<n_batch>\d+), ret = (?P<ret>-?\d+)"
+)
+# server-context.cpp:2163 (SRV_ERR), once per request that gets an error
+SEND_ERROR = re.compile(r"send_error: task id = (?P<task>-?\d+), error: (?P<error>.*?)(?:\\n)?$")
+# server-context.cpp:586 (SLT_INF): ``slot      release: id  0 | task 12 | stop processing: ...``
+SLOT_RELEASE = re.compile(
+    r"release: id +(?P<slot>\d+) \| task (?P<task>-?\d+) \| stop processing: "
+    r"n_tokens = (?P<n_tokens>\d+), truncated = (?P<truncated>\d+)"
+)
+# server-context.cpp:3096 (SRV_ERR): after every slot was released
+DECODE_FAILED = re.compile(r"update_slots: decode\(\) failed: (?P<error>.*?)(?:\\n)?$")
+#: The phrase ``grep -c`` looks for (seed 000's checklist, step 1). It appears on the
+#: decode error line, on one send_error line per request and on the update_slots line.
+CONTEXT_EXCEEDED = "Context size has been exceeded"
+
+# server-context.cpp:3395-3424: request-time rejections, HTTP 400 exceed_context_size_error.
+REQUEST_TOO_LONG = re.compile(
+    r"request \((?P<n_prompt>\d+) tokens\) exceeds the available context size "
+    r"\((?P<n_ctx>\d+) tokens\)"
+)
+INPUT_TOO_LARGE = re.compile(
+    r"input \((?P<n_prompt>\d+) tokens\) is larger than the max context size "
+    r"\((?P<n_ctx>\d+) tokens\)"
+)
+#: The error type of the 400 body (tools/server/server-common.cpp:36-77); it reaches the log
+#: only when something logs response bodies (-v, a proxy).
+EXCEED_CONTEXT_TYPE = "exceed_context_size_error"
+
+# Pool size, when the log states it. src/llama-context.cpp:311 (INFO, only at -lv 4); the
+# field name is padded with spaces so the '=' signs line up.
+LLAMA_CONTEXT_N_CTX = re.compile(r"llama_context: n_ctx +=\s*(?P<n_ctx>\d+)")
+# src/llama-kv-cache.cpp:301 (INFO, -lv 4): ``llama_kv_cache: size = ... (  1024 cells, ...``
+KV_CACHE_CELLS = re.compile(
+    r"llama_kv_cache: size = +[\d.]+ MiB \( *(?P<cells>\d+) cells, +(?P<layers>\d+) layers, "
+    r"+(?P<seqs>\d+)/(?P<streams>\d+) seqs\)"
+)
+# common/fit.cpp:434,443 (TRACE, -lv 4): ``common_fit_params...: context size reduced from A to B``
+FIT_REDUCED = re.compile(r"context size reduced from (?P<from>\d+) to (?P<to>\d+)")
+# server.cpp:116: the first line of every server start; a new generation of the log begins.
+SERVER_INIT = re.compile(r"srv  llama_server: initializing \.\.\.")
+
+# journald ``-o short`` / ``-o short-iso`` / ``-o short-precise`` prefixes.
+_JOURNAL_PREFIX = re.compile(
+    r"^(?:[A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d(?:\.\d+)?|"
+    r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?(?:[+-]\d{2}:?\d{2}|Z)?) "
+    r"\S+ [^\s:\[]+(?:\[\d+\])?: "
+)
+
+
+def normalize(line: str) -> str:
+    """The bare message of one log line, whatever carried it.
+
+    Unwraps a ``--log-jsonl`` record (``{"type":"log",...,"msg":"..."}``), strips a journald
+    ``-o short`` prefix, then does what ``clean`` does (ANSI colours, the timestamp and level
+    letter, the line ending).
+    """
+    text = line.rstrip("\r\n")
+    if text.startswith('{"type":'):
+        import json
+
+        try:
+            record = json.loads(text)
+        except ValueError:
+            return clean(text)
+        msg = record.get("msg") if isinstance(record, dict) else None
+        return clean(msg) if isinstance(msg, str) else clean(text)
+    return clean(_JOURNAL_PREFIX.sub("", _ANSI.sub("", text), count=1))
+
+
+#: Cheap substrings, one set per kind of line, tried on the raw bytes before any regex runs
+#: (``launcher.diagnose``'s fast path). A line holding one of them but matching none of the
+#: patterns above is reported as possible format drift.
+KEYWORDS: dict[str, tuple[bytes, ...]] = {
+    "memory_slot": (b"memory slot",),
+    "retry": (b", ret = ",),  # the retry and the decode error lines
+    "purge": (b"purging slot",),
+    "send_error": (b"send_error",),
+    "release": (b"stop processing",),
+    "decode_failed": (b"decode() failed",),
+    "exceeded": (CONTEXT_EXCEEDED.encode(),),
+    "too_long": (
+        b"exceeds the available context",
+        b"larger than the max context",
+        EXCEED_CONTEXT_TYPE.encode(),
+    ),
+    "startup": (
+        b"n_slots = ",
+        b"sizing KV pool",
+        b"n_ctx_seq (",
+        b"capping per-slot",
+        b"exceeds the per-slot pool",
+        b"llama_context: n_ctx ",
+        b" cells, ",
+        b"context size reduced",
+        b"llama_server: initializing",
+    ),
+}

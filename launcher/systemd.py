@@ -9,6 +9,8 @@ tests hand in the real sandbox, never a patched module.
 from __future__ import annotations
 
 import json
+import os
+import select
 import subprocess
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -172,9 +174,62 @@ class Systemd:
                 lines.extend(msg.splitlines() or [""])
         return lines, cursor
 
+    def follow(self, after_cursor: str | None) -> JournalFollower:
+        """Follow the unit's journal from ``after_cursor`` (``journalctl -f``)."""
+        args = ["-f", "-o", "json"]
+        args += ["--after-cursor", after_cursor] if after_cursor else ["-n", "all"]
+        return JournalFollower(self._journal_argv(*args), self.env)
+
     def tail(self, n: int = 30) -> list[str]:
         """The unit's last ``n`` journal messages."""
         return self.messages(None, limit=n)[0]
+
+
+class JournalFollower:
+    """A running ``journalctl -f -o json``: messages as journald stores them, without
+    spawning journalctl on every poll."""
+
+    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env
+        )
+        assert self.proc.stdout is not None
+        self.fd = self.proc.stdout.fileno()
+        os.set_blocking(self.fd, False)
+        self.buffer = b""
+
+    def read(self, timeout: float) -> list[str]:
+        """Messages that arrived within ``timeout`` seconds (possibly none)."""
+        ready, _, _ = select.select([self.fd], [], [], timeout)
+        if not ready:
+            return []
+        try:
+            chunk = os.read(self.fd, 1 << 16)
+        except BlockingIOError:
+            return []
+        self.buffer += chunk
+        *complete, self.buffer = self.buffer.split(b"\n")
+        lines: list[str] = []
+        for raw in complete:
+            try:
+                msg = json.loads(raw).get("MESSAGE")
+            except ValueError:
+                continue
+            if isinstance(msg, list):
+                msg = bytes(msg).decode(errors="replace")
+            if isinstance(msg, str):
+                lines.extend(msg.splitlines() or [""])
+        return lines
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+    def __enter__(self) -> JournalFollower:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def stream_journal(unit: str, since: str | None = None, extra: Sequence[str] = ()) -> Iterator[str]:

@@ -9,7 +9,8 @@ Runs on the rendered temporary file; each step is named in its error:
 4. ``argv``       ``llama-launcher exec --print-argv`` on the file equals the typed argv;
 5. ``flags``      every flag is known to the installed llama-server (``--help``);
 6. ``model``      the model exists, is readable and is a GGUF whose metadata loads;
-7. ``pool``       the pool arithmetic: no over-committed shared pool unless allowed.
+7. ``pool``       the pool arithmetic: no over-committed shared pool unless allowed;
+8. ``memory``     KV estimate + weights + prompt cache fit what the box can give.
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from launcher import binary, config, envfile, launch, pool, proc
+from launcher import binary, cache, config, envfile, kvmem, launch, memory, pool, proc
 from launcher.errors import CommandError, ConfigInvalid, ValidationFailed
 
-STEPS = ("lint", "bash -n", "subshell", "argv", "flags", "model", "pool")
+STEPS = ("lint", "bash -n", "subshell", "argv", "flags", "model", "pool", "memory")
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class Validated:
     plan: pool.PoolPlan
     model: dict[str, Any]
     server: binary.BinaryInfo
+    memory: memory.Need
     steps: tuple[str, ...] = field(default=STEPS)
 
 
@@ -132,37 +134,47 @@ def check_flags(info: binary.BinaryInfo, args: list[str]) -> None:
         )
 
 
-def model_facts(path: Path) -> dict[str, Any]:
-    """Identity and key metadata of the GGUF at ``path``; raises ValidationFailed('model')."""
+def model_facts(path: Path) -> tuple[dict[str, Any], kvmem.ModelInfo | None, str | None]:
+    """Identity and metadata of the GGUF at ``path``, its KV layout (None with the reason
+    when the estimator does not cover it); raises ValidationFailed('model')."""
     if not path.exists():
         raise ValidationFailed("model", f"the model file {path} does not exist; check -m/model")
     if not os.access(path, os.R_OK):
         raise ValidationFailed("model", f"the model file {path} is not readable; fix its mode")
-    n_ctx_train, arch = _ctx_train(path)
+    meta = cache.cached("models", cache.file_key(path), lambda: _read_meta(path))
+    md, weights = meta["metadata"], int(meta["weights"])
+    arch = str(md.get("general.architecture", ""))
+    n_ctx_train = md.get(f"{arch}.context_length")
     st = path.stat()
-    return {
+    facts = {
         "path": str(path),
         "size": st.st_size,
         "mtime_ns": st.st_mtime_ns,
         "inode": st.st_ino,
         "arch": arch,
-        "n_ctx_train": n_ctx_train,
+        "weights": weights,
+        "n_ctx_train": n_ctx_train if isinstance(n_ctx_train, int) else None,
     }
-
-
-def _ctx_train(path: Path) -> tuple[int | None, str]:
     try:
-        from gguf import GGUFReader
+        return facts, kvmem.ModelInfo.from_metadata(md, str(path), weights), None
+    except kvmem.EstimateUnsupported as e:
+        return facts, None, str(e)
+    except ConfigInvalid as e:
+        raise ValidationFailed("model", str(e)) from None
 
-        reader = GGUFReader(str(path), "r")
-        arch_field = reader.fields["general.architecture"]
-        arch = bytes(arch_field.parts[arch_field.data[0]]).decode()
-        ctx = reader.fields.get(f"{arch}.context_length")
-        return (int(ctx.parts[ctx.data[0]][0]) if ctx else None), arch
+
+def _read_meta(path: Path) -> dict[str, Any]:
+    """The GGUF metadata, read with the gguf package (llama.cpp's reader); JSON-able."""
+    try:
+        md = kvmem.read_metadata(path)
+        weights = kvmem.weights_size(path, md)
+    except ConfigInvalid as e:
+        raise ValidationFailed("model", str(e)) from None
     except Exception as e:
         raise ValidationFailed(
             "model", f"{path} is not a GGUF model llama-server can load ({e})"
         ) from e
+    return {"metadata": md, "weights": weights}
 
 
 def validate_file(
@@ -182,9 +194,16 @@ def validate_file(
 
 
 def validate(
-    cfg: config.ServerConfig, key_file: str | None = None, workdir: Path | None = None
+    cfg: config.ServerConfig,
+    key_file: str | None = None,
+    workdir: Path | None = None,
+    releasable: int = 0,
+    force_memory: bool = False,
 ) -> Validated:
-    """Render ``cfg`` to a temporary file and run the whole chain on it."""
+    """Render ``cfg`` to a temporary file and run the whole chain on it.
+
+    ``releasable``: bytes the running server frees when it is restarted (memory guard).
+    """
     text = render(cfg, key_file)
     values = env_values(cfg, key_file)
     expected = cfg.argv(key_file)
@@ -193,9 +212,11 @@ def validate(
         path.write_text(text)
         os.chmod(path, 0o600)
         info = validate_file(path, cfg, values, expected)
-    model = model_facts(cfg.model)
+    model, layout, unsupported = model_facts(cfg.model)
     try:
         plan = cfg.check_overcommit(model.get("n_ctx_train"))
     except ConfigInvalid as e:
         raise ValidationFailed("pool", str(e)) from None
-    return Validated(cfg, text, values, expected, plan, model, info)
+    need = memory.need(cfg, plan, layout, model["weights"], unsupported)
+    memory.guard(need, releasable, force_memory)
+    return Validated(cfg, text, values, expected, plan, model, info, need)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -81,17 +82,30 @@ def test_missing_model_is_refused(host: Host) -> None:
 
 
 def test_crash_at_start_rolls_back_after_one_start(host: Host) -> None:
-    installed(host, "-ctk", "q8_0", "-ctv", "q8_0")
-    rc, out = host.cli_json("set", "-fa", "off")
+    installed(host)
+    with socket.socket() as taken:  # another process holds the port the new config wants
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        rc, out = host.cli_json("set", "--port", str(port))
     assert rc == 3
     assert out["outcome"] == "rolled_back"
-    assert out["failure"]["class"] == "quantized_v_needs_fa"
+    assert out["failure"]["class"] == "port_in_use"
+    assert f"the port {port} on 127.0.0.1 is already in use" in out["failure"]["message"]
     assert out["rollback"]["ok"] is True
     journal = host.journal()
-    assert "quantized V cache requires flash_attn" in journal
-    assert journal.count("exiting due to model loading error") == 1  # started once
-    assert "-fa off" not in host.env_file.read_text()
+    assert journal.count("couldn't bind HTTP server socket") == 1  # the bad config started once
+    assert f"--port {host.port}" in host.env_file.read_text()
     assert host.chat()["usage"]["completion_tokens"] > 0
+
+
+def test_quantized_v_without_flash_attention_is_refused_before_restart(host: Host) -> None:
+    installed(host, "-ctk", "q8_0", "-ctv", "q8_0")
+    pid = host.state()["MainPID"]
+    rc, out = host.cli_json("set", "-fa", "off")
+    assert rc == 2
+    assert "flash" in out["message"].lower()
+    assert host.state()["MainPID"] == pid
 
 
 def test_startup_line_different_from_plan_rolls_back(host: Host, tmp_path: Path) -> None:

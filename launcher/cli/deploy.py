@@ -42,6 +42,14 @@ def _config_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _memory_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--force-memory",
+        action="store_true",
+        help="go ahead even if the memory estimate exceeds what the box can give",
+    )
+
+
 def _parser(sub: Any, name: str, help: str, flags: bool = False) -> argparse.ArgumentParser:
     p: argparse.ArgumentParser = sub.add_parser(
         name, help=help, description=help, allow_abbrev=False
@@ -66,6 +74,7 @@ def register(sub: Any) -> None:
     )
     _config_options(p)
     _settings_options(p)
+    _memory_option(p)
     p.set_defaults(func=cmd_check)
 
     p = _parser(
@@ -77,6 +86,7 @@ def register(sub: Any) -> None:
     _config_options(p)
     _mode_options(p)
     _settings_options(p)
+    _memory_option(p)
     p.set_defaults(func=cmd_deploy)
 
     p = _parser(
@@ -89,6 +99,7 @@ def register(sub: Any) -> None:
     p.add_argument("--allow-overcommit", action="store_true")
     _mode_options(p)
     _settings_options(p)
+    _memory_option(p)
     p.set_defaults(func=cmd_set)
 
     p = _parser(
@@ -99,6 +110,7 @@ def register(sub: Any) -> None:
     )
     _mode_options(p)
     _settings_options(p)
+    _memory_option(p)
     p.set_defaults(func=cmd_unset)
 
     p = _parser(
@@ -143,6 +155,7 @@ def register(sub: Any) -> None:
     p.add_argument("--instance", help="install llama-server@INSTANCE.service (template unit)")
     p.add_argument("--unit-dir", type=Path, help="where the unit file goes")
     _settings_options(p)
+    _memory_option(p)
     p.set_defaults(func=cmd_install)
 
     p = _parser(
@@ -228,7 +241,9 @@ def _default_server() -> str:
 def deployer_for(ns: argparse.Namespace) -> Deployer:
     from launcher.deploy import Deployer
 
-    return Deployer(settings_from(ns), progress=None if ns.json else _progress())
+    d = Deployer(settings_from(ns), progress=None if ns.json else _progress())
+    d.force_memory = bool(getattr(ns, "force_memory", False))
+    return d
 
 
 def _progress() -> Any:
@@ -379,6 +394,7 @@ def cmd_install(ns: argparse.Namespace) -> int:
         config_from(ns),
         template=bool(ns.instance),
         progress=None if ns.json else _progress(),
+        force_memory=ns.force_memory,
     )
     return _finish(ns, result)
 

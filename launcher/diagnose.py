@@ -1,0 +1,820 @@
+"""Read a llama-server log and say why requests failed with "Context size has been exceeded".
+
+Seed 000's troubleshooting checklist as code: count the error, read the last startup line as a
+promise (n_slots x n_ctx_slot against the pool, via ``launcher.pool``), group each
+batch-halving cascade with the failure it ends in, add up the ``slot release`` lines that
+follow it, classify the failure and name the exact ``llama-launcher set`` line that fixes it.
+
+What the real server (b11434) taught, beyond LLAMA_SERVER_FACTS §2:
+
+- A cascade is not one halving run. ``update_slots`` decodes its batch in views of n_batch
+  tokens from offset ``off``; a smaller view that fits is placed, ``off`` advances and n_batch
+  is reset to ``llama_n_batch`` (min(-b, -c)), so the next view fails again at full size and
+  halves again. One failure can follow many memory-slot/retry pairs at rising offsets.
+- Free cells are not enough: a view of 323 tokens can fail with 512 cells free, and a view of
+  64 then fits (ubatch placement). Only the last view (n_batch = 1) proves the pool is full.
+- The release lines count every token a slot has queued, including the part of the batch not
+  yet placed. Hence, on the real server: ``sum(n_tokens) = pool + overflow`` where overflow is
+  the size of the first view that failed at the final offset (``batch.size() - off``; the seed's
+  719). When that view was capped by n_batch the overflow is not in the log; then it is
+  inferred as ``sum - pool``.
+
+Streams in constant memory: the input is read in binary blocks, lines are pre-filtered with
+cheap substring checks (``serverlog.KEYWORDS``) before any regex runs, and only the last
+``keep`` failures are kept in detail (every failure is counted).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import tempfile
+from collections import Counter, deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import IO, Any
+
+from launcher import pool, serverlog
+from launcher.errors import CommandError, ConfigInvalid
+
+#: Bytes read per block. Large blocks keep the per-block overhead of the fast path small.
+BLOCK = 8 << 20
+#: Failures kept in detail (the rest are counted).
+KEEP = 10
+#: Cascade steps kept per failure (the rest are counted).
+MAX_STEPS = 64
+#: Drift samples kept.
+MAX_SAMPLES = 5
+
+#: Memory hook: (plan, type_k, type_v) -> bytes of KV cache, or None when unknown.
+#: ``launcher.kvmem`` will supply one; until then the fixes carry ``memory_bytes=None``.
+MemoryCost = Callable[[pool.PoolPlan, str, str], int | None]
+
+
+class FailureClass(StrEnum):
+    SHARED_POOL = "shared-pool exhaustion"
+    TOO_LONG = "a single request longer than its slot"
+    FIT_REDUCED = "context reduced by fit"
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True)
+class Fix:
+    """One way out: the exact command, and what it guarantees."""
+
+    command: str
+    guaranteed_window: int  # cells every slot can rely on while all are busy
+    pool_cells: int
+    memory_bytes: int | None  # None: no model known, or no memory hook yet (launcher.kvmem)
+    note: str
+
+
+@dataclass(frozen=True)
+class Verdict:
+    cls: FailureClass
+    count: int
+    reason: str
+    fixes: tuple[Fix, ...]  # first = the recommended one
+
+
+@dataclass(frozen=True)
+class Config:
+    """What the last startup before a point in the log promised."""
+
+    line: int
+    n_slots: int
+    n_ctx_slot: int
+    kv_unified: bool
+    pool_cells: int | None
+    pool_source: str  # where pool_cells came from, in words
+    per_slot_cap: int  # --kv-unified-per-slot, 0 when not seen
+    fit_reduced: tuple[int, int] | None  # (from, to) when fit shrank the context
+    n_ctx_train: int | None
+    plan: pool.PoolPlan | None
+    promise: str  # the startup line read as a sentence
+
+
+@dataclass(frozen=True)
+class Step:
+    """One try of a cascade: a view of ``size`` tokens at ``off`` did not fit."""
+
+    off: int
+    size: int | None  # from the memory-slot line
+    next_n_batch: int | None  # from the retry line; None for the final try
+    purged: tuple[int, int] | None = None  # (slot, tokens) purged instead of halving
+
+
+@dataclass(frozen=True)
+class SlotShare:
+    slot: int
+    task: int
+    n_tokens: int
+    truncated: bool
+    share: float | None  # of the pool, 0..1
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One decode failure and the cascade and slot releases around it."""
+
+    number: int  # 1-based among all failures in the input
+    line: int
+    error: str
+    off: int
+    steps: tuple[Step, ...]
+    n_steps: int  # all tries, including those not kept
+    offsets: int  # distinct offsets tried (restarts after part of the batch was placed)
+    first_view: int | None  # size of the first view that failed
+    purges: int
+    slots: tuple[SlotShare, ...]
+    requests_failed: int  # send_error lines
+    total: int
+    pool_cells: int | None
+    overflow: int | None  # the view that could not be placed, from the log
+    overflow_source: str  # "log" | "inferred (sum - pool)" | "unknown"
+    adds_up: bool | None  # total == pool + overflow (None: pool or overflow unknown)
+    cls: FailureClass
+    config_line: int | None
+
+
+@dataclass(frozen=True)
+class Rejection:
+    line: int
+    n_prompt: int
+    n_ctx: int
+
+
+@dataclass(frozen=True)
+class Report:
+    source: str
+    lines: int
+    exceeded_lines: int  # what `grep -c 'Context size has been exceeded'` counts
+    failures_total: int
+    requests_failed: int  # HTTP 500 "Context size has been exceeded." answers
+    rejections_total: int  # HTTP 400 exceed_context_size_error answers
+    rejections: tuple[Rejection, ...]  # the last few
+    max_rejected_prompt: int | None
+    recovered_cascades: int  # cascades that found room after all
+    startups: int
+    config: Config | None  # the last startup
+    pool_cells: int | None  # the last startup's pool, else the hint
+    pool_source: str
+    failures: tuple[Failure, ...]  # the last ``keep``
+    by_class: dict[str, int]
+    adds_up: int  # failures whose release lines add up to pool + overflow
+    checked: int  # failures where that could be checked
+    verdicts: tuple[Verdict, ...]
+    drift_lines: int
+    drift_samples: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        import dataclasses
+
+        return dataclasses.asdict(self)
+
+
+# ------------------------------------------------------------------------------------------
+# Reading: binary blocks, keyword prefilter
+
+
+_ALL_KEYWORDS: tuple[bytes, ...] = tuple(
+    dict.fromkeys(kw for kws in serverlog.KEYWORDS.values() for kw in kws)
+)
+
+
+class _Lines:
+    """Candidate lines of a binary stream, with their 1-based numbers; counts all lines."""
+
+    def __init__(self, stream: IO[bytes], block: int = BLOCK) -> None:
+        self.stream = stream
+        self.block = block
+        self.count = 0
+
+    def __iter__(self) -> Iterator[tuple[int, bytes]]:
+        rest = b""
+        while True:
+            data = self.stream.read(self.block)
+            if not data:
+                break
+            cut = data.rfind(b"\n")
+            if cut < 0:
+                rest += data
+                continue
+            chunk = rest + data[: cut + 1] if rest else data[: cut + 1]
+            rest = data[cut + 1 :]
+            yield from self._scan(chunk)
+        if rest:
+            yield from self._scan(rest + b"\n")
+
+    def _scan(self, chunk: bytes) -> Iterator[tuple[int, bytes]]:
+        starts: set[int] = set()
+        find, rfind = chunk.find, chunk.rfind
+        for kw in _ALL_KEYWORDS:
+            i = find(kw)
+            while i >= 0:
+                start = rfind(b"\n", 0, i) + 1
+                starts.add(start)
+                i = find(kw, find(b"\n", i) + 1)
+        base, prev = self.count, 0
+        count = chunk.count
+        for start in sorted(starts):
+            base += count(b"\n", prev, start)
+            prev = start
+            yield base + 1, chunk[start : find(b"\n", start)]
+        self.count += count(b"\n")
+
+
+# ------------------------------------------------------------------------------------------
+# The state machine
+
+
+@dataclass
+class _Boot:
+    """Facts gathered since the last ``llama_server: initializing ...``."""
+
+    pool_sizing: tuple[int, int, int] | None = None  # (np, per_slot, n_ctx)
+    n_ctx: int | None = None  # llama_context: n_ctx (-lv 4)
+    kv_cells: int | None = None  # llama_kv_cache: size = ... cells (-lv 4)
+    n_ctx_seq_over_train: tuple[int, int] | None = None
+    capped: tuple[int, int] | None = None  # (per-slot pool capacity, cap)
+    fit_reduced: tuple[int, int] | None = None
+
+
+@dataclass
+class _Pending:
+    line: int
+    error: str
+    off: int
+    steps: list[Step]
+    n_steps: int
+    offsets: int
+    first_view: int | None
+    final_view: int | None
+    purges: int
+    config: Config | None
+    slots: list[SlotShare] = field(default_factory=list)
+    requests_failed: int = 0
+
+
+class _Scanner:
+    def __init__(self, pool_hint: int | None, pool_hint_source: str, keep: int) -> None:
+        self.pool_hint = pool_hint
+        self.pool_hint_source = pool_hint_source
+        self.boot = _Boot()
+        self.config: Config | None = None
+        self.startups = 0
+        self.exceeded_lines = 0
+        self.requests_failed = 0
+        self.rejections: deque[Rejection] = deque(maxlen=keep)
+        self.rejections_total = 0
+        self.rejections_after_config: Counter[int] = Counter()
+        self.max_rejected: int | None = None
+        self.failures: deque[Failure] = deque(maxlen=keep)
+        self.failures_total = 0
+        self.by_class: Counter[FailureClass] = Counter()
+        self.adds_up = 0
+        self.checked = 0
+        self.recovered = 0
+        self.drift = 0
+        self.drift_samples: list[str] = []
+        self._cascade_reset()
+        self.pending: _Pending | None = None
+
+    # -- cascade ---------------------------------------------------------------------------
+
+    def _cascade_reset(self) -> None:
+        self.steps: list[Step] = []
+        self.n_steps = 0
+        self.offsets: list[int] = []
+        self.first_view: int | None = None
+        self.view_at_off: int | None = None  # first failed view at the current offset
+        self.view_capped = False  # that view was as large as n_batch: more may have followed
+        self.last_size: int | None = None
+        self.purges = 0
+
+    def _memory_slot(self, size: int) -> None:
+        self.last_size = size
+        if self.first_view is None:
+            self.first_view = size
+
+    def _retry(self, off: int, n_batch: int) -> None:
+        if not self.offsets or self.offsets[-1] != off:
+            self.offsets.append(off)
+            self.view_at_off = self.last_size
+            # the first try at an offset uses the full n_batch, now halved (or kept: purge)
+            self.view_capped = self.last_size in (n_batch, 2 * n_batch)
+        self.n_steps += 1
+        if len(self.steps) < MAX_STEPS:
+            self.steps.append(Step(off, self.last_size, n_batch))
+        self.last_size = None
+
+    def _purge(self, slot: int, tokens: int) -> None:
+        self.purges += 1
+        if self.steps and self.steps[-1].purged is None:
+            last = self.steps[-1]
+            self.steps[-1] = Step(last.off, last.size, last.next_n_batch, (slot, tokens))
+
+    # -- failure ---------------------------------------------------------------------------
+
+    def _decode_error(self, line: int, error: str, off: int) -> None:
+        self._close()
+        if not self.offsets or self.offsets[-1] != off:
+            self.offsets.append(off)
+            self.view_at_off, self.view_capped = self.last_size, False
+        self.n_steps += 1
+        if len(self.steps) < MAX_STEPS:
+            self.steps.append(Step(off, self.last_size, None))
+        self.pending = _Pending(
+            line=line,
+            error=error,
+            off=off,
+            steps=self.steps,
+            n_steps=self.n_steps,
+            offsets=len(self.offsets),
+            first_view=self.first_view,
+            final_view=None if self.view_capped else self.view_at_off,
+            purges=self.purges,
+            config=self.config,
+        )
+        self._cascade_reset()
+
+    def _close(self) -> None:
+        p = self.pending
+        if p is None:
+            return
+        self.pending = None
+        self.failures_total += 1
+        cells = p.config.pool_cells if p.config else self.pool_hint
+        total = sum(s.n_tokens for s in p.slots)
+        # a view capped by n_batch does not say how much of the batch was left: infer it
+        overflow, source = p.final_view, "log"
+        if overflow is None:
+            if cells is not None and p.slots:
+                overflow, source = total - cells, "inferred (sum - pool)"
+            else:
+                source = "unknown"
+        adds_up: bool | None = None
+        if cells is not None and overflow is not None and p.slots and source == "log":
+            adds_up = total == cells + overflow
+            self.checked += 1
+            self.adds_up += adds_up
+        slots = tuple(
+            SlotShare(
+                s.slot, s.task, s.n_tokens, s.truncated, s.n_tokens / cells if cells else None
+            )
+            for s in p.slots
+        )
+        cls = _classify(p, slots)
+        self.by_class[cls] += 1
+        self.failures.append(
+            Failure(
+                number=self.failures_total,
+                line=p.line,
+                error=p.error,
+                off=p.off,
+                steps=tuple(p.steps),
+                n_steps=p.n_steps,
+                offsets=p.offsets,
+                first_view=p.first_view,
+                purges=p.purges,
+                slots=slots,
+                requests_failed=p.requests_failed,
+                total=total,
+                pool_cells=cells,
+                overflow=overflow,
+                overflow_source=source,
+                adds_up=adds_up,
+                cls=cls,
+                config_line=p.config.line if p.config else None,
+            )
+        )
+
+    # -- startup ---------------------------------------------------------------------------
+
+    def _startup(self, line: int, n_slots: int, n_ctx_slot: int, unified: bool) -> None:
+        self.startups += 1
+        self.config = _config(
+            line, n_slots, n_ctx_slot, unified, self.boot, self.pool_hint, self.pool_hint_source
+        )
+        self._cascade_reset()
+
+    # -- dispatch --------------------------------------------------------------------------
+
+    def feed(self, line_no: int, raw: bytes) -> None:
+        text = raw.decode("utf-8", "replace")
+        if serverlog.CONTEXT_EXCEEDED in text:
+            self.exceeded_lines += 1
+        if not self._dispatch(line_no, text):
+            self.drift += 1
+            if len(self.drift_samples) < MAX_SAMPLES:
+                self.drift_samples.append(f"{line_no}: {serverlog.normalize(text)}")
+
+    def _dispatch(self, n: int, t: str) -> bool:
+        if "memory slot" in t:
+            if m := serverlog.MEMORY_SLOT.search(t):
+                self._memory_slot(int(m["size"]))
+                return True
+            return False
+        if ", ret = " in t:
+            if m := serverlog.DECODE_RETRY.search(t):
+                self._retry(int(m["off"]), int(m["n_batch"]))
+                return True
+            if m := serverlog.DECODE_ERROR.search(t):
+                self._decode_error(n, m["error"], int(m["off"]))
+                return True
+            return False
+        if "stop processing" in t:
+            if m := serverlog.SLOT_RELEASE.search(t):
+                self._release(int(m["slot"]), int(m["task"]), int(m["n_tokens"]), m["truncated"])
+                return True
+            return False
+        if "send_error" in t:
+            if m := serverlog.SEND_ERROR.search(t):
+                self._send_error(n, m["error"])
+                return True
+            return False
+        if "purging slot" in t:
+            if m := serverlog.PURGE.search(t):
+                self._purge(int(m["slot"]), int(m["tokens"]))
+                return True
+            return False
+        if "decode() failed" in t:
+            if serverlog.DECODE_FAILED.search(t):
+                self._close()
+                return True
+            return False
+        if self._too_long(n, t):
+            return True
+        return self._startup_line(n, t)
+
+    def _release(self, slot: int, task: int, n_tokens: int, truncated: str) -> None:
+        if self.pending is not None:
+            self.pending.slots.append(SlotShare(slot, task, n_tokens, truncated != "0", None))
+        elif self.n_steps:
+            # a release outside an error means the loop moved on: the cascade found room
+            self.recovered += 1
+            self._cascade_reset()
+
+    def _send_error(self, n: int, error: str) -> None:
+        if error.startswith(serverlog.CONTEXT_EXCEEDED):
+            self.requests_failed += 1
+            if self.pending is not None:
+                self.pending.requests_failed += 1
+            return
+        self._too_long(n, error)
+
+    def _too_long(self, n: int, t: str) -> bool:
+        m = serverlog.REQUEST_TOO_LONG.search(t) or serverlog.INPUT_TOO_LARGE.search(t)
+        if m is None:
+            if serverlog.EXCEED_CONTEXT_TYPE in t:
+                self.rejections_total += 1
+                return True
+            return False
+        n_prompt = int(m["n_prompt"])
+        self.rejections_total += 1
+        self.rejections.append(Rejection(n, n_prompt, int(m["n_ctx"])))
+        self.max_rejected = max(self.max_rejected or 0, n_prompt)
+        return True
+
+    def _startup_line(self, n: int, t: str) -> bool:
+        if m := serverlog.STARTUP.search(t):
+            self._startup(n, int(m["n_slots"]), int(m["n_ctx_slot"]), m["kv_unified"] == "true")
+        elif m := serverlog.POOL_SIZING.search(t):
+            self.boot.pool_sizing = (int(m["np"]), int(m["per_slot"]), int(m["n_ctx"]))
+        elif m := serverlog.LLAMA_CONTEXT_N_CTX.search(t):
+            self.boot.n_ctx = int(m["n_ctx"])
+        elif m := serverlog.KV_CACHE_CELLS.search(t):
+            self.boot.kv_cells = int(m["cells"])
+        elif m := serverlog.CONTEXT_WARNINGS["ctx_over_train"].search(t):
+            self.boot.n_ctx_seq_over_train = (int(m["n_ctx_seq"]), int(m["n_ctx_train"]))
+        elif m := serverlog.CONTEXT_WARNINGS["slot_capped"].search(t):
+            self.boot.capped = (int(m["from"]), int(m["to"]))
+        elif m := serverlog.FIT_REDUCED.search(t):
+            self.boot.fit_reduced = (int(m["from"]), int(m["to"]))
+        elif serverlog.SERVER_INIT.search(t):
+            self._close()
+            self.boot = _Boot()
+            self._cascade_reset()
+        else:
+            # lines that merely mention a startup keyword (n_ctx_seq < n_ctx_train, a cap
+            # without effect, other "initializing" lines) are known and harmless
+            return any(
+                s in t
+                for s in ("n_ctx_seq (", "exceeds the per-slot pool", "initializing", " cells")
+            )
+        return True
+
+    def report(self, source: str, lines: int, memory: MemoryCost | None) -> Report:
+        self._close()
+        if self.n_steps:
+            self.recovered += 1
+        return Report(
+            source=source,
+            lines=lines,
+            exceeded_lines=self.exceeded_lines,
+            failures_total=self.failures_total,
+            requests_failed=self.requests_failed,
+            rejections_total=self.rejections_total,
+            rejections=tuple(self.rejections),
+            max_rejected_prompt=self.max_rejected,
+            recovered_cascades=self.recovered,
+            startups=self.startups,
+            config=self.config,
+            pool_cells=self.config.pool_cells if self.config else self.pool_hint,
+            pool_source=(
+                self.config.pool_source
+                if self.config
+                else (self.pool_hint_source if self.pool_hint else "unknown: no startup line")
+            ),
+            failures=tuple(self.failures),
+            by_class={c.value: k for c, k in self.by_class.most_common()},
+            adds_up=self.adds_up,
+            checked=self.checked,
+            verdicts=_verdicts(self, memory),
+            drift_lines=self.drift,
+            drift_samples=tuple(self.drift_samples),
+        )
+
+
+# ------------------------------------------------------------------------------------------
+# Config, classification, fixes
+
+
+def _config(
+    line: int,
+    n_slots: int,
+    n_ctx_slot: int,
+    unified: bool,
+    boot: _Boot,
+    hint: int | None,
+    hint_source: str,
+) -> Config:
+    cells, source = _pool_cells(n_slots, n_ctx_slot, unified, boot, hint, hint_source)
+    cap = boot.pool_sizing[1] if boot.pool_sizing else (boot.capped[1] if boot.capped else 0)
+    train = boot.n_ctx_seq_over_train[1] if boot.n_ctx_seq_over_train else None
+    plan = None
+    if cells is not None:
+        n_ctx_seq = cells if unified else cells // n_slots
+        plan = pool.PoolPlan(
+            n_slots=n_slots,
+            kv_unified=unified,
+            n_ctx=cells,
+            n_ctx_seq=n_ctx_seq,
+            n_ctx_slot=n_ctx_slot,
+            per_slot_cap=cap,
+            pool_sized_by_per_slot=boot.pool_sizing is not None,
+            n_ctx_train=train,
+        )
+    promise = (
+        plan.describe()
+        if plan
+        else (
+            f"{n_slots} slots x {n_ctx_slot} cells each, "
+            f"{'one shared pool' if unified else 'split pools'} of unknown size (give --pool N)"
+        )
+    )
+    return Config(
+        line,
+        n_slots,
+        n_ctx_slot,
+        unified,
+        cells,
+        source,
+        cap,
+        boot.fit_reduced,
+        train,
+        plan,
+        promise,
+    )
+
+
+def _pool_cells(
+    n_slots: int,
+    n_ctx_slot: int,
+    unified: bool,
+    boot: _Boot,
+    hint: int | None,
+    hint_source: str,
+) -> tuple[int | None, str]:
+    """The pool size and where it came from, most direct evidence first."""
+    if boot.pool_sizing:
+        return boot.pool_sizing[2], "startup: --kv-unified-per-slot sizing KV pool line"
+    if boot.n_ctx is not None:
+        return boot.n_ctx, "startup: llama_context: n_ctx (-lv 4)"
+    if boot.kv_cells is not None:
+        return boot.kv_cells, "startup: llama_kv_cache cells (-lv 4)"
+    if unified:
+        if boot.n_ctx_seq_over_train:
+            return boot.n_ctx_seq_over_train[0], "startup: n_ctx_seq > n_ctx_train warning"
+        if boot.capped:
+            return boot.capped[0], "startup: capping per-slot context line"
+        return n_ctx_slot, "startup: unified pool without a per-slot cap, n_ctx_slot is the pool"
+    if hint is None:
+        # each slot owns a stream of n_ctx_seq cells; n_ctx_slot is n_ctx_seq unless the
+        # training context capped it, which the slot_over_train warning would have said
+        return n_slots * n_ctx_slot, "startup: split pools, n_slots x n_ctx_slot"
+    return hint, hint_source
+
+
+def _classify(p: _Pending, slots: tuple[SlotShare, ...]) -> FailureClass:
+    if not p.error.startswith(serverlog.CONTEXT_EXCEEDED) or not slots:
+        return FailureClass.UNKNOWN
+    if p.config is not None and p.config.fit_reduced is not None:
+        return FailureClass.FIT_REDUCED
+    if p.config is not None and not p.config.kv_unified:
+        return FailureClass.UNKNOWN  # split pools reject up front; exhaustion is not expected
+    busy = [s for s in slots if s.n_tokens > 0]
+    return FailureClass.SHARED_POOL if len(busy) >= 2 else FailureClass.TOO_LONG
+
+
+def _fix(
+    plan: pool.PoolPlan,
+    flags: list[str],
+    note: str,
+    memory: MemoryCost | None,
+    type_kv: str = "f16",
+) -> Fix:
+    mem = memory(plan, type_kv, type_kv) if memory is not None else None
+    return Fix(
+        "llama-launcher set " + " ".join(flags), plan.guaranteed_window, plan.n_ctx, mem, note
+    )
+
+
+def shared_pool_fixes(cfg: Config, memory: MemoryCost | None = None) -> tuple[Fix, ...]:
+    """Seed 000's options A-C and 'no -kvu', sized for this config."""
+    n, w = cfg.n_slots, cfg.n_ctx_slot
+    cells = cfg.pool_cells or w
+    keep = pool.resolve(n * w, n, True, w, cfg.n_ctx_train)
+    c_keep = ["-c", str(keep.n_ctx), "--kv-unified-per-slot", str(w)]
+    share = max(pool.CELL_PAD, cells // n // pool.CELL_PAD * pool.CELL_PAD)
+    same = pool.resolve(cells, n, True, share, cfg.n_ctx_train)
+    split = pool.resolve(cells, n, False, 0, cfg.n_ctx_train)
+    grow = f"pool x{keep.n_ctx / cells:.3g}" if cells else "larger pool"
+    return (
+        _fix(keep, c_keep, f"keeps the promised {w}; {grow}", memory),
+        _fix(
+            keep,
+            [*c_keep, "-ctk", "q8_0", "-ctv", "q8_0"],
+            f"keeps {w}; {grow} at 8 bit, about half the memory of f16",
+            memory,
+            "q8_0",
+        ),
+        _fix(
+            same,
+            ["-c", str(cells), "--kv-unified-per-slot", str(share)],
+            f"same memory; clients must be told {share}",
+            memory,
+        ),
+        _fix(
+            split,
+            ["-c", str(cells), "-no-kvu"],
+            f"same memory, split pools of {split.n_ctx_seq}; long sessions fail early and alone",
+            memory,
+        ),
+    )
+
+
+def too_long_fixes(cfg: Config, needed: int, memory: MemoryCost | None = None) -> tuple[Fix, ...]:
+    """A per-slot window that holds a prompt of ``needed`` tokens (the server rejects >=)."""
+    n = cfg.n_slots
+    w = pool.pad(needed + 1)
+    if cfg.n_ctx_train is not None:
+        w = min(w, cfg.n_ctx_train)
+    if cfg.kv_unified:
+        plan = pool.resolve(n * w, n, True, w, cfg.n_ctx_train)
+        flags = ["-c", str(plan.n_ctx), "--kv-unified-per-slot", str(w)]
+    else:
+        plan = pool.resolve(n * w, n, False, 0, cfg.n_ctx_train)
+        flags = ["-c", str(plan.n_ctx)]
+    return (
+        _fix(plan, flags, f"every slot holds {needed} tokens", memory),
+        _fix(plan, [*flags, "-ctk", "q8_0", "-ctv", "q8_0"], "the same at 8 bit", memory, "q8_0"),
+    )
+
+
+def _verdicts(s: _Scanner, memory: MemoryCost | None) -> tuple[Verdict, ...]:
+    cfg = s.config
+    out: list[Verdict] = []
+    for cls, count in s.by_class.most_common():
+        out.append(_verdict(cls, count, cfg, s, memory))
+    if s.rejections_total and cfg is not None:
+        needed = s.max_rejected or cfg.n_ctx_slot
+        cls = FailureClass.FIT_REDUCED if cfg.fit_reduced else FailureClass.TOO_LONG
+        out.append(
+            Verdict(
+                cls,
+                s.rejections_total,
+                f"{s.rejections_total} request(s) were refused up front (HTTP 400): the "
+                f"largest needed {needed} tokens, a slot holds {cfg.n_ctx_slot}",
+                too_long_fixes(cfg, needed, memory) if cfg.n_slots else (),
+            )
+        )
+    return tuple(out)
+
+
+def _verdict(
+    cls: FailureClass, count: int, cfg: Config | None, s: _Scanner, memory: MemoryCost | None
+) -> Verdict:
+    if cls is FailureClass.SHARED_POOL:
+        reason = (
+            "several slots together filled the shared pool; the request that hit the wall "
+            "may have been small"
+        )
+        return Verdict(cls, count, reason, shared_pool_fixes(cfg, memory) if cfg else ())
+    if cls is FailureClass.TOO_LONG:
+        reason = "one slot alone filled the pool"
+        needed = max((f.total for f in s.failures if f.cls is cls), default=0)
+        return Verdict(cls, count, reason, too_long_fixes(cfg, needed, memory) if cfg else ())
+    if cls is FailureClass.FIT_REDUCED and cfg is not None and cfg.fit_reduced is not None:
+        wanted, got = cfg.fit_reduced
+        reason = (
+            f"--fit shrank the context from {wanted} to {got} to fit free memory; "
+            "an explicit -c stops that (the server then fails to start if it does not fit)"
+        )
+        plan = pool.resolve(wanted, cfg.n_slots, cfg.kv_unified, cfg.per_slot_cap, cfg.n_ctx_train)
+        return Verdict(
+            cls, count, reason, (_fix(plan, ["-c", str(wanted)], "pins the pool", memory),)
+        )
+    return Verdict(
+        cls,
+        count,
+        "no slot release lines followed, the error was not KV exhaustion, or the pools are "
+        "split; read the lines around the failure",
+        (),
+    )
+
+
+# ------------------------------------------------------------------------------------------
+# Entry points
+
+
+def diagnose(
+    stream: IO[bytes],
+    source: str,
+    *,
+    pool_hint: int | None = None,
+    pool_hint_source: str = "--pool",
+    keep: int = KEEP,
+    memory: MemoryCost | None = None,
+    block: int = BLOCK,
+) -> Report:
+    """Read a binary log stream to its end and return the report.
+
+    ``pool_hint`` is the pool size from outside the log (``--pool N``, or the live
+    generation's config), used when the startup lines do not state it; ``pool_hint_source``
+    names it in the report. ``memory`` prices each fix (see ``MemoryCost``).
+    """
+    if pool_hint is not None and pool_hint <= 0:
+        raise ConfigInvalid(
+            f"pool size {pool_hint} is not a positive number of cells; "
+            "give the -c the server runs with"
+        )
+    scanner = _Scanner(pool_hint, pool_hint_source, keep)
+    lines = _Lines(stream, block)
+    for n, raw in lines:
+        scanner.feed(n, raw)
+    return scanner.report(source, lines.count, memory)
+
+
+def journal_argv(unit: str, since: str | None = None) -> list[str]:
+    """journalctl for a system or a --user unit (the '+' ORs the two matches)."""
+    if not unit or unit.startswith("-") or "/" in unit:
+        raise ConfigInvalid(f"unit name {unit!r} is not valid; give a name like llama.service")
+    if "." not in unit:
+        unit += ".service"
+    argv = [
+        "journalctl",
+        "--no-pager",
+        "-o",
+        "cat",
+        f"_SYSTEMD_UNIT={unit}",
+        "+",
+        f"_SYSTEMD_USER_UNIT={unit}",
+    ]
+    if since:
+        argv += ["--since", since]
+    return argv
+
+
+@contextlib.contextmanager
+def journal(unit: str, since: str | None = None) -> Iterator[IO[bytes]]:
+    """Stream the unit's journal; raise ``CommandError`` if journalctl fails."""
+    argv = journal_argv(unit, since)
+    with tempfile.TemporaryFile() as err:
+        try:
+            proc = subprocess.Popen(
+                argv, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL
+            )
+        except OSError as e:
+            raise CommandError(argv, None, str(e), "is journalctl installed?") from e
+        assert proc.stdout is not None
+        try:
+            yield proc.stdout
+        finally:
+            proc.stdout.close()
+            status = proc.wait()
+        if status != 0:
+            err.seek(0)
+            text = err.read().decode(errors="replace")
+            raise CommandError(argv, status, text, "check the unit name and --since")

@@ -1,0 +1,363 @@
+"""``llama-launcher plan``: seed 000's table of options for N slots x W tokens on this box.
+
+For a wanted slot count and per-slot window, ``make_plan`` lays out what each way of running
+llama-server guarantees and costs: the over-committed shared pool (``-c W -np N -kvu``), the
+split pool (``-c W -np N``), the per-slot cap (``--kv-unified-per-slot W``, pool N x W) at
+f16 / q8_0 / q4_0, fewer slots and a smaller window. With a model it estimates the KV memory
+(``launcher.kvmem``) and what is left of ``MemAvailable`` after the weights and the KV; it
+recommends one option as a ``llama-launcher set ...`` line. Pure apart from reading the GGUF
+and /proc/meminfo; returns frozen results and never prints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from launcher import kvmem, pool
+from launcher.errors import ConfigInvalid
+
+MIB = 1024 * 1024
+#: Memory left free for what the estimate leaves out (compute buffers, output buffer, the
+#: prompt cache's first entries): llama-server's own --fit-target default, 1024 MiB
+#: (common/arg.cpp:2899-2922).
+HEADROOM_MIB = 1024
+#: Cache types the per-slot rows compare, as in seed 000 (f16, then 8 and 4 bit).
+PER_SLOT_TYPES = ("f16", "q8_0", "q4_0")
+MEMINFO = Path("/proc/meminfo")
+#: The smaller-window option is a multiple of this (1k tokens: a number to tell clients).
+WINDOW_STEP = 1024
+
+
+def mem_available(meminfo: Path = MEMINFO) -> int:
+    """``MemAvailable`` in bytes (the kernel's estimate of memory usable without swapping)."""
+    for line in meminfo.read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise ConfigInvalid(f"{meminfo} has no MemAvailable line; give --mem-available MIB")
+
+
+@dataclass(frozen=True)
+class ModelSummary:
+    """What the plan knows about the model."""
+
+    path: str
+    arch: str
+    n_ctx_train: int
+    weights_bytes: int
+    info: kvmem.ModelInfo | None  # None: the estimator does not cover this model
+    unsupported: str | None = None  # why, when info is None
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "path": self.path,
+            "arch": self.arch,
+            "n_ctx_train": self.n_ctx_train,
+            "weights_mib": round(self.weights_bytes / MIB, 1),
+            "estimate_supported": self.info is not None,
+        }
+        if self.info is not None:
+            data["kind"] = self.info.kind
+            data["kv_layers"] = len(self.info.kv_layers)
+            data["f16_bytes_per_cell"] = self.info.bytes_per_cell("f16", "f16")
+        if self.unsupported:
+            data["unsupported"] = self.unsupported
+        return data
+
+
+def load_model(path: Path | str) -> ModelSummary:
+    """Read the GGUF once; a model the estimator refuses still gives n_ctx_train and weights."""
+    p = Path(path)
+    try:
+        md = kvmem.read_metadata(p)
+    except FileNotFoundError as e:
+        raise ConfigInvalid(f"--model {p} does not exist; give the GGUF file") from e
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigInvalid(f"--model {p} is not a readable GGUF file ({e})") from e
+    weights = kvmem.weights_size(p, md)
+    arch = str(md.get("general.architecture", ""))
+    n_ctx_train = md.get(f"{arch}.context_length")
+    if not arch or not isinstance(n_ctx_train, int):
+        raise ConfigInvalid(f"--model {p} has no architecture/context_length; is it a model?")
+    try:
+        info = kvmem.ModelInfo.from_metadata(md, str(p), weights)
+    except kvmem.EstimateUnsupported as e:
+        return ModelSummary(str(p), arch, n_ctx_train, weights, None, str(e))
+    return ModelSummary(str(p), arch, info.n_ctx_train, weights, info)
+
+
+@dataclass(frozen=True)
+class Option:
+    """One row of the table: a way to run the slots, what it guarantees and costs."""
+
+    key: str
+    summary: str
+    cache_type: str
+    flags: tuple[str, ...]
+    pool: pool.PoolPlan
+    kv: kvmem.KvEstimate | None
+    free_bytes: int | None  # MemAvailable - weights - KV
+
+    @property
+    def guaranteed_window(self) -> int:
+        return self.pool.guaranteed_window
+
+    @property
+    def kv_mib(self) -> float | None:
+        return None if self.kv is None else self.kv.total_mib
+
+    @property
+    def free_mib(self) -> float | None:
+        return None if self.free_bytes is None else self.free_bytes / MIB
+
+    def fits(self, headroom_mib: int = HEADROOM_MIB) -> bool | None:
+        """Whether the KV leaves ``headroom_mib`` free; None without an estimate."""
+        return None if self.free_bytes is None else self.free_bytes >= headroom_mib * MIB
+
+    @property
+    def set_command(self) -> str:
+        return "llama-launcher set " + " ".join(self.flags)
+
+    def to_dict(self, headroom_mib: int = HEADROOM_MIB) -> dict[str, Any]:
+        return {
+            "key": self.key,
+            "summary": self.summary,
+            "cache_type": self.cache_type,
+            "flags": list(self.flags),
+            "set_command": self.set_command,
+            "n_slots": self.pool.n_slots,
+            "kv_unified": self.pool.kv_unified,
+            "pool_cells": self.pool.n_ctx,
+            "n_ctx_slot": self.pool.n_ctx_slot,
+            "guaranteed_window": self.guaranteed_window,
+            "overcommitted": self.pool.overcommitted,
+            "kv_mib": None if self.kv_mib is None else round(self.kv_mib, 1),
+            "free_mib": None if self.free_mib is None else round(self.free_mib, 1),
+            "fits": self.fits(headroom_mib),
+        }
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The whole table plus the recommendation."""
+
+    slots: int
+    window: int
+    cache: str
+    model: ModelSummary | None
+    mem_available_bytes: int
+    headroom_mib: int
+    options: tuple[Option, ...]
+    recommended: str  # an Option.key
+    reason: str
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def option(self, key: str) -> Option:
+        for opt in self.options:
+            if opt.key == key:
+                return opt
+        raise KeyError(key)
+
+    @property
+    def recommendation(self) -> Option:
+        return self.option(self.recommended)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "slots": self.slots,
+            "window": self.window,
+            "cache": self.cache,
+            "model": None if self.model is None else self.model.to_dict(),
+            "mem_available_mib": round(self.mem_available_bytes / MIB, 1),
+            "headroom_mib": self.headroom_mib,
+            "options": [o.to_dict(self.headroom_mib) for o in self.options],
+            "recommended": self.recommended,
+            "recommendation": self.recommendation.set_command,
+            "reason": self.reason,
+            "notes": list(self.notes),
+        }
+
+
+def _flags(c: int, slots: int, unified: bool, per_slot: int, cache: str) -> tuple[str, ...]:
+    flags = ["-c", str(c), "-np", str(slots), "-kvu" if unified else "-no-kvu"]
+    if per_slot:
+        flags += ["--kv-unified-per-slot", str(per_slot)]
+    return (*flags, "-ctk", cache, "-ctv", cache)
+
+
+class _Builder:
+    """Builds options for one model and box."""
+
+    def __init__(self, model: ModelSummary | None, available: int) -> None:
+        self.model, self.available = model, available
+        self.info = model.info if model else None
+        self.n_ctx_train = model.n_ctx_train if model else None
+
+    def option(
+        self,
+        key: str,
+        summary: str,
+        slots: int,
+        window: int,
+        unified: bool,
+        per_slot: bool,
+        cache: str,
+    ) -> Option:
+        c = slots * window if per_slot else window
+        cap = window if per_slot else 0
+        plan = pool.resolve(c, slots, unified, cap, self.n_ctx_train)
+        kv = kvmem.estimate(self.info, plan, cache, cache) if self.info else None
+        free = None
+        if kv is not None and self.model is not None:
+            free = self.available - self.model.weights_bytes - kv.total_bytes
+        return Option(key, summary, cache, _flags(c, slots, unified, cap, cache), plan, kv, free)
+
+    def per_slot(self, slots: int, window: int, cache: str, key: str = "") -> Option:
+        return self.option(
+            key or f"per-slot-{cache}",
+            f"cap every slot at {window} and size the pool for all {slots} ({cache})",
+            slots,
+            window,
+            True,
+            True,
+            cache,
+        )
+
+    def largest(self, fits: Callable[[int], bool], lo: int, hi: int) -> int | None:
+        """The largest x in [lo, hi] with fits(x), for a monotone ``fits``; None if none."""
+        if hi < lo or not fits(lo):
+            return None
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        return lo
+
+
+def _check(slots: int, window: int, model: ModelSummary | None) -> None:
+    if not 1 <= slots <= pool.MAX_SLOTS:
+        raise ConfigInvalid(f"--slots {slots} is out of range; use 1..{pool.MAX_SLOTS}")
+    if window < 1:
+        raise ConfigInvalid(f"--window {window} must be at least 1 token; e.g. --window 32768")
+    if model is not None and window > model.n_ctx_train:
+        raise ConfigInvalid(
+            f"--window {window} exceeds the training context of {model.path} "
+            f"({model.n_ctx_train}); llama-server caps every slot there: "
+            f"use --window {model.n_ctx_train} or less"
+        )
+
+
+def make_plan(
+    slots: int,
+    window: int,
+    cache: str = "f16",
+    model: ModelSummary | Path | str | None = None,
+    available: int | None = None,
+    headroom_mib: int = HEADROOM_MIB,
+) -> Plan:
+    """Seed 000's options for ``slots`` clients that each need ``window`` tokens.
+
+    ``model`` is a GGUF path (or an already loaded ``ModelSummary``); without one only the
+    pool arithmetic is done. ``available`` is the memory to plan for in bytes (default: this
+    machine's MemAvailable). Raises ``ConfigInvalid`` for bad input.
+    """
+    if isinstance(model, (str, Path)):
+        model = load_model(model)
+    _check(slots, window, model)
+    kvmem.check_cache_types(model.info if model else None, cache, cache, "auto")
+    avail = mem_available() if available is None else available
+    b = _Builder(model, avail)
+    w, n = window, slots
+    opts = [
+        b.option(
+            "shared",
+            f"one pool of {w} shared by {n} slots (over-committed)",
+            n,
+            w,
+            True,
+            False,
+            cache,
+        ),
+        b.option("split", f"{w} split into {n} pools of ~{w // n}", n, w, False, False, cache),
+    ]
+    per_slot = [b.per_slot(n, w, t) for t in PER_SLOT_TYPES]
+    if cache not in PER_SLOT_TYPES:
+        per_slot.append(b.per_slot(n, w, cache))
+    opts += per_slot
+    notes: list[str] = []
+    if b.info is not None and not b.per_slot(n, w, cache).fits(headroom_mib):
+        opts += _alternatives(b, n, w, cache, headroom_mib)
+    elif b.info is not None:
+        notes.append(f"{n} x {w} fits at {cache}: no need for fewer slots or a smaller window")
+    key, reason = _recommend(opts, headroom_mib, n, w, cache)
+    if model is None:
+        notes.append("no --model: the KV memory cannot be estimated; pass the GGUF to get it")
+    elif model.info is None and model.unsupported:
+        notes.append(model.unsupported)
+    else:
+        notes.append(
+            "free = MemAvailable - weights - KV; it leaves out compute buffers and the host "
+            "prompt cache (--cache-ram, 8192 MiB by default); run plan while llama-server is "
+            "stopped, or its current KV is counted as used"
+        )
+    return Plan(n, w, cache, model, avail, headroom_mib, tuple(opts), key, reason, tuple(notes))
+
+
+def _alternatives(b: _Builder, n: int, w: int, cache: str, headroom_mib: int) -> list[Option]:
+    """Fewer slots with the full window, or all slots with the largest window that fits."""
+    out: list[Option] = []
+    fewer = b.largest(lambda k: bool(b.per_slot(k, w, cache).fits(headroom_mib)), 1, n - 1)
+    if fewer is not None:
+        opt = b.per_slot(fewer, w, cache, "fewer-slots")
+        slots = "1 slot" if fewer == 1 else f"{fewer} slots"
+        out.append(_retitle(opt, f"{slots} x {w}, each guaranteed ({cache})"))
+    step = WINDOW_STEP
+    smaller = b.largest(
+        lambda k: bool(b.per_slot(n, k * step, cache).fits(headroom_mib)), 1, (w - 1) // step
+    )
+    if smaller is not None:
+        sw = smaller * step
+        opt = b.per_slot(n, sw, cache, "smaller-window")
+        out.append(_retitle(opt, f"{n} slots x {sw}, each guaranteed; tell clients {sw}"))
+    return out
+
+
+def _retitle(opt: Option, summary: str) -> Option:
+    return Option(opt.key, summary, opt.cache_type, opt.flags, opt.pool, opt.kv, opt.free_bytes)
+
+
+def _same_or_smaller(cache: str) -> list[str]:
+    """``cache``, then the per-slot types that store fewer bytes per element, largest first."""
+    size = kvmem.bytes_per_element(cache)
+    smaller = [t for t in PER_SLOT_TYPES if kvmem.bytes_per_element(t) < size]
+    return [cache, *sorted(smaller, key=kvmem.bytes_per_element, reverse=True)]
+
+
+def _recommend(
+    opts: list[Option], headroom_mib: int, n: int, w: int, cache: str
+) -> tuple[str, str]:
+    by_key = {o.key: o for o in opts}
+    if all(o.kv is None for o in opts):
+        return f"per-slot-{cache}", (
+            f"caps every slot at {w} and sizes the pool for all {n}: no slot can starve another"
+        )
+    for t in _same_or_smaller(cache):
+        opt = by_key[f"per-slot-{t}"]
+        if opt.fits(headroom_mib):
+            why = f"guarantees {w} to all {n} slots at {t} and leaves {opt.free_mib:.0f} MiB free"
+            if t != cache:
+                why += f" ({cache} does not fit)"
+            return opt.key, why
+    alternatives = [by_key[k] for k in ("fewer-slots", "smaller-window") if k in by_key]
+    if alternatives:
+        # the one that guarantees the most context at once
+        best = max(alternatives, key=lambda o: o.pool.n_slots * o.guaranteed_window)
+        return best.key, (
+            f"no cache type fits {n} x {w}; {best.pool.n_slots} x {best.guaranteed_window} "
+            f"is the most guaranteed context that fits at {cache}"
+        )
+    return (
+        "split",
+        "nothing else fits: split pools cost no extra memory and fail one slot at a time",
+    )
