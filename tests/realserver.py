@@ -61,8 +61,18 @@ def run_server(
     """Start llama-server on a free port, wait for /health 200, yield, then stop it."""
     port = free_port()
     log_path = log_path or Path(f"/tmp/llama-server-{port}.log")
-    argv = [binary or server_binary(), "-m", str(model), "--host", "127.0.0.1",
-            "--port", str(port), "--log-colors", "off", *args]
+    argv = [
+        binary or server_binary(),
+        "-m",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-colors",
+        "off",
+        *args,
+    ]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -71,14 +81,18 @@ def run_server(
         deadline = time.monotonic() + timeout
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited {proc.returncode}:\n{server.log()[-3000:]}")
+                raise RuntimeError(
+                    f"llama-server exited {proc.returncode}:\n{server.log()[-3000:]}"
+                )
             try:
                 if httpx.get(url + "/health", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError(f"llama-server not healthy in {timeout}s:\n{server.log()[-3000:]}")
+                raise RuntimeError(
+                    f"llama-server not healthy in {timeout}s:\n{server.log()[-3000:]}"
+                )
             time.sleep(0.02)
         yield server
     finally:
@@ -90,9 +104,21 @@ def run_server(
             proc.wait()
 
 
-def run_to_exit(model: Path | str, args: Sequence[str] = (), timeout: float = 30.0) -> tuple[int, str]:
+def run_to_exit(
+    model: Path | str, args: Sequence[str] = (), timeout: float = 30.0
+) -> tuple[int, str]:
     """Run llama-server until it exits on its own (e.g. a refused flag); return (status, output)."""
-    argv = [server_binary(), "-m", str(model), "--host", "127.0.0.1", "--port", str(free_port()),
-            "--log-colors", "off", *args]
+    argv = [
+        server_binary(),
+        "-m",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(free_port()),
+        "--log-colors",
+        "off",
+        *args,
+    ]
     p = subprocess.run(argv, capture_output=True, timeout=timeout)
     return p.returncode, (p.stdout + p.stderr).decode(errors="replace")

@@ -5,14 +5,26 @@ so a small shared pool overflows on demand. The shape is a parameter: the KV-mem
 need several. The head dimension must be a multiple of 32, or llama-server refuses quantized
 cache types (``K cache type q8_0 with block size 32 does not divide n_embd_head_k=16``).
 
+Architectures (``Shape.arch``), each with the tensors llama.cpp b11434 loads for it
+(src/models/<arch>.cpp ``load_arch_tensors``):
+
+- ``llama``: one K/V width for every layer (llama.cpp sizes the tensors from layer 0).
+- ``deci``: per-layer ``kv_heads`` (a list); a layer with 0 KV heads is a linear-attention
+  layer without K/V projections (DeciLM).
+- ``gemma2`` / ``gemma3``: sliding-window attention; ``extra`` carries
+  ``{arch}.attention.sliding_window`` (and optionally ``..._pattern``). gemma3 turns SWA on only
+  when the window is > 0; gemma2 defaults to 4096.
+
 Usage: ``python tests/tinymodel.py OUT.gguf [--layers N --heads N --kv-heads N ...]``
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -21,8 +33,10 @@ CHATML = (
     "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+# fmt: off
 WORDS = ["the", "a", "river", "model", "token", "cache", "slot", "pool", "hello", "world",
          "agent", "server", "<|im_start|>", "<|im_end|>", "user", "assistant", "system"]
+# fmt: on
 
 
 @dataclass(frozen=True)
@@ -59,18 +73,60 @@ def _vocab() -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, types
 
 
-def write(path: Path | str, shape: Shape = Shape(), seed: int = 0) -> Path:
-    """Write the model to ``path`` and return it. Same shape and seed, same bytes."""
+def _tensors(shape: Shape, n_vocab: int) -> list[tuple[str, tuple[int, ...], bool]]:
+    """(name, numpy shape, is a norm of ones) of every tensor llama.cpp loads for ``shape``."""
+    e, hd, ff = shape.n_embd, shape.hd, shape.ff
+    gemma = shape.arch in ("gemma2", "gemma3")
+    out: list[tuple[str, tuple[int, ...], bool]] = [
+        ("token_embd.weight", (n_vocab, e), False),
+        ("output_norm.weight", (e,), True),
+    ]
+    if not gemma:  # gemma ties the output to token_embd
+        out.append(("output.weight", (n_vocab, e), False))
+    for il in range(shape.layers):
+        kvh = shape.kv_heads_of(il)
+        blk = f"blk.{il}."
+        out.append((blk + "attn_norm.weight", (e,), True))
+        if kvh == 0:  # deci linear attention: no Q/K/V, a square output projection
+            out.append((blk + "attn_output.weight", (e, e), False))
+        else:
+            out += [
+                (blk + "attn_q.weight", (shape.heads * hd, e), False),
+                (blk + "attn_k.weight", (kvh * hd, e), False),
+                (blk + "attn_v.weight", (kvh * hd, e), False),
+                (blk + "attn_output.weight", (e, shape.heads * hd), False),
+            ]
+        if gemma:
+            out += [
+                (blk + "post_attention_norm.weight", (e,), True),
+                (blk + "post_ffw_norm.weight", (e,), True),
+            ]
+        if shape.arch == "gemma3":
+            out += [
+                (blk + "attn_q_norm.weight", (hd,), True),
+                (blk + "attn_k_norm.weight", (hd,), True),
+            ]
+        out += [
+            (blk + "ffn_norm.weight", (e,), True),
+            (blk + "ffn_gate.weight", (ff, e), False),
+            (blk + "ffn_up.weight", (ff, e), False),
+            (blk + "ffn_down.weight", (e, ff), False),
+        ]
+    return out
+
+
+def _writer(
+    path: Path, shape: Shape, vocab: tuple[list[str], list[float], list[int]], merges: int = 0
+) -> Any:
+    """A GGUFWriter with every key/value of ``shape`` added (no tensors yet)."""
     import gguf
 
-    path = Path(path)
-    rng = np.random.default_rng(seed)
-    tokens, scores, types = _vocab()
-    n_vocab, e, hd = len(tokens), shape.n_embd, shape.hd
+    tokens, scores, types = vocab
+    hd = shape.hd
     w = gguf.GGUFWriter(str(path), shape.arch)
     w.add_name("llama-launcher tiny test model")
     w.add_context_length(shape.ctx_train)
-    w.add_embedding_length(e)
+    w.add_embedding_length(shape.n_embd)
     w.add_block_count(shape.layers)
     w.add_feed_forward_length(shape.ff)
     w.add_head_count(shape.heads)
@@ -87,44 +143,78 @@ def write(path: Path | str, shape: Shape = Shape(), seed: int = 0) -> Path:
         elif isinstance(value, int):
             w.add_uint32(key, value)
         elif isinstance(value, list):
-            w.add_array(key, value)
+            w.add_array(key, value)  # bools stay bools: a per-layer pattern
         else:
             w.add_string(key, str(value))
     w.add_tokenizer_model("llama")
     w.add_token_list(tokens)
     w.add_token_scores(scores)
     w.add_token_types(types)
+    if merges:
+        w.add_token_merges([f"t{i} m{i}" for i in range(merges)])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_unk_token_id(0)
     w.add_add_bos_token(True)
     w.add_chat_template(CHATML)
+    return w
 
-    def t(name: str, *dims: int) -> None:
-        data = (rng.standard_normal(dims) * 0.02).astype(np.float32)
-        w.add_tensor(name, data)
 
-    def ones(name: str, n: int) -> None:
-        w.add_tensor(name, np.ones(n, dtype=np.float32))
-
-    t("token_embd.weight", n_vocab, e)
-    ones("output_norm.weight", e)
-    t("output.weight", n_vocab, e)
-    for il in range(shape.layers):
-        kvh = shape.kv_heads_of(il)
-        ones(f"blk.{il}.attn_norm.weight", e)
-        t(f"blk.{il}.attn_q.weight", shape.heads * hd, e)
-        t(f"blk.{il}.attn_k.weight", kvh * hd, e)
-        t(f"blk.{il}.attn_v.weight", kvh * hd, e)
-        t(f"blk.{il}.attn_output.weight", e, shape.heads * hd)
-        ones(f"blk.{il}.ffn_norm.weight", e)
-        t(f"blk.{il}.ffn_gate.weight", shape.ff, e)
-        t(f"blk.{il}.ffn_up.weight", shape.ff, e)
-        t(f"blk.{il}.ffn_down.weight", e, shape.ff)
+def write(path: Path | str, shape: Shape = Shape(), seed: int = 0) -> Path:
+    """Write the model to ``path`` and return it. Same shape and seed, same bytes."""
+    path = Path(path)
+    rng = np.random.default_rng(seed)
+    vocab = _vocab()
+    w = _writer(path, shape, vocab)
+    for name, dims, is_norm in _tensors(shape, len(vocab[0])):
+        if is_norm:
+            w.add_tensor(name, np.ones(dims, dtype=np.float32))
+        else:
+            w.add_tensor(name, (rng.standard_normal(dims) * 0.02).astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return path
+
+
+def write_layout(
+    path: Path | str, shape: Shape, n_vocab: int = 128256, merges: int = 280147
+) -> Path:
+    """A real-size GGUF without its weights: the metadata (with an ``n_vocab`` vocabulary and
+    ``merges`` BPE merges, Llama 3's sizes by default) and every tensor declared at full size
+    as Q8_0, the data left as a hole (a sparse file). Metadata readers see a real model file;
+    llama-server cannot run it (the weights are zeros)."""
+    import gguf
+
+    path = Path(path)
+    tokens, scores, types = _vocab()
+    extra = n_vocab - len(tokens)
+    vocab = (
+        tokens + [f"tok{i}" for i in range(extra)],
+        scores + [0.0] * extra,
+        types + [1] * extra,
+    )
+    w = _writer(path, shape, vocab, merges)
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    block, size = gguf.GGML_QUANT_SIZES[q8]
+    data = 0
+    for name, dims, is_norm in _tensors(shape, n_vocab):
+        n = int(np.prod(dims))
+        if is_norm:
+            w.add_tensor_info(name, dims, np.dtype(np.float32), n * 4)
+            nbytes = n * 4
+        else:
+            nbytes = n // block * size
+            byte_dims = (*dims[:-1], dims[-1] // block * size)
+            w.add_tensor_info(name, byte_dims, np.dtype(np.uint8), nbytes, raw_dtype=q8)
+        data += -(-nbytes // gguf.GGUF_DEFAULT_ALIGNMENT) * gguf.GGUF_DEFAULT_ALIGNMENT
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+    start = -(-path.stat().st_size // gguf.GGUF_DEFAULT_ALIGNMENT) * gguf.GGUF_DEFAULT_ALIGNMENT
+    os.truncate(path, start + data)
     return path
 
 
@@ -139,8 +229,14 @@ def main() -> None:
     p.add_argument("--ctx-train", type=int, default=4096)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
-    shape = Shape(layers=a.layers, n_embd=a.embd, heads=a.heads, kv_heads=a.kv_heads,
-                  head_dim=a.head_dim, ctx_train=a.ctx_train)
+    shape = Shape(
+        layers=a.layers,
+        n_embd=a.embd,
+        heads=a.heads,
+        kv_heads=a.kv_heads,
+        head_dim=a.head_dim,
+        ctx_train=a.ctx_train,
+    )
     print(write(a.out, shape, a.seed))
 
 
