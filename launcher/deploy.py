@@ -660,8 +660,11 @@ class Deployer:
                 )
                 dead = _dead(state, before, started)
                 if dead:
-                    log.extend(journal.read(0.2))
-                    raise self._exited(dead, log)
+                    # journald may still be writing the last lines: read them once more,
+                    # completely, from the cursor taken before the restart
+                    time.sleep(0.1)
+                    full, _ = self.systemd.messages(cursor)
+                    raise self._exited(dead, full or log)
                 if time.monotonic() > deadline:
                     raise GateFailure(
                         "startup",
