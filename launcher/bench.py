@@ -9,8 +9,9 @@ Works against any OpenAI-compatible llama-server URL. Each agent is one
 A level of N agents runs ``rounds`` rounds; in each round all N agents send one request at
 once and the round ends when the last one finishes. With ``long_prompt_tokens``, every level
 runs a second time with one extra agent that sends a fresh long prompt at the start of each
-round: llama-server reads a prompt in the same batches as the other slots' decode steps, so
-while the long prompt is read every other agent waits (the stall seed 004 describes).
+round, and the others send theirs halfway through its reading (timed once alone first):
+llama-server reads a prompt in the same batches as the other slots' decode steps, so while
+the long prompt is read every other agent waits (the stall seed 004 describes).
 
 Every request starts with a run-unique tag so no request reuses another's prompt cache:
 the figures are for prompts read cold.
@@ -23,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -83,7 +85,9 @@ class BenchSettings:
         if self.long_prompt_tokens is not None:
             _positive("--long-prompt", self.long_prompt_tokens, "e.g. --long-prompt 2000")
         if self.timeout_s <= 0:
-            raise InvalidInput(f"timeout {self.timeout_s} s is not positive")
+            raise InvalidInput(
+                f"--timeout {self.timeout_s} must be positive; use e.g. --timeout 300"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -246,11 +250,17 @@ class LevelResult:
 
 @dataclass(frozen=True)
 class StallResult:
-    """The same level without and with one extra agent reading a long prompt."""
+    """The same level without and with one extra agent reading a long prompt.
+
+    The others send their requests ``others_delay_s`` after the long one: half the time the
+    server took to read the long prompt alone, so they arrive while it is being read.
+    """
 
     agents: int
     without: LevelResult
     with_long: LevelResult
+    long_alone: RequestResult  # the long prompt with no other agent
+    others_delay_s: float
 
     @property
     def long_prompt_tokens(self) -> float:
@@ -271,6 +281,8 @@ class StallResult:
         return {
             "agents": self.agents,
             "long_prompt_tokens": round(self.long_prompt_tokens, 1),
+            "long_prompt_read_alone_s": round(self.long_alone.ttft_s, 6),
+            "others_delay_s": round(self.others_delay_s, 6),
             "ttft_p50_without_s": round(self.without.ttft(50), 6),
             "ttft_p50_with_s": round(self.with_long.ttft(50), 6),
             "ttft_p95_without_s": round(self.without.ttft(95), 6),
@@ -442,11 +454,11 @@ async def probe_server(
 
 
 def _model_name(props: Mapping[str, Any]) -> str | None:
-    alias = props.get("model_alias")
-    if alias:
-        return str(alias)
-    path = props.get("model_path")
-    return Path(str(path)).name if path else None
+    """The model's alias, or its file name (the alias defaults to the -m path)."""
+    name = props.get("model_alias") or props.get("model_path")
+    if not name:
+        return None
+    return Path(str(name)).name if str(name).endswith(".gguf") else str(name)
 
 
 def _str_or_none(x: Any) -> str | None:
@@ -534,11 +546,14 @@ def _has_text(chunk: Mapping[str, Any]) -> bool:
 
 
 async def _stream_chat(
-    client: httpx.AsyncClient, req: _Request, round_start: float
+    client: httpx.AsyncClient, req: _Request, round_start: float, delay_s: float = 0.0
 ) -> RequestResult:
-    """Send one streamed chat completion; time it; take its usage from the final chunk."""
+    """Send one streamed chat completion ``delay_s`` into the round; time it; take its usage
+    from the final chunk."""
     import httpx
 
+    if delay_s > 0:
+        await asyncio.sleep(delay_s)
     start = time.perf_counter()
     first: float | None = None
     first_chunk: float | None = None
@@ -662,8 +677,14 @@ class _Run:
         return _Request(agent, rnd, True, body)
 
 
-async def _run_level(run: _Run, agents: int, with_long: bool, rounds: int) -> LevelResult:
-    """``rounds`` rounds of ``agents`` concurrent requests, each agent its own client."""
+async def _run_level(
+    run: _Run, agents: int, with_long: bool, rounds: int, others_delay_s: float = 0.0
+) -> LevelResult:
+    """``rounds`` rounds of ``agents`` concurrent requests, each agent its own client.
+
+    With ``with_long``, one more agent sends the long prompt at the start of each round and
+    the others follow ``others_delay_s`` later.
+    """
     n_clients = agents + (1 if with_long else 0)
     clients = [_client(run.settings, run.api_key, run.transport) for _ in range(n_clients)]
     results: list[RequestResult] = []
@@ -671,17 +692,18 @@ async def _run_level(run: _Run, agents: int, with_long: bool, rounds: int) -> Le
     try:
         for rnd in range(rounds):
             reqs = [run.chat_request(i, rnd) for i in range(agents)]
+            delays = [others_delay_s if with_long else 0.0] * agents
             if with_long:
-                # Sent first, so the long prompt is being read when the others arrive.
                 reqs.insert(0, run.long_request(agents, rnd))
+                delays.insert(0, 0.0)
                 order = [clients[agents], *clients[:agents]]
             else:
                 order = clients
             start = time.perf_counter()
             async with asyncio.TaskGroup() as tg:
                 tasks = [
-                    tg.create_task(_stream_chat(c, r, start))
-                    for c, r in zip(order, reqs, strict=True)
+                    tg.create_task(_stream_chat(c, r, start, d))
+                    for c, r, d in zip(order, reqs, delays, strict=True)
                 ]
             walls.append(time.perf_counter() - start)
             results.extend(t.result() for t in tasks)
@@ -747,11 +769,18 @@ async def run_bench_async(
     await _run_level(run, 1, False, rounds=1)
     levels: list[LevelResult] = []
     stalls: list[StallResult] = []
+    long_alone = None
+    if settings.long_prompt_tokens is not None:
+        # How long the server takes to read the long prompt with nobody else: the others
+        # then send theirs halfway through, so they surely arrive while it is read.
+        (long_alone,) = (await _run_level(run, 0, True, rounds=1)).long
     for n in settings.agents:
         level = await _run_level(run, n, False, settings.rounds)
         levels.append(level)
-        if settings.long_prompt_tokens is not None:
-            stalls.append(StallResult(n, level, await _run_level(run, n, True, settings.rounds)))
+        if long_alone is not None:
+            delay = long_alone.ttft_s / 2
+            with_long = await _run_level(run, n, True, settings.rounds, delay)
+            stalls.append(StallResult(n, level, with_long, long_alone, delay))
     return BenchResult(
         server=server,
         settings=settings,
@@ -780,14 +809,24 @@ def run_bench(
 # --------------------------------------------------------------------------- output
 
 
-def check_plot_available() -> None:
-    """Raise ``InvalidInput`` naming the extra to install when matplotlib is missing."""
+def check_plot_available(path: Path | str | None = None) -> None:
+    """Raise ``InvalidInput`` when matplotlib is missing or ``path`` cannot be written.
+
+    Checked before the bench runs, so a bad ``--plot`` does not throw its figures away.
+    """
     try:
         import matplotlib  # noqa: F401
     except ImportError as e:
         raise InvalidInput(
             f"--plot needs matplotlib, which is not installed; run {PLOT_HINT}"
         ) from e
+    if path is not None:
+        parent = Path(path).resolve().parent
+        if not parent.is_dir() or not os.access(parent, os.W_OK):
+            raise InvalidInput(
+                f"--plot {str(path)!r}: {str(parent)!r} is not a writable directory; "
+                "give a path in an existing directory"
+            )
 
 
 def write_plot(result: BenchResult, path: Path | str) -> Path:
@@ -882,6 +921,8 @@ def render_text(result: BenchResult) -> str:
 
 def _stall_text(stalls: Sequence[StallResult]) -> str:
     size = stalls[0].long_prompt_tokens
+    alone = stalls[0].long_alone.ttft_s * 1000
+    delay = stalls[0].others_delay_s * 1000
     rows = [
         [
             str(st.agents),
@@ -896,8 +937,9 @@ def _stall_text(stalls: Sequence[StallResult]) -> str:
     ]
     header = ["agents", "TTFT p50 ms", "+long", "x", "latency p50 s", "+long", "x"]
     return (
-        f"one extra agent sends a {size:.0f}-token prompt at the start of each round; "
-        "the others' figures without and with it:\n" + _table(header, rows)
+        f"one extra agent sends a {size:.0f}-token prompt (read alone in {alone:.0f} ms); the "
+        f"others send theirs {delay:.0f} ms later, while it is read. The others' figures "
+        "without and with it:\n" + _table(header, rows)
     )
 
 

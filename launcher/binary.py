@@ -90,7 +90,7 @@ def inspect(path: str, cache_dir: Path | None = None) -> BinaryInfo:
             "flags": {k: [list(v.spellings), v.value] for k, v in flags.items()},
         }
 
-    data = cache.cached("help", key, read, cache_dir)
+    data = cache.cached("help-v1", key, read, cache_dir)
     flags = {k: FlagSpec(tuple(v[0]), v[1]) for k, v in data["flags"].items()}
     return BinaryInfo(path, key, str(data["version"]), flags)
 

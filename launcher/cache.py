@@ -30,7 +30,10 @@ def file_key(path: str | Path) -> str:
 def cached(
     kind: str, key: str, compute: Callable[[], dict[str, Any]], folder: Path | None = None
 ) -> dict[str, Any]:
-    """``compute()`` once per ``(kind, key)``; later calls read the JSON it returned."""
+    """``compute()`` once per ``(kind, key)``; later calls read the JSON it returned.
+
+    ``kind`` carries a version (``gguf-meta-v1``): change it when the JSON's shape changes.
+    """
     path = (folder or cache_dir() / kind) / f"{key}.json"
     try:
         data = json.loads(path.read_text())

@@ -171,6 +171,7 @@ class Deployer:
         self.progress = progress
         self._rolling_back = False
         self._pending_signal: int | None = None
+        self.spawn_warnings: list[str] = []
         #: deploy even when the memory guard says the config does not fit (--force-memory)
         self.force_memory = False
 
@@ -641,6 +642,7 @@ class Deployer:
         log: list[str] = []
         deadline = t0 + self.settings.start_timeout
         started = False
+        respawned = False
         next_state = 0.0
         with self.systemd.follow(cursor) as journal:
             while scan.startup is None:
@@ -659,6 +661,19 @@ class Deployer:
                     or state.main_pid not in (0, before.main_pid)
                 )
                 dead = _dead(state, before, started)
+                if dead and state.exec_main_status in SPAWN_FAILURES and not respawned:
+                    # systemd itself failed to spawn the process (e.g. 219/CGROUP while the old
+                    # process's cgroup was still being torn down): not the config's fault.
+                    respawned = True
+                    self.spawn_warnings.append(
+                        f"systemd failed to spawn the service (status {state.exec_main_status}, "
+                        f"{state.result}); restarted it once more"
+                    )
+                    before = state
+                    started = False
+                    self.systemd.reset_failed()
+                    self.systemd.restart()
+                    continue
                 if dead:
                     # journald may still be writing the last lines: read them once more,
                     # completely, from the cursor taken before the restart
@@ -719,7 +734,7 @@ class Deployer:
                 "n_ctx": props.get("default_generation_settings", {}).get("n_ctx"),
             },
             completion.to_dict(),
-            list(startup.warnings),
+            [*self.spawn_warnings, *startup.warnings],
             timings,
             state,
         )
@@ -788,6 +803,11 @@ def url_from_argv(argv: list[str]) -> str:
     if host in ("0.0.0.0", "::", ""):
         host = "127.0.0.1"
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+#: Exit statuses systemd uses for its own failures to spawn a process (200 CHDIR .. 243
+#: CREDENTIALS, systemd.exec(5) "Process Exit Codes"); llama-server itself exits 0 or 1.
+SPAWN_FAILURES = range(200, 244)
 
 
 def _dead(state: UnitState, before: UnitState, started: bool) -> str | None:

@@ -19,14 +19,19 @@ What the real server (b11434) taught, beyond LLAMA_SERVER_FACTS §2:
   719). When that view was capped by n_batch the overflow is not in the log; then it is
   inferred as ``sum - pool``.
 
-Streams in constant memory: the input is read in binary blocks, lines are pre-filtered with
-cheap substring checks (``serverlog.KEYWORDS``) before any regex runs, and only the last
-``keep`` failures are kept in detail (every failure is counted).
+Streams in constant memory: the input is read in binary blocks of whole lines. Lines holding
+an event keyword (``serverlog.KEYWORDS``: startup, release, send_error, decode errors...) are
+found with C-level searches over the block and parsed one by one; the batch-halving cascade
+lines between two such lines (most of a failing server's log) are taken at once from counts
+and a few searches (``_Scanner.cascade``), falling back to line by line when a line does not
+have the usual form. Only the last ``keep`` failures are kept in detail (every failure is
+counted), and their steps are made from the stored text of the first MAX_STEPS tries.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 import subprocess
 import tempfile
 from collections import Counter, deque
@@ -178,13 +183,37 @@ class Report:
 # Reading: binary blocks, keyword prefilter
 
 
-_ALL_KEYWORDS: tuple[bytes, ...] = tuple(
-    dict.fromkeys(kw for kws in serverlog.KEYWORDS.values() for kw in kws)
+#: Keywords of the lines read one by one: everything but the batch-halving cascade.
+_EVENT_KEYWORDS: tuple[bytes, ...] = tuple(
+    dict.fromkeys(
+        kw
+        for kind, kws in serverlog.KEYWORDS.items()
+        if kind not in ("memory_slot", "retry")
+        for kw in kws
+    )
 )
+#: Bytes rare in llama-server logs: the lines holding them are found with memchr and checked
+#: for the keywords that contain them, instead of one full search per keyword.
+_ANCHORS = (b"x", b"(")
+_ANCHORED: tuple[tuple[bytes, tuple[bytes, ...]], ...] = tuple(
+    (a, tuple(kw for kw in _EVENT_KEYWORDS if a in kw and not any(b in kw for b in _ANCHORS[:n])))
+    for n, a in enumerate(_ANCHORS)
+)
+_PLAIN = tuple(kw for kw in _EVENT_KEYWORDS if not any(a in kw for a in _ANCHORS))
+#: The cascade's keywords (``serverlog.KEYWORDS``): its lines are summarised per run.
+_MS_KW, _RT_KW = serverlog.KEYWORDS["memory_slot"][0], serverlog.KEYWORDS["retry"][0]
+#: The fixed text of a memory-slot line and of a retry line, up to the first number.
+_MS = b"decode: failed to find a memory slot for batch of size "
+_RT = b"failed to find free space in the KV cache, retrying with smaller batch size, off = "
+_MS_B = re.compile(serverlog.MEMORY_SLOT.pattern.encode())
+_RT_B = re.compile(serverlog.DECODE_RETRY.pattern.encode())
+assert _MS_B.match(_MS + b"1") and _RT_B.match(_RT + b"1, n_batch = 1, ret = 1")
+#: A run of cascade lines longer than this is kept as parsed steps, not as text.
+_RAW_MAX = 1 << 16
 
 
 class _Lines:
-    """Candidate lines of a binary stream, with their 1-based numbers; counts all lines."""
+    """Whole-line chunks of a binary stream, read in blocks; counts all lines."""
 
     def __init__(self, stream: IO[bytes], block: int = BLOCK) -> None:
         self.stream = stream
@@ -192,6 +221,7 @@ class _Lines:
         self.count = 0
 
     def __iter__(self) -> Iterator[tuple[int, bytes]]:
+        """(lines before the chunk, chunk ending in a newline)."""
         rest = b""
         while True:
             data = self.stream.read(self.block)
@@ -203,26 +233,102 @@ class _Lines:
                 continue
             chunk = rest + data[: cut + 1] if rest else data[: cut + 1]
             rest = data[cut + 1 :]
-            yield from self._scan(chunk)
+            base = self.count
+            self.count += chunk.count(b"\n")
+            yield base, chunk
         if rest:
-            yield from self._scan(rest + b"\n")
+            base = self.count
+            self.count += 1
+            yield base, rest + b"\n"
 
-    def _scan(self, chunk: bytes) -> Iterator[tuple[int, bytes]]:
-        starts: set[int] = set()
-        find, rfind = chunk.find, chunk.rfind
-        for kw in _ALL_KEYWORDS:
-            i = find(kw)
-            while i >= 0:
-                start = rfind(b"\n", 0, i) + 1
-                starts.add(start)
-                i = find(kw, find(b"\n", i) + 1)
-        base, prev = self.count, 0
-        count = chunk.count
-        for start in sorted(starts):
-            base += count(b"\n", prev, start)
-            prev = start
-            yield base + 1, chunk[start : find(b"\n", start)]
-        self.count += count(b"\n")
+
+def _line_starts(chunk: bytes, keywords: tuple[bytes, ...], lo: int, hi: int) -> list[int]:
+    """Sorted starts of the lines in chunk[lo:hi] holding any keyword."""
+    starts: set[int] = set()
+    find, rfind = chunk.find, chunk.rfind
+    for kw in keywords:
+        i = find(kw, lo, hi)
+        while i >= 0:
+            starts.add(rfind(b"\n", 0, i) + 1)
+            i = find(kw, find(b"\n", i) + 1, hi)
+    return sorted(starts)
+
+
+def _event_starts(chunk: bytes) -> list[int]:
+    """Sorted starts of the lines of ``chunk`` holding an event keyword."""
+    starts = set(_line_starts(chunk, _PLAIN, 0, len(chunk)))
+    find, rfind = chunk.find, chunk.rfind
+    for anchor, keywords in _ANCHORED:
+        i = find(anchor)
+        while i >= 0:
+            start = rfind(b"\n", 0, i) + 1
+            end = find(b"\n", i)
+            line = chunk[start:end]
+            for kw in keywords:
+                if kw in line:
+                    starts.add(start)
+                    break
+            i = find(anchor, end + 1)
+    return sorted(starts)
+
+
+def _scan(scanner: _Scanner, base: int, chunk: bytes) -> None:
+    """Feed one chunk: event lines one by one, the cascade lines between them per run."""
+    find, count = chunk.find, chunk.count
+    size = len(chunk)
+    next_ms, next_rt = find(_MS_KW), find(_RT_KW)
+    pos, line = 0, base  # line: lines before pos
+    for start in [*_event_starts(chunk), size]:
+        cascade = 0 <= next_ms < start or 0 <= next_rt < start
+        if cascade and not scanner.cascade(chunk, pos, start):
+            _scan_slow(scanner, chunk, pos, start, line)
+        if start == size:
+            break
+        line += count(b"\n", pos, start) + 1
+        pos = find(b"\n", start) + 1
+        scanner.feed(line, chunk[start : pos - 1])
+        if 0 <= next_ms < pos:
+            next_ms = find(_MS_KW, pos)
+        if 0 <= next_rt < pos:
+            next_rt = find(_RT_KW, pos)
+
+
+def _scan_slow(scanner: _Scanner, chunk: bytes, lo: int, hi: int, line: int) -> None:
+    """The cascade lines of chunk[lo:hi] one by one (``line`` lines precede ``lo``)."""
+    prev = lo
+    for start in _line_starts(chunk, (_MS_KW, _RT_KW), lo, hi):
+        line += chunk.count(b"\n", prev, start) + 1
+        prev = chunk.find(b"\n", start) + 1
+        scanner.feed(line, chunk[start : prev - 1])
+
+
+def _steps(detail: list[tuple[Any, ...]], final: Step | None) -> tuple[Step, ...]:
+    """The kept steps of a cascade, from its stored lines (see ``_Scanner.cascade``)."""
+    steps: list[Step] = []
+    last: int | None = None
+    for item in detail:
+        kind = item[0]
+        if kind == "raw":
+            for raw in item[1].split(b"\n"):
+                if _MS_KW in raw:
+                    if m := _MS_B.search(raw):
+                        last = int(m["size"])
+                elif _RT_KW in raw and (m := _RT_B.search(raw)):
+                    if len(steps) < MAX_STEPS:
+                        steps.append(Step(int(m["off"]), last, int(m["n_batch"])))
+                    last = None
+        elif kind == "ms":
+            last = item[1]
+        elif kind == "rt":
+            if len(steps) < MAX_STEPS:
+                steps.append(Step(item[1], last, item[2]))
+            last = None
+        elif steps and steps[-1].purged is None:  # purge
+            s = steps[-1]
+            steps[-1] = Step(s.off, s.size, s.next_n_batch, (item[1], item[2]))
+    if final is not None and len(steps) < MAX_STEPS:
+        steps.append(final)
+    return tuple(steps)
 
 
 # ------------------------------------------------------------------------------------------
@@ -246,7 +352,8 @@ class _Pending:
     line: int
     error: str
     off: int
-    steps: list[Step]
+    detail: list[tuple[Any, ...]]  # the cascade as stored (``_steps`` makes the steps)
+    final: Step | None
     n_steps: int
     offsets: int
     first_view: int | None
@@ -270,7 +377,11 @@ class _Scanner:
         self.rejections_total = 0
         self.rejections_after_config: Counter[int] = Counter()
         self.max_rejected: int | None = None
-        self.failures: deque[Failure] = deque(maxlen=keep)
+        # the last ``keep`` failures, their steps still to be made (``_steps``)
+        self.kept: deque[tuple[dict[str, Any], list[tuple[Any, ...]], Step | None]] = deque(
+            maxlen=keep
+        )
+        self.failures: tuple[Failure, ...] = ()
         self.failures_total = 0
         self.by_class: Counter[FailureClass] = Counter()
         self.adds_up = 0
@@ -284,9 +395,13 @@ class _Scanner:
     # -- cascade ---------------------------------------------------------------------------
 
     def _cascade_reset(self) -> None:
-        self.steps: list[Step] = []
+        # the steps are made only for the failures kept in detail: until then the cascade is
+        # stored as its text (``detail``, see ``_steps``), up to MAX_STEPS tries
+        self.detail: list[tuple[Any, ...]] = []
+        self.late_purge = False  # a purge after MAX_STEPS tries was stored
         self.n_steps = 0
-        self.offsets: list[int] = []
+        self.n_offsets = 0
+        self.last_off: int | None = None
         self.first_view: int | None = None
         self.view_at_off: int | None = None  # first failed view at the current offset
         self.view_capped = False  # that view was as large as n_batch: more may have followed
@@ -297,41 +412,133 @@ class _Scanner:
         self.last_size = size
         if self.first_view is None:
             self.first_view = size
+        if self.n_steps < MAX_STEPS:
+            if self.detail and self.detail[-1][0] == "ms":
+                self.detail[-1] = ("ms", size)
+            else:
+                self.detail.append(("ms", size))
 
     def _retry(self, off: int, n_batch: int) -> None:
-        if not self.offsets or self.offsets[-1] != off:
-            self.offsets.append(off)
+        if self.last_off != off:
+            self.n_offsets += 1
+            self.last_off = off
             self.view_at_off = self.last_size
             # the first try at an offset uses the full n_batch, now halved (or kept: purge)
             self.view_capped = self.last_size in (n_batch, 2 * n_batch)
+        if self.n_steps < MAX_STEPS:
+            self.detail.append(("rt", off, n_batch))
         self.n_steps += 1
-        if len(self.steps) < MAX_STEPS:
-            self.steps.append(Step(off, self.last_size, n_batch))
         self.last_size = None
 
     def _purge(self, slot: int, tokens: int) -> None:
         self.purges += 1
-        if self.steps and self.steps[-1].purged is None:
-            last = self.steps[-1]
-            self.steps[-1] = Step(last.off, last.size, last.next_n_batch, (slot, tokens))
+        # a purge marks the last step kept; past MAX_STEPS only the first one can
+        if self.n_steps < MAX_STEPS or not self.late_purge:
+            self.late_purge = self.n_steps >= MAX_STEPS
+            self.detail.append(("purge", slot, tokens))
+
+    def cascade(self, chunk: bytes, lo: int, hi: int) -> bool:
+        """Take the cascade lines of chunk[lo:hi] (whole lines, no other keyword) at once.
+
+        Does what ``feed`` would do line by line, from C-level counts and searches: the
+        number of tries, the offsets, the first failed view at each offset and the last size
+        are read from the few lines that decide them. Returns False, changing nothing, when
+        a line does not have the usual form; the caller then feeds the lines one by one.
+        """
+        count, find, rfind = chunk.count, chunk.find, chunk.rfind
+        n_ms, n_rt = count(_MS_KW, lo, hi), count(_RT_KW, lo, hi)
+        if count(_MS, lo, hi) != n_ms or count(_RT, lo, hi) != n_rt:
+            return False  # another ", ret = " line (a decode error) or a changed format
+        last_size, first_view = self.last_size, self.first_view
+        n_offsets, last_off = self.n_offsets, self.last_off
+        view_at_off, view_capped = self.view_at_off, self.view_capped
+        if first_view is None and n_ms:
+            if not (m := _MS_B.match(chunk, find(_MS, lo, hi))):
+                return False
+            first_view = int(m["size"])
+        pos, seen_retry = lo, False
+        while (i := find(_RT, pos, hi)) >= 0:
+            # a run of tries at one offset: from its first retry line to its last one
+            if not (m := _RT_B.match(chunk, i)):
+                return False
+            off, n_batch = int(m["off"]), int(m["n_batch"])
+            same = b"%s%d, n_batch = " % (_RT, off)
+            j = rfind(same, i, hi)
+            if j < i:
+                return False
+            end = find(b"\n", j, hi) + 1
+            if end <= 0 or count(same, i, end) != count(_RT, i, end):
+                return False  # the offset comes back after another one
+            k = rfind(_MS, pos, i)  # the memory-slot line before the run's first retry
+            if k >= 0:
+                if not (m := _MS_B.match(chunk, k)):
+                    return False
+                size: int | None = int(m["size"])
+            else:
+                size = None if seen_retry else last_size
+            if last_off != off:
+                n_offsets += 1
+                last_off = off
+                view_at_off = size
+                view_capped = size in (n_batch, 2 * n_batch)
+            pos, seen_retry = end, True
+        k = rfind(_MS, pos, hi)
+        if k >= 0:
+            if not (m := _MS_B.match(chunk, k)):
+                return False
+            last_size = int(m["size"])
+        elif seen_retry:
+            last_size = None
+        if self.n_steps < MAX_STEPS:
+            self._store(
+                chunk, lo, hi, MAX_STEPS - self.n_steps if n_rt > MAX_STEPS - self.n_steps else 0
+            )
+        self.last_size, self.first_view = last_size, first_view
+        self.n_offsets, self.last_off = n_offsets, last_off
+        self.view_at_off, self.view_capped = view_at_off, view_capped
+        self.n_steps += n_rt
+        return True
+
+    def _store(self, chunk: bytes, lo: int, hi: int, tries: int) -> None:
+        """Keep the text of chunk[lo:hi] up to its ``tries``-th retry line (0: all of it)."""
+        find = chunk.find
+        i, cut = lo, hi
+        for _ in range(tries):
+            i = find(_RT, i, hi)
+            if i < 0:
+                break
+            i = find(b"\n", i, hi) + 1
+        else:
+            cut = i if tries else hi
+        if cut - lo <= _RAW_MAX:
+            self.detail.append(("raw", chunk[lo:cut]))
+            return
+        for start in _line_starts(chunk, (_MS_KW, _RT_KW), lo, cut):
+            raw = chunk[start : find(b"\n", start)]
+            if _MS_KW in raw:
+                if m := _MS_B.search(raw):
+                    self.detail.append(("ms", int(m["size"])))
+            elif m := _RT_B.search(raw):
+                self.detail.append(("rt", int(m["off"]), int(m["n_batch"])))
 
     # -- failure ---------------------------------------------------------------------------
 
     def _decode_error(self, line: int, error: str, off: int) -> None:
         self._close()
-        if not self.offsets or self.offsets[-1] != off:
-            self.offsets.append(off)
+        if self.last_off != off:
+            self.n_offsets += 1
+            self.last_off = off
             self.view_at_off, self.view_capped = self.last_size, False
+        final = Step(off, self.last_size, None) if self.n_steps < MAX_STEPS else None
         self.n_steps += 1
-        if len(self.steps) < MAX_STEPS:
-            self.steps.append(Step(off, self.last_size, None))
         self.pending = _Pending(
             line=line,
             error=error,
             off=off,
-            steps=self.steps,
+            detail=self.detail,
+            final=final,
             n_steps=self.n_steps,
-            offsets=len(self.offsets),
+            offsets=self.n_offsets,
             first_view=self.first_view,
             final_view=None if self.view_capped else self.view_at_off,
             purges=self.purges,
@@ -367,26 +574,29 @@ class _Scanner:
         )
         cls = _classify(p, slots)
         self.by_class[cls] += 1
-        self.failures.append(
-            Failure(
-                number=self.failures_total,
-                line=p.line,
-                error=p.error,
-                off=p.off,
-                steps=tuple(p.steps),
-                n_steps=p.n_steps,
-                offsets=p.offsets,
-                first_view=p.first_view,
-                purges=p.purges,
-                slots=slots,
-                requests_failed=p.requests_failed,
-                total=total,
-                pool_cells=cells,
-                overflow=overflow,
-                overflow_source=source,
-                adds_up=adds_up,
-                cls=cls,
-                config_line=p.config.line if p.config else None,
+        self.kept.append(
+            (
+                dict(
+                    number=self.failures_total,
+                    line=p.line,
+                    error=p.error,
+                    off=p.off,
+                    n_steps=p.n_steps,
+                    offsets=p.offsets,
+                    first_view=p.first_view,
+                    purges=p.purges,
+                    slots=slots,
+                    requests_failed=p.requests_failed,
+                    total=total,
+                    pool_cells=cells,
+                    overflow=overflow,
+                    overflow_source=source,
+                    adds_up=adds_up,
+                    cls=cls,
+                    config_line=p.config.line if p.config else None,
+                ),
+                p.detail,
+                p.final,
             )
         )
 
@@ -509,6 +719,9 @@ class _Scanner:
         self._close()
         if self.n_steps:
             self.recovered += 1
+        self.failures = tuple(
+            Failure(steps=_steps(detail, final), **fields) for fields, detail, final in self.kept
+        )
         return Report(
             source=source,
             lines=lines,
@@ -527,7 +740,7 @@ class _Scanner:
                 if self.config
                 else (self.pool_hint_source if self.pool_hint else "unknown: no startup line")
             ),
-            failures=tuple(self.failures),
+            failures=self.failures,
             by_class={c.value: k for c, k in self.by_class.most_common()},
             adds_up=self.adds_up,
             checked=self.checked,
@@ -772,8 +985,8 @@ def diagnose(
         )
     scanner = _Scanner(pool_hint, pool_hint_source, keep)
     lines = _Lines(stream, block)
-    for n, raw in lines:
-        scanner.feed(n, raw)
+    for base, chunk in lines:
+        _scan(scanner, base, chunk)
     return scanner.report(source, lines.count, memory)
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import re
 import shlex
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 
 _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # Characters that bash and systemd read the same way outside quotes.
@@ -63,11 +62,14 @@ class EnvFileError(ValueError):
         super().__init__(f"{path}:{lineno}: {reason}\n    {line}")
 
 
-@dataclass(frozen=True)
 class _Cursor:
-    path: str
-    lineno: int
-    line: str
+    """Where the parser is. A plain class: ``dataclasses`` costs milliseconds to import,
+    and this module is on the path of every server start."""
+
+    __slots__ = ("line", "lineno", "path")
+
+    def __init__(self, path: str, lineno: int, line: str) -> None:
+        self.path, self.lineno, self.line = path, lineno, line
 
     def fail(self, reason: str) -> EnvFileError:
         return EnvFileError(self.path, self.lineno, self.line, reason)

@@ -4,26 +4,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
-from pathlib import Path
 from typing import Any
 
 from launcher import config, units
 from launcher.deploy import Deployer, Progress, Result
 from launcher.errors import DeployFailed, LauncherError
 from launcher.systemd import Systemd
-
-
-def launcher_path() -> str:
-    """The installed ``llama-launcher`` executable for ExecStart (absolute)."""
-    here = Path(sys.argv[0])
-    if here.name == "llama-launcher" and here.exists():
-        return str(here.resolve())
-    found = shutil.which("llama-launcher")
-    if found:
-        return str(Path(found).resolve())
-    exe = Path(sys.executable).with_name("llama-launcher")
-    return str(exe) if exe.exists() else units.DEFAULT_LAUNCHER
 
 
 def install(
@@ -48,11 +34,11 @@ def install(
     if template:
         unit_file = unit_dir / "llama-server@.service"
         text = units.render(
-            launcher_path(), str(env_file.parent / "%i.env"), settings.scope, template=True
+            *units.this_python(), str(env_file.parent / "%i.env"), settings.scope, template=True
         )
     else:
         unit_file = unit_dir / settings.unit_name
-        text = units.render(launcher_path(), str(env_file), settings.scope)
+        text = units.render(*units.this_python(), str(env_file), settings.scope)
     if not unit_file.exists() or unit_file.read_text() != text:
         unit_file.write_text(text)
     systemd = systemd or Systemd(settings.unit_name, settings.scope)

@@ -70,10 +70,7 @@ def status_text(d: dict[str, Any]) -> str:
         )
     mem = d.get("memory_at_deploy") or {}
     if mem.get("after"):
-        before = f"{mem['before'] / 2**20:.1f}" if mem.get("before") else "?"
-        lines.append(f"  memory at deploy: {before} -> {mem['after'] / 2**20:.1f} MiB")
-    if d.get("kv_estimate"):
-        lines.append(f"  KV estimate: {d['kv_estimate'].get('total_mib')} MiB")
+        lines.append(f"  memory: {memory_line(mem, d.get('kv_estimate'))}")
     if d.get("pending_transaction"):
         lines.append("  a deploy was interrupted: the next verb recovers it")
     return "\n".join(lines)
@@ -83,9 +80,12 @@ def history(settings: config.ToolSettings) -> dict[str, Any]:
     st = store.Store(settings.resolved_state_dir())
     live = st.live_number()
     out: list[dict[str, Any]] = []
-    prev_argv: list[str] = []
+    argv_of: dict[int, list[str]] = {}
     for gen in st.all():
         argv = list(gen.meta.get("argv") or [])
+        argv_of[gen.number] = argv
+        prev = gen.meta.get("previous")
+        prev_argv = argv_of.get(prev, []) if isinstance(prev, int) else []
         mem = gen.meta.get("memory") or {}
         out.append(
             {
@@ -96,14 +96,13 @@ def history(settings: config.ToolSettings) -> dict[str, Any]:
                 "outcome": gen.outcome,
                 "live": gen.number == live,
                 "argv": argv,
+                "previous": prev,
                 "diff": argv_diff(prev_argv, argv) if prev_argv and argv else [],
                 "memory": mem,
                 "kv_estimate": gen.meta.get("kv_estimate"),
                 "failure": (gen.meta.get("failure") or {}).get("message"),
             }
         )
-        if argv:
-            prev_argv = argv
     return {"unit": settings.unit_name, "live_generation": live, "generations": out}
 
 
@@ -121,13 +120,22 @@ def history_text(d: dict[str, Any]) -> str:
         if g.get("failure"):
             lines.append(f"        failed: {g['failure'][:200]}")
         if g["memory"].get("after"):
-            est = g.get("kv_estimate") or {}
-            lines.append(
-                f"        memory {(g['memory'].get('before') or 0) / 2**20:.1f} -> "
-                f"{g['memory']['after'] / 2**20:.1f} MiB"
-                + (f" (KV estimate {est.get('total_mib')} MiB)" if est else "")
-            )
+            lines.append(f"        memory: {memory_line(g['memory'], g.get('kv_estimate'))}")
     return "\n".join(lines)
+
+
+def memory_line(mem: dict[str, Any], estimate: dict[str, Any] | None) -> str:
+    """Measured service memory before -> after the deploy, next to the KV estimate."""
+
+    def mib(v: Any) -> str:
+        return f"{v / 2**20:.1f} MiB" if isinstance(v, int) else "?"
+
+    text = f"service {mib(mem.get('before'))} before -> {mib(mem.get('after'))} after the gate"
+    if estimate and estimate.get("kv_bytes") is not None:
+        text += f"; KV estimate {mib(estimate['kv_bytes'])}"
+    elif estimate and estimate.get("unsupported"):
+        text += "; KV not estimated (model not covered)"
+    return text
 
 
 __all__ = ["LauncherError", "history", "history_text", "status", "status_text"]

@@ -12,7 +12,6 @@ This is on the path of every server start. It imports the standard library and
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -25,7 +24,7 @@ KEYS = ("LLAMA_SERVER", "EXTRA_ARGS", "API_KEY_FILE")
 REQUIRED = ("LLAMA_SERVER", "EXTRA_ARGS")
 #: Environment variables llama-server reads as flags; removed so only the argv counts.
 _SCRUBBED_PREFIXES = ("LLAMA_ARG_",)
-_SCRUBBED = ("LLAMA_API_KEY",)
+_SCRUBBED = ("LLAMA_API_KEY", "PYTHONPATH")  # PYTHONPATH: the unit's, for the launcher only
 
 
 class LaunchError(Exception):
@@ -158,6 +157,8 @@ def main(args: Sequence[str]) -> int:
         env_file, print_argv = _parse_args(args)
         argv = read_argv(env_file)
         if print_argv:
+            import json
+
             print(json.dumps(argv))
             return 0
         try:

@@ -139,7 +139,7 @@ class Probe:
         ms = (time.monotonic() - start) * 1000
         if r.status_code != 200:
             raise ProbeError(
-                f"the chat completion returned {r.status_code}: {r.text[:300]}"
+                f"the chat completion returned {r.status_code}: {_error_text(r)}"
                 + _auth_hint(r.status_code)
             )
         try:
@@ -156,6 +156,19 @@ class Probe:
             raise ProbeError(
                 f"the chat completion has no usable choices/usage: {r.text[:300]}"
             ) from e
+
+
+def _error_text(r: httpx.Response) -> str:
+    """The server's error message, shortened to its first line."""
+    try:
+        msg = str(r.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        msg = r.text
+    lines = [x for x in msg.splitlines() if x.strip() and not x.startswith("---")]
+    first = lines[0] if lines else msg
+    if "Jinja Exception" in msg:
+        first += " (" + msg[msg.index("Jinja Exception") :].splitlines()[0] + ")"
+    return first[:300]
 
 
 def _auth_hint(status: int) -> str:

@@ -10,7 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-DEFAULT_LAUNCHER = "/usr/local/bin/llama-launcher"
+DEFAULT_PYTHON = "/usr/bin/python3"
+DEFAULT_PACKAGE_DIR = "/usr/local/lib/python3/dist-packages"
 
 _TEMPLATE = """\
 # Rendered by llama-launcher; `llama-launcher install` writes it with this host's paths.
@@ -24,7 +25,10 @@ StartLimitBurst=5
 
 [Service]
 Type=exec
-ExecStart={launcher} exec --env-file {env_file}
+# `llama-launcher exec` without site-packages processing (-S): it needs only the standard
+# library and its own package, and it runs on every start. It execs llama-server itself.
+Environment=PYTHONPATH={package_dir}
+ExecStart={python} -S -m launcher exec --env-file {env_file}
 Restart=on-failure
 RestartSec=2
 # 78 (EX_CONFIG): the launcher refused the env file; restarting cannot fix that.
@@ -46,7 +50,8 @@ WantedBy={wanted_by}
 
 
 def render(
-    launcher: str = DEFAULT_LAUNCHER,
+    python: str = DEFAULT_PYTHON,
+    package_dir: str = DEFAULT_PACKAGE_DIR,
     env_file: str = "/etc/llama-launcher/llama-server.env",
     scope: Literal["system", "user"] = "system",
     template: bool = False,
@@ -60,11 +65,22 @@ def render(
             if scope == "system"
             else ""
         ),
-        launcher=launcher,
+        python=python,
+        package_dir=package_dir,
         env_file=env_file,
         ident="llama-server-%i" if template else "llama-server",
         wanted_by="multi-user.target" if scope == "system" else "default.target",
     )
+
+
+def this_python() -> tuple[str, str]:
+    """(the interpreter running llama-launcher, the folder holding the ``launcher`` package)."""
+    import sys
+    from pathlib import Path
+
+    import launcher
+
+    return sys.executable, str(Path(launcher.__file__).resolve().parent.parent)
 
 
 def default_files() -> dict[str, str]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -19,11 +18,10 @@ def test_units_folder_is_the_rendered_template() -> None:
 
 
 def test_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
-    launcher = shutil.which("llama-launcher")
-    assert launcher, "llama-launcher is not installed in this environment"
-    (tmp_path / "llama-server.service").write_text(units.render(launcher, str(tmp_path / "x.env")))
+    here = units.this_python()
+    (tmp_path / "llama-server.service").write_text(units.render(*here, str(tmp_path / "x.env")))
     (tmp_path / "llama-server@.service").write_text(
-        units.render(launcher, str(tmp_path / "%i.env"), template=True)
+        units.render(*here, str(tmp_path / "%i.env"), template=True)
     )
     for unit in ("llama-server.service", "llama-server@demo.service"):
         p = subprocess.run(
@@ -59,10 +57,8 @@ def test_launcher_config_error_exits_78_and_is_not_restarted(sandbox: Sandbox, h
         f'LLAMA_SERVER="{host.server}"\n'
         "EXTRA_ARGS=--kv-unified-per-slot 262144 -ctk q8_0 -ctv q8_0\n"
     )
-    launcher = shutil.which("llama-launcher")
-    assert launcher
     (sandbox.unit_dir / host.unit).write_text(
-        units.render(launcher, str(host.env_file), scope="user")
+        units.render(*units.this_python(), str(host.env_file), scope="user")
     )
     sandbox.systemctl("daemon-reload")
     sandbox.systemctl("start", host.unit, check=False)

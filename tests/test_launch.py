@@ -406,7 +406,7 @@ def test_launch_imports_no_third_party_module() -> None:
         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)},
     )
     loaded = set(r.stdout.split())
-    assert {"launcher", "json"} <= loaded
+    assert "launcher" in loaded
     heavy = {"pydantic", "pydantic_settings", "httpx", "sh", "tenacity", "gguf", "numpy"}
     assert not loaded & heavy
     stdlib = set(sys.stdlib_module_names) | {

@@ -32,7 +32,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--agents", type=int, nargs="+", default=[1, 2, 4], metavar="N",
         help="agent counts to measure (default: 1 2 4)",
     )  # fmt: skip
-    p.add_argument("--max-tokens", type=int, default=64, help="tokens per answer (%(default)s)")
+    p.add_argument(
+        "--max-tokens", type=int, default=64, metavar="N", help="tokens per answer (%(default)s)"
+    )
     p.add_argument(
         "--prompt-tokens", type=int, metavar="N",
         help="size each agent's prompt to about N tokens (default: one chat line)",
@@ -41,8 +43,16 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--long-prompt", type=int, metavar="TOKENS",
         help="also measure with one extra agent sending a prompt of about TOKENS tokens",
     )  # fmt: skip
-    p.add_argument("--rounds", type=int, default=1, help="rounds per agent count (%(default)s)")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds per request (%(default)s)")
+    p.add_argument(
+        "--rounds", type=int, default=1, metavar="R", help="rounds per agent count (%(default)s)"
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="seconds per request (%(default)s)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", metavar="FILE.png", help="write a PNG of tok/s against agents")
     p.set_defaults(func=run)
@@ -63,7 +73,7 @@ def run(ns: argparse.Namespace, generation: Mapping[str, Any] | None = None) -> 
     )
     settings.validate()
     if ns.plot:
-        bench.check_plot_available()
+        bench.check_plot_available(ns.plot)
     api_key = bench.read_api_key(ns.api_key_file) if ns.api_key_file else None
     result = bench.run_bench(settings, api_key=api_key, generation=generation)
     data = result.to_dict()

@@ -251,6 +251,8 @@ def _progress() -> Any:
     last = [0.0]
 
     def show(phase: str, elapsed: float, line: str) -> None:
+        if not tty and phase not in ("starting", "loading"):
+            return  # a log file wants only the slow waits, not every phase
         now = time.monotonic()
         if now - last[0] < (0.1 if tty else 2.0) and phase in ("starting", "loading"):
             return
