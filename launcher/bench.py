@@ -910,7 +910,7 @@ def render_text(result: BenchResult) -> str:
         ]
         for lv in result.levels
     ]
-    header = ["agents", "total tok/s", "per-agent tok/s", "wall s", "p50 s", "p95 s",
+    header = ["agents", "total tok/s", "per-agent tok/s", "wall s", "lat p50 s", "lat p95 s",
               "TTFT p50 ms", "TTFT p95 ms", "tokens"]  # fmt: skip
     lines.append(_table(header, rows))
     if result.stalls:
@@ -937,9 +937,9 @@ def _stall_text(stalls: Sequence[StallResult]) -> str:
     ]
     header = ["agents", "TTFT p50 ms", "+long", "x", "latency p50 s", "+long", "x"]
     return (
-        f"one extra agent sends a {size:.0f}-token prompt (read alone in {alone:.0f} ms); the "
-        f"others send theirs {delay:.0f} ms later, while it is read. The others' figures "
-        "without and with it:\n" + _table(header, rows)
+        f"long prompt: one extra agent sends {size:.0f} tokens (read alone in {alone:.0f} ms);\n"
+        f"the others send theirs {delay:.0f} ms later, while it is read. Their figures without "
+        "it and with it (+long):\n" + _table(header, rows)
     )
 
 

@@ -98,3 +98,111 @@ def test_empty_input_has_no_verdict() -> None:
     r = diagnose.diagnose(io.BytesIO(b""), "empty", pool_hint=4096)
     assert (r.lines, r.failures_total, r.verdicts, r.config) == (0, 0, (), None)
     assert (r.pool_cells, r.pool_source) == (4096, "--pool")
+
+
+# A failing server's log in b11434's format (cf. scripts/repro-overflow): a startup, a warm
+# slot, then a cascade at rising offsets, a purge, the decode error and the release lines.
+SEED = b"""0.00.003.981 I srv  llama_server: initializing ...
+0.00.748.696 I srv    load_model: initializing, n_slots = 4, n_ctx_slot = 1024, kv_unified = 'true'
+0.02.522.065 I slot      release: id  3 | task 0 | stop processing: n_tokens = 346, truncated = 0
+0.03.007.117 W decode: failed to find a memory slot for batch of size 880
+0.03.007.149 W srv        decode: RETRY off = 0, n_batch = 512, ret = 1
+0.03.007.150 W srv  try_clear_id: purging slot 3 with 346 tokens
+0.03.310.303 W decode: failed to find a memory slot for batch of size 368
+0.03.310.361 W srv        decode: RETRY off = 512, n_batch = 512, ret = 1
+0.03.310.481 W decode: failed to find a memory slot for batch of size 368
+0.03.310.507 W srv        decode: RETRY off = 512, n_batch = 256, ret = 1
+0.03.310.606 W decode: failed to find a memory slot for batch of size 256
+0.03.310.631 W srv        decode: RETRY off = 512, n_batch = 128, ret = 1
+0.03.570.194 W decode: failed to find a memory slot for batch of size 304
+0.03.570.251 W srv        decode: RETRY off = 576, n_batch = 512, ret = 1
+0.03.570.360 W decode: failed to find a memory slot for batch of size 304
+0.03.570.385 W srv        decode: RETRY off = 576, n_batch = 256, ret = 1
+0.03.842.187 W decode: failed to find a memory slot for batch of size 300
+0.03.842.240 W srv        decode: RETRY off = 580, n_batch = 512, ret = 1
+0.03.842.343 W decode: failed to find a memory slot for batch of size 300
+0.03.842.363 W srv        decode: RETRY off = 580, n_batch = 256, ret = 1
+0.03.842.864 W decode: failed to find a memory slot for batch of size 2
+0.03.842.883 W srv        decode: RETRY off = 580, n_batch = 1, ret = 1
+0.03.842.912 W decode: failed to find a memory slot for batch of size 1
+0.03.842.933 E srv        decode: Context size has been exceeded. off = 580, n_batch = 1, ret = 1
+0.03.842.935 E srv    send_error: task id = 11, error: Context size has been exceeded.
+0.03.844.095 I slot      release: id  0 | task 11 | stop processing: n_tokens = 439, truncated = 0
+0.03.844.165 E srv    send_error: task id = 10, error: Context size has been exceeded.
+0.03.844.196 I slot      release: id  1 | task 10 | stop processing: n_tokens = 440, truncated = 0
+0.03.844.723 E srv    send_error: task id = 8, error: Context size has been exceeded.
+0.03.844.729 I slot      release: id  2 | task 8 | stop processing: n_tokens = 445, truncated = 0
+0.03.844.856 E srv  update_slots: decode() failed: Context size has been exceeded.
+""".replace(
+    b"RETRY", b"failed to find free space in the KV cache, retrying with smaller batch size,"
+)
+
+VARIANTS = {
+    "seed": SEED,
+    "repeated": SEED * 7,
+    "offset-returns": SEED.replace(b"off = 576, n_batch = 256", b"off = 0, n_batch = 256"),
+    "other-decode-error": SEED.replace(
+        b"Context size has been exceeded. off", b"Compute error. off"
+    ),
+    "drifted-retry": SEED.replace(b"off = 512, n_batch = 128", b"off = 512, nbatch = 128"),
+    "no-final-newline": SEED.rstrip(b"\n"),
+    # a cascade that finds room: a release without an error ends it
+    "recovered": SEED.replace(
+        b"0.03.842.933 E",
+        b"0.03.842.932 I slot      release: id  0 | "
+        b"task 11 | stop processing: n_tokens = 1, truncated = 0\n0.03.842.933 E",
+    ),
+    "long-cascade-runs": SEED.replace(
+        b"0.03.570.194 W",
+        b"".join(
+            b"0.03.500.000 W decode: failed to find a memory slot for batch of size 64\n"
+            b"0.03.500.001 W srv        decode: RETRY off = %d, n_batch = 32, ret = 1\n"
+            % (1000 + i)
+            for i in range(100)
+        ).replace(
+            b"RETRY",
+            b"failed to find free space in the KV cache, retrying with smaller batch size,",
+        )
+        + b"0.03.570.194 W",
+    ),
+    "long-cascade": SEED.replace(
+        b"0.03.842.864 W",
+        b"".join(
+            b"0.03.842.800 W decode: failed to find a memory slot for batch of size 300\n"
+            b"0.03.842.801 W srv        decode: failed to find free space in the KV cache, "
+            b"retrying with smaller batch size, off = %d, n_batch = 2, ret = 1\n" % (600 + i)
+            for i in range(100)
+        )
+        + b"0.03.842.864 W",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+@pytest.mark.parametrize("block", [7, 333, 4096, diagnose.BLOCK])
+def test_cascade_runs_give_what_line_by_line_gives(
+    name: str, block: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run-at-once path (``_Scanner.cascade``) changes nothing in the report."""
+    data = VARIANTS[name]
+    fast = diagnose.diagnose(io.BytesIO(data), "x", block=block, keep=3, pool_hint=1024)
+    monkeypatch.setattr(diagnose._Scanner, "cascade", lambda *a: False)
+    slow = diagnose.diagnose(io.BytesIO(data), "x", block=block, keep=3, pool_hint=1024)
+    assert fast == slow
+    assert fast.lines == len(data.splitlines())
+    assert fast.exceeded_lines == sum(
+        b"Context size has been exceeded" in line for line in data.splitlines()
+    )
+
+
+def test_seed_failure_in_detail() -> None:
+    r = diagnose.diagnose(io.BytesIO(SEED * 3), "seed")
+    assert (r.failures_total, r.requests_failed, r.exceeded_lines, r.startups) == (3, 9, 15, 3)
+    f = r.failures[-1]
+    assert (f.n_steps, f.offsets, f.first_view, f.purges, f.off) == (10, 4, 880, 1, 580)
+    assert f.steps[0] == diagnose.Step(0, 880, 512, (3, 346))
+    assert f.steps[-1] == diagnose.Step(580, 1, None)
+    assert (f.total, f.pool_cells, f.overflow, f.overflow_source) == (1324, 1024, 300, "log")
+    assert f.adds_up is True and r.adds_up == r.checked == 3
+    assert r.by_class == {diagnose.FailureClass.SHARED_POOL.value: 3}
+    assert r.drift_lines == 0

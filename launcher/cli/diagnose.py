@@ -9,7 +9,9 @@ from collections.abc import Iterator
 from typing import IO, TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from launcher.diagnose import Failure, Fix, Report
+    from launcher.diagnose import Failure, Fix, MemoryCost, Report
+    from launcher.pool import PoolPlan
+    from launcher.store import Generation
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -32,6 +34,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         type=int,
         metavar="N",
         help="the KV pool in cells, when the log does not state it (-c)",
+    )
+    p.add_argument(
+        "--model",
+        metavar="GGUF",
+        help="the model, to price each fix in KV memory (default: the live generation's)",
     )
     p.add_argument("--json", action="store_true", help="one JSON object")
     p.set_defaults(func=run)
@@ -65,6 +72,41 @@ def _open(ns: argparse.Namespace) -> Iterator[tuple[IO[bytes], str]]:
         raise ConfigInvalid("no log given; use --unit UNIT, --log FILE or - (stdin)")
 
 
+def _live_generation(unit: str) -> Generation | None:
+    """The generation llama-launcher deployed for ``unit``, if it manages that unit."""
+    from launcher import config, store
+    from launcher.errors import LauncherError
+
+    try:
+        settings = config.load_settings(unit=unit)
+        return store.Store(settings.resolved_state_dir()).live()
+    except (LauncherError, OSError):
+        return None
+
+
+def _pricer(model: str | None) -> MemoryCost | None:
+    """KV bytes of a fix's pool for ``model`` (None: no model, or one not covered)."""
+    if not model:
+        return None
+    from pathlib import Path
+
+    from launcher import kvmem
+    from launcher.errors import LauncherError
+
+    try:
+        info = kvmem.ModelInfo.from_gguf(Path(model))
+    except (LauncherError, OSError):
+        return None
+
+    def cost(plan: PoolPlan, ctk: str, ctv: str) -> int | None:
+        try:
+            return kvmem.estimate(info, plan, ctk, ctv).total_bytes
+        except LauncherError:
+            return None
+
+    return cost
+
+
 def run(ns: argparse.Namespace) -> int:
     from launcher import diagnose
     from launcher.cli import emit
@@ -72,8 +114,17 @@ def run(ns: argparse.Namespace) -> int:
 
     if ns.pool is not None and ns.pool <= 0:
         raise ConfigInvalid(f"--pool {ns.pool} is not a positive number of cells; give -c")
+    pool_hint, hint_source, model = ns.pool, "--pool", ns.model
+    live = _live_generation(ns.unit) if ns.unit else None
+    if live is not None:
+        if pool_hint is None and live.meta.get("planned"):
+            pool_hint = int(live.meta["planned"]["pool_cells"])
+            hint_source = f"the live generation {live.number} deployed by llama-launcher"
+        model = model or live.meta.get("config", {}).get("model")
     with _open(ns) as (stream, source):
-        report = diagnose.diagnose(stream, source, pool_hint=ns.pool, pool_hint_source="--pool")
+        report = diagnose.diagnose(
+            stream, source, pool_hint=pool_hint, pool_hint_source=hint_source, memory=_pricer(model)
+        )
     emit(report.to_dict(), ns.json, lambda: render(report))
     return 0
 
