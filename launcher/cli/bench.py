@@ -26,7 +26,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--url", default="http://127.0.0.1:8080", help="server base URL (%(default)s)")
+    p.add_argument(
+        "--url",
+        help="server base URL (default: the --unit's live generation, else http://127.0.0.1:8080)",
+    )
+    p.add_argument(
+        "--unit",
+        help="a unit llama-launcher deployed: measure its live generation and name it",
+    )
     p.add_argument("--api-key-file", metavar="F", help="file holding the server's --api-key")
     p.add_argument(
         "--agents", type=int, nargs="+", default=[1, 2, 4], metavar="N",
@@ -58,12 +65,41 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.set_defaults(func=run)
 
 
+def _live(unit: str) -> dict[str, Any] | None:
+    """The live generation of ``unit`` (number, argv, plan, URL), if llama-launcher manages it."""
+    from launcher import config, store
+    from launcher.deploy import url_from_argv
+    from launcher.errors import LauncherError
+
+    try:
+        settings = config.load_settings(unit=unit)
+        gen = store.Store(settings.resolved_state_dir()).live()
+    except (LauncherError, OSError):
+        return None
+    if gen is None:
+        return None
+    argv = list(gen.meta.get("argv") or [])
+    return {
+        "unit": settings.unit_name,
+        "generation": gen.number,
+        "argv": argv,
+        "planned": gen.meta.get("planned"),
+        "url": settings.base_url or url_from_argv(argv),
+    }
+
+
 def run(ns: argparse.Namespace, generation: Mapping[str, Any] | None = None) -> int:
     """Run the bench. ``generation``: the live generation, when llama-launcher deployed it."""
     from launcher import bench
 
+    url = ns.url
+    if ns.unit:
+        live = _live(ns.unit)
+        if live is not None:
+            generation = generation or live
+            url = url or str(live["url"])
     settings = bench.BenchSettings(
-        url=ns.url,
+        url=url or "http://127.0.0.1:8080",
         agents=tuple(ns.agents),
         max_tokens=ns.max_tokens,
         prompt_tokens=ns.prompt_tokens,
