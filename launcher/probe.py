@@ -121,6 +121,33 @@ class Probe:
             )
         return r
 
+    def _post_retrying(self, path: str, body: dict[str, Any], timeout: float) -> httpx.Response:
+        """POST, retried briefly on a dropped connection or a 503: a server that just turned
+        healthy may still refuse the first request while it settles. A real error (4xx,
+        500) is returned at once, for the gate to judge."""
+        from tenacity import (
+            Retrying,
+            retry_if_exception_type,
+            retry_if_result,
+            stop_after_attempt,
+            wait_exponential,
+        )
+
+        retrying = Retrying(
+            retry=retry_if_exception_type(httpx.TransportError)
+            | retry_if_result(lambda r: r.status_code == 503),
+            stop=stop_after_attempt(3),
+            wait=wait_exponential(multiplier=0.05, max=0.5),
+            # out of attempts: the last response, or the last exception raised again
+            retry_error_callback=lambda state: state.outcome.result() if state.outcome else None,
+        )
+        try:
+            r = retrying(self.client.post, path, json=body, timeout=timeout)
+        except httpx.HTTPError as e:
+            raise ProbeError(f"the chat completion failed: {type(e).__name__}: {e}") from e
+        assert isinstance(r, httpx.Response)
+        return r
+
     def chat(self, timeout: float, max_tokens: int = 4) -> Completion:
         """A real, greedy chat completion; it must come back with ``usage``."""
         body = {
@@ -132,10 +159,7 @@ class Probe:
             "stream": False,
         }
         start = time.monotonic()
-        try:
-            r = self.client.post("/v1/chat/completions", json=body, timeout=timeout)
-        except httpx.HTTPError as e:
-            raise ProbeError(f"the chat completion failed: {type(e).__name__}: {e}") from e
+        r = self._post_retrying("/v1/chat/completions", body, timeout)
         ms = (time.monotonic() - start) * 1000
         if r.status_code != 200:
             raise ProbeError(
