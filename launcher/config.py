@@ -506,7 +506,9 @@ class ToolSettings(BaseSettings):
             if self.scope == "system"
             else Path.home() / ".config/llama-launcher"
         )
-        return base / f"{self.instance}.env"
+        # the template unit llama-server@X.service reads <dir>/X.env (%i.env)
+        name = self.instance.split("@", 1)[1] if "@" in self.instance else self.instance
+        return base / f"{name}.env"
 
     def resolved_state_dir(self) -> Path:
         if self.state_dir:

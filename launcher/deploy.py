@@ -223,7 +223,7 @@ class Deployer:
                 # generation is the last known-good one
                 target = live
             else:
-                target = self.store.last_good(exclude=live.number if live else None)
+                target = self._previous_good(live, text)
             if target is None:
                 raise StoreError(
                     f"no known-good generation other than the live one "
@@ -234,8 +234,26 @@ class Deployer:
             result = self._deploy_locked(
                 cfg, False, f"rollback to {target.number}", force_restart=True
             )
+            if live is not None and target.number != live.number:
+                # a later rollback must not bring back the config this one backed out,
+                # in whichever generations it was deployed
+                for gen in self.store.all():
+                    if gen.env_text == live.env_text:
+                        self.store.update(gen, rolled_back_from=True)
             result.recovered = recovered
             return result
+
+    def _previous_good(
+        self, live: store.Generation | None, text: str | None
+    ) -> store.Generation | None:
+        """The newest known-good generation before the live one with a different config."""
+        for n in reversed(self.store.numbers()):
+            gen = self.store.get(n)
+            if live is not None and n >= live.number:
+                continue
+            if gen.good and not gen.meta.get("rolled_back_from") and gen.env_text != text:
+                return gen
+        return None
 
     def recover_only(self) -> dict[str, Any] | None:
         with self._locked() as recovered:
@@ -403,6 +421,7 @@ class Deployer:
         planned = plan_dict(checked.plan)
         prev_number = self.store.live_number()
         if live_text == checked.env_text and not force_restart:
+            live = self.store.live()
             return Result(
                 "unchanged",
                 False,
@@ -412,6 +431,8 @@ class Deployer:
                 "nothing restarted",
                 planned=planned,
                 timings=timings,
+                startup=live.meta.get("startup") if live else None,
+                client_window=self._window_data(checked, prev_number) if live else None,
             )
         if check:
             return Result(
@@ -603,6 +624,12 @@ class Deployer:
 
     def _client_window(self, checked: validate.Validated, number: int) -> dict[str, Any]:
         """Publish the guaranteed per-slot window next to the env file (seed 000)."""
+        data = self._window_data(checked, number)
+        path = self.env_file.with_name("client-window.json")
+        store.atomic_write(path, (json.dumps(data, indent=2) + "\n").encode(), 0o644)
+        return data
+
+    def _window_data(self, checked: validate.Validated, number: int | None) -> dict[str, Any]:
         plan = checked.plan
         data = {
             "unit": self.settings.unit_name,
@@ -615,8 +642,6 @@ class Deployer:
             "cache_type_k": str(checked.config.cache_type_k or "f16"),
             "cache_type_v": str(checked.config.cache_type_v or "f16"),
         }
-        path = self.env_file.with_name("client-window.json")
-        store.atomic_write(path, (json.dumps(data, indent=2) + "\n").encode(), 0o644)
         return data
 
     # -- the gate --------------------------------------------------------------------------
@@ -719,7 +744,7 @@ class Deployer:
             completion = probe.chat(self.settings.probe_timeout)
             timings["completion"] = round(time.monotonic() - t0, 3)
         except ProbeError as e:
-            raise GateFailure("probe", "probe", str(e), (log + self._tail(10))[-30:]) from e
+            raise GateFailure("probe", "probe", str(e), self._tail(30) or log[-30:]) from e
         finally:
             probe.close()
         time.sleep(self.settings.settle_seconds)

@@ -201,15 +201,6 @@ class Store:
         n = self.live_number()
         return self.get(n) if n is not None else None
 
-    def last_good(self, exclude: int | None = None) -> Generation | None:
-        for n in reversed(self.numbers()):
-            if n == exclude:
-                continue
-            gen = self.get(n)
-            if gen.good:
-                return gen
-        return None
-
     # -- transaction record ----------------------------------------------------------------
 
     def begin(self, record: dict[str, Any]) -> None:

@@ -112,9 +112,18 @@ def scenario(
     return Run(log, tuple(argv), tuple(n for _, n in sized), statuses, warm)
 
 
-def overflow(model: Path, log: Path, extra: Sequence[str] = ()) -> Run:
-    """Seed 000 in miniature: a warm idle slot (purged first), then 3 x 400 tokens > 1024."""
-    return scenario(model, log, OVERFLOW_ARGS, (400, 400, 400), warmup=300, extra=extra)
+def overflow(model: Path, log: Path, extra: Sequence[str] = (), tries: int = 3) -> Run:
+    """Seed 000 in miniature: a warm idle slot (purged first), then 3 x 400 tokens > 1024.
+
+    The overflow needs the three requests to overlap in the server; on a loaded machine one
+    may finish before the last arrives. Then the whole scenario runs again on a fresh server
+    and log (at most ``tries`` times), so the log always matches the statuses it returns.
+    """
+    for _ in range(tries):
+        run = scenario(model, log, OVERFLOW_ARGS, (400, 400, 400), warmup=300, extra=extra)
+        if run.statuses.count(500) >= 2:
+            break
+    return run
 
 
 def too_long(model: Path, log: Path, extra: Sequence[str] = ()) -> Run:

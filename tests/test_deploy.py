@@ -168,6 +168,19 @@ def test_rollback_to_a_generation(host: Host) -> None:
     assert out["startup"]["n_ctx_slot"] == 2048
 
 
+def test_rollbacks_walk_back_and_never_bring_back_a_backed_out_config(host: Host) -> None:
+    installed(host)  # A: -c 4096
+    assert host.cli_json("set", "-c", "8192")[0] == 0  # B
+    assert host.cli_json("set", "-c", "6144")[0] == 0  # C
+    rc, out = host.cli_json("rollback")
+    assert (rc, out["startup"]["n_ctx_slot"]) == (0, 4096), out  # back to B
+    rc, out = host.cli_json("rollback")
+    assert (rc, out["startup"]["n_ctx_slot"]) == (0, 2048), out  # back to A, not to C
+    rc, out = host.cli_json("rollback")
+    assert rc == 1 and "no known-good generation" in out["message"]
+    assert "-c 4096" in host.env_file.read_text()
+
+
 def test_rollback_after_start_limit_hit(host: Host) -> None:
     installed(host)
     good = host.env_file.read_text()

@@ -200,8 +200,8 @@ def test_cli_rejects_since_without_unit(logs: dict[str, repro.Run]) -> None:
     assert p.returncode == 2 and b"--since" in p.stderr
 
 
-def test_unit_journal(sandbox: object, tiny_model: Path, llama_server_bin: str) -> None:
-    """A transient --user unit overflows; diagnose --unit reads it from the journal."""
+def _overflow_unit(tiny_model: Path, llama_server_bin: str) -> tuple[str, tuple[int, ...]]:
+    """Run the overflow burst against a transient --user unit; return (unit, statuses)."""
     unit = f"diag-{uuid.uuid4().hex[:8]}"
     port = realserver.free_port()
     argv = [
@@ -238,6 +238,15 @@ def test_unit_journal(sandbox: object, tiny_model: Path, llama_server_bin: str) 
         statuses = repro.burst(url, [repro.sized_prompt(url, 400, i)[0] for i in range(3)])
     finally:
         subprocess.run(["systemctl", "--user", "stop", unit], capture_output=True, timeout=60)
+    return unit, statuses
+
+
+def test_unit_journal(sandbox: object, tiny_model: Path, llama_server_bin: str) -> None:
+    """A transient --user unit overflows; diagnose --unit reads it from the journal."""
+    for _ in range(3):  # the burst must overlap in the server; a loaded box may serialise it
+        unit, statuses = _overflow_unit(tiny_model, llama_server_bin)
+        if statuses.count(500) >= 2:
+            break
     failed = statuses.count(500)
     assert failed >= 2, statuses
     p = run_cli("--unit", unit, "--json")
