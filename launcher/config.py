@@ -469,7 +469,9 @@ class ToolSettings(BaseSettings):
     health_timeout: float = Field(300.0, gt=0, description="/health 200 after the startup line")
     probe_timeout: float = Field(60.0, gt=0, description="the real chat completion")
     lock_timeout: float = Field(30.0, ge=0, description="waiting for another deploy")
-    settle_seconds: float = Field(0.1, ge=0, description="stay-up check after the completion")
+    settle_seconds: float = Field(
+        0.0, ge=0, description="extra wait before the final stay-up check"
+    )
 
     @classmethod
     def settings_customise_sources(

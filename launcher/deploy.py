@@ -447,7 +447,7 @@ class Deployer:
             )
         prev_number = self._adopt_unmanaged(live_text, prev_number)
         return self._transaction(
-            checked, live_text, prev_number, origin, diff, planned, timings, t0
+            checked, live_text, prev_number, origin, diff, planned, timings, t0, running
         )
 
     def _argv_of(self, text: str | None) -> list[str]:
@@ -482,6 +482,7 @@ class Deployer:
         planned: dict[str, Any],
         timings: dict[str, float],
         t0: float,
+        before: UnitState,
     ) -> Result:
         meta = {
             "time": time.time(),
@@ -515,7 +516,6 @@ class Deployer:
         result = Result(
             "deployed", True, gen.number, prev_number, planned=planned, diff=diff, timings=timings
         )
-        before = self.systemd.state()
         result.memory["before"] = process_memory(before) if before.running else None
         result.memory["estimate"] = checked.memory.to_dict()
         try:
@@ -663,88 +663,29 @@ class Deployer:
         """Wait for the restarted unit to serve; raise GateFailure with the reason."""
         t0 = time.monotonic()
         timings: dict[str, float] = {}
-        scan = serverlog.StartupScan()
-        log: list[str] = []
-        deadline = t0 + self.settings.start_timeout
-        started = False
-        respawned = False
-        next_state = 0.0
-        with self.systemd.follow(cursor) as journal:
-            while scan.startup is None:
-                lines = journal.read(0.02)
-                log.extend(lines)
-                scan.feed_all(lines)
-                if scan.startup is not None:
-                    break
-                if time.monotonic() < next_state:
-                    continue
-                next_state = time.monotonic() + 0.05
-                state = self.systemd.state()
-                started = (
-                    started
-                    or state.invocation_id != before.invocation_id
-                    or state.main_pid not in (0, before.main_pid)
-                )
-                dead = _dead(state, before, started)
-                if dead and state.exec_main_status in SPAWN_FAILURES and not respawned:
-                    # systemd itself failed to spawn the process (e.g. 219/CGROUP while the old
-                    # process's cgroup was still being torn down): not the config's fault.
-                    respawned = True
-                    self.spawn_warnings.append(
-                        f"systemd failed to spawn the service (status {state.exec_main_status}, "
-                        f"{state.result}); restarted it once more"
-                    )
-                    before = state
-                    started = False
-                    self.systemd.reset_failed()
-                    self.systemd.restart()
-                    continue
-                if dead:
-                    # journald may still be writing the last lines: read them once more,
-                    # completely, from the cursor taken before the restart
-                    time.sleep(0.1)
-                    full, _ = self.systemd.messages(cursor)
-                    raise self._exited(dead, full or log)
-                if time.monotonic() > deadline:
-                    raise GateFailure(
-                        "startup",
-                        "timeout",
-                        (
-                            f"no startup line within {self.settings.start_timeout:g}s "
-                            "(raise --start-timeout for a large model)"
-                        ),
-                        log[-30:],
-                    )
-                self._say("starting", time.monotonic() - t0, log[-1] if log else "")
-        timings["startup_line"] = round(time.monotonic() - t0, 3)
-        startup = scan.startup
-        startup_d = {
-            "n_slots": startup.n_slots,
-            "n_ctx_slot": startup.n_ctx_slot,
-            "kv_unified": startup.kv_unified,
-            "pool_cells": startup.pool_cells,
-            "config_file": startup.config_file,
-        }
-        if plan is not None:
-            self._compare(plan, startup_d, log)
         probe = Probe(self.url_for(argv), api_key)
         try:
-
-            def alive() -> str | None:
-                st = self.systemd.state()
-                return _dead(st, before, True)
-
-            def progress(waited: float, detail: str) -> None:
-                self._say("loading", waited, detail)
-
-            probe.wait_healthy(self.settings.health_timeout, alive, progress)
+            scan, log, before = self._wait_ready(probe, cursor, before, t0)
             timings["healthy"] = round(time.monotonic() - t0, 3)
+            scan, log = self._startup_line(scan, log, cursor)
+            startup = scan.startup
+            assert startup is not None
+            timings["startup_line"] = round(time.monotonic() - t0, 3)
+            startup_d = {
+                "n_slots": startup.n_slots,
+                "n_ctx_slot": startup.n_ctx_slot,
+                "kv_unified": startup.kv_unified,
+                "pool_cells": startup.pool_cells,
+                "config_file": startup.config_file,
+            }
+            if plan is not None:
+                self._compare(plan, startup_d, log)
             props = probe.props()
             self._compare_props(plan, props, log)
             completion = probe.chat(self.settings.probe_timeout)
             timings["completion"] = round(time.monotonic() - t0, 3)
         except ProbeError as e:
-            raise GateFailure("probe", "probe", str(e), self._tail(30) or log[-30:]) from e
+            raise GateFailure("probe", "probe", str(e), self._tail(30)) from e
         finally:
             probe.close()
         time.sleep(self.settings.settle_seconds)
@@ -763,6 +704,116 @@ class Deployer:
             timings,
             state,
         )
+
+    def _wait_ready(
+        self, probe: Probe, cursor: str | None, before: UnitState, t0: float
+    ) -> tuple[serverlog.StartupScan, list[str], UnitState]:
+        """Until the *new* process answers /health 200: watch the unit (its first exit fails
+        the gate), follow its journal (progress and the startup line) and poll /health.
+
+        /health is asked only once systemd shows the new process: until then a 200 could come
+        from the old server, still shutting down.
+        """
+        scan = serverlog.StartupScan()
+        log: list[str] = []
+        started = respawned = False
+        next_state = 0.0
+        t_startup: float | None = None
+        with self.systemd.follow(cursor) as journal:
+            while True:
+                lines = journal.read(0.005)
+                log.extend(lines)
+                scan.feed_all(lines)
+                now = time.monotonic()
+                if t_startup is None and scan.startup is not None:
+                    t_startup = now
+                if now >= next_state:
+                    # often at first (a bad config exits within milliseconds), rarely while a
+                    # large model loads for minutes
+                    next_state = now + (0.02 if now - t0 < 2.0 else 0.25)
+                    state = self.systemd.state()
+                    started = (
+                        started
+                        or state.invocation_id != before.invocation_id
+                        or state.main_pid not in (0, before.main_pid)
+                    )
+                    dead = _dead(state, before, started)
+                    if dead and state.exec_main_status in SPAWN_FAILURES and not respawned:
+                        # systemd itself failed to spawn the process (e.g. 219/CGROUP while the
+                        # old process's cgroup was still being torn down): not the config's fault
+                        respawned, started, before = True, False, state
+                        self.spawn_warnings.append(
+                            f"systemd failed to spawn the service (status "
+                            f"{state.exec_main_status}, {state.result}); restarted it once more"
+                        )
+                        self.systemd.reset_failed()
+                        self.systemd.restart()
+                        continue
+                    if dead:
+                        raise self._exited(dead, self._last_words(cursor) or log)
+                if started:
+                    status, detail = probe.health()
+                    if status == 200:
+                        # the 200 must come from our process, not from whatever else may hold
+                        # the port: the unit must still be running
+                        dead = _dead(self.systemd.state(), before, True)
+                        if dead:
+                            raise self._exited(dead, self._last_words(cursor) or log)
+                        return scan, log, before
+                    self._say("loading", now - t0, log[-1] if log else detail)
+                self._check_deadline(now, t0, t_startup, log)
+
+    def _check_deadline(
+        self, now: float, t0: float, t_startup: float | None, log: list[str]
+    ) -> None:
+        if t_startup is None and now > t0 + self.settings.start_timeout:
+            raise GateFailure(
+                "startup",
+                "timeout",
+                f"no startup line within {self.settings.start_timeout:g}s "
+                "(raise --start-timeout for a large model)",
+                log[-30:],
+            )
+        if t_startup is not None and now > t_startup + self.settings.health_timeout:
+            raise GateFailure(
+                "health",
+                "timeout",
+                f"/health did not return 200 within {self.settings.health_timeout:g}s of the "
+                "startup line (raise --health-timeout for a large model)",
+                log[-30:],
+            )
+
+    def _startup_line(
+        self, scan: serverlog.StartupScan, log: list[str], cursor: str | None
+    ) -> tuple[serverlog.StartupScan, list[str]]:
+        """The startup line, once the server is healthy. It is in the journal file already;
+        journald only tells followers about new entries every 250 ms, so read the file."""
+        deadline = time.monotonic() + 2.0
+        while scan.startup is None:
+            log, _ = self.systemd.messages(cursor)
+            scan = serverlog.StartupScan().feed_all(log)
+            if scan.startup is None:
+                if time.monotonic() > deadline:
+                    raise GateFailure(
+                        "startup",
+                        "no_startup_line",
+                        "llama-server is healthy but its journal has no 'initializing, n_slots "
+                        f"= ...' line (log format of build {serverlog.TESTED_BUILD} expected; "
+                        "is this another build?)",
+                        log[-30:],
+                    )
+                time.sleep(0.02)
+        return scan, log
+
+    def _last_words(self, cursor: str | None) -> list[str]:
+        """The dead process's journal since the restart. journald may still be storing its
+        last lines: read until they say why it died, for at most half a second."""
+        deadline = time.monotonic() + 0.5
+        while True:
+            lines, _ = self.systemd.messages(cursor)
+            if serverlog.classify(lines) or time.monotonic() > deadline:
+                return lines
+            time.sleep(0.02)
 
     def _exited(self, reason: str, log: list[str]) -> GateFailure:
         hit = serverlog.classify(log)

@@ -40,9 +40,15 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: Path, data: bytes, mode: int = 0o600, like: Path | None = None) -> None:
+def atomic_write(
+    path: Path, data: bytes, mode: int = 0o600, like: Path | None = None, durable: bool = True
+) -> None:
     """Replace ``path`` with ``data`` atomically, keeping the owner and mode of ``like``
-    (default: of ``path`` itself when it exists, else ``mode``)."""
+    (default: of ``path`` itself when it exists, else ``mode``).
+
+    ``durable``: fsync the file and its folder, so the change survives a power loss too;
+    without it the rename is still atomic for any crash of the process (kill -9).
+    """
     ref = like if like is not None else path
     try:
         st = ref.stat()
@@ -56,7 +62,8 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o600, like: Path | None =
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         if uid != -1 and os.geteuid() == 0:
             os.chown(tmp, uid, gid)
         os.chmod(tmp, mode)
@@ -65,11 +72,14 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o600, like: Path | None =
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
         raise
-    _fsync_dir(path.parent)
+    if durable:
+        _fsync_dir(path.parent)
 
 
-def write_json(path: Path, data: dict[str, Any]) -> None:
-    atomic_write(path, (json.dumps(data, indent=2, default=str) + "\n").encode(), 0o600)
+def write_json(path: Path, data: dict[str, Any], durable: bool = True) -> None:
+    atomic_write(
+        path, (json.dumps(data, indent=2, default=str) + "\n").encode(), 0o600, durable=durable
+    )
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -207,7 +217,9 @@ class Store:
         write_json(self.txn_path, {"pid": os.getpid(), "started": time.time(), **record})
 
     def mark(self, **changes: Any) -> None:
-        write_json(self.txn_path, {**self.txn(), **changes})
+        """Record progress (the phase). Atomic but not fsynced: it guards against the
+        deployer dying, and costs nothing on the path of every deploy."""
+        write_json(self.txn_path, {**self.txn(), **changes}, durable=False)
 
     def txn(self) -> dict[str, Any]:
         try:

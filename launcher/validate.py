@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from launcher import binary, cache, config, envfile, kvmem, launch, memory, pool, proc
+from launcher import binary, cache, config, envfile, kvmem, launch, memory, pool, proc, units
 from launcher.errors import CommandError, ConfigInvalid, ValidationFailed
 
 STEPS = ("lint", "bash -n", "subshell", "argv", "flags", "model", "pool", "memory")
@@ -79,11 +78,14 @@ def _step_lint(path: Path) -> list[str]:
         raise ValidationFailed("lint", str(e)) from None
 
 
-def _step_bash(path: Path, values: dict[str, str]) -> None:
+def _step_bash_n(path: Path) -> None:
     try:
         proc.run(["bash", "-n", str(path)], timeout=10)
     except CommandError as e:
         raise ValidationFailed("bash -n", e.stderr.strip() or str(e)) from e
+
+
+def _step_subshell(path: Path, values: dict[str, str]) -> None:
     names = list(values)
     script = 'set -f; source "$1" || exit 97; shift; for n in "$@"; do printf "%s\\0" "${!n}"; done'
     try:
@@ -103,10 +105,13 @@ def _step_bash(path: Path, values: dict[str, str]) -> None:
 
 
 def _step_argv(path: Path, expected: list[str]) -> None:
+    # exactly the way the unit runs it: python -S -m launcher, the package on PYTHONPATH
+    python, package_dir = units.this_python()
     try:
         r = proc.run(
-            [sys.executable, "-m", "launcher", "exec", "--env-file", str(path), "--print-argv"],
+            [python, "-S", "-m", "launcher", "exec", "--env-file", str(path), "--print-argv"],
             timeout=30,
+            env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": package_dir},
         )
         got = json.loads(r.stdout)
     except (CommandError, ValueError) as e:
@@ -186,9 +191,19 @@ def validate_file(
         raise ValidationFailed(
             "lint", f"the parser reads {argv} but the config means {expected_argv}"
         )
-    _step_bash(path, values)
-    _step_argv(path, expected_argv)
-    info = binary.inspect(str(cfg.llama_server))
+    # The three subprocess steps are independent: run them at once (they cost a process
+    # start each on every deploy), then report the first failure in chain order.
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(3) as workers:
+        steps = [
+            workers.submit(_step_bash_n, path),
+            workers.submit(_step_subshell, path, values),
+            workers.submit(_step_argv, path, expected_argv),
+        ]
+        info = binary.inspect(str(cfg.llama_server))
+        for step in steps:
+            step.result()
     check_flags(info, expected_argv[1:])
     return info
 
