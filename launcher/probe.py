@@ -60,7 +60,7 @@ class Probe:
             headers=headers,
             transport=transport,
             timeout=10.0,
-            verify=True if tls else False,
+            verify=tls,
         )
 
     def close(self) -> None:
