@@ -719,6 +719,7 @@ class Deployer:
         started = respawned = False
         next_state = 0.0
         t_startup: float | None = None
+        health_wait = 0.02  # a local llama-server answers /health in about a millisecond
         with self.systemd.follow(cursor) as journal:
             while True:
                 lines = journal.read(0.005)
@@ -752,7 +753,11 @@ class Deployer:
                     if dead:
                         raise self._exited(dead, self._last_words(cursor) or log)
                 if started:
-                    status, detail = probe.health()
+                    status, detail = probe.health(health_wait)
+                    if status is None and detail == "TimeoutError":
+                        # something holds the port but does not answer (yet): ask again with
+                        # more patience, but first look at the unit (it may have died)
+                        health_wait = min(health_wait * 2, 1.0)
                     if status == 200:
                         # the 200 must come from our process, not from whatever else may hold
                         # the port: the unit must still be running

@@ -3,18 +3,27 @@
 ``/health`` answers 503 ``Loading model`` while the model loads (every route does) and 200
 when ready; an open port alone means nothing (FACTS §4.2). Readiness is a real
 ``POST /v1/chat/completions`` that returns a completion with ``usage``.
+
+The probe runs on every deploy and uses the standard library's ``http.client``: three plain
+requests to a local server do not need an HTTP client library, and importing one (with its
+TLS set-up) cost a fifth of a deploy here. The connection is made by ``connect``, which a
+caller may replace (a recorded transport in a test).
 """
 
 from __future__ import annotations
 
+import http.client
+import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import httpx
+from urllib.parse import urlsplit
 
 from launcher.errors import ProbeError
+
+Connect = Callable[[str, int, bool, float], http.client.HTTPConnection]
 
 
 def read_api_key(path: Path | None) -> str | None:
@@ -30,6 +39,26 @@ def read_api_key(path: Path | None) -> str | None:
     return None
 
 
+def connect(host: str, port: int, tls: bool, timeout: float) -> http.client.HTTPConnection:
+    """A new connection (https with full verification when ``tls``)."""
+    if tls:
+        return http.client.HTTPSConnection(host, port, timeout=timeout)
+    return http.client.HTTPConnection(host, port, timeout=timeout)
+
+
+@dataclass(frozen=True)
+class Response:
+    status: int
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+    @property
+    def text(self) -> str:
+        return self.body.decode(errors="replace")
+
+
 @dataclass(frozen=True)
 class Completion:
     content: str
@@ -42,29 +71,41 @@ class Completion:
 
 
 class Probe:
-    """Talks to one llama-server. ``transport`` may be passed in (e.g. a recorded one)."""
+    """Talks to one llama-server at ``base_url``."""
 
     def __init__(
-        self,
-        base_url: str,
-        api_key: str | None = None,
-        transport: httpx.BaseTransport | None = None,
+        self, base_url: str, api_key: str | None = None, connector: Connect = connect
     ) -> None:
         self.base_url = base_url.rstrip("/")
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        # Plain http (llama-server's default) needs no TLS context; building one loads the CA
-        # bundle, which costs ~50 ms on every deploy. https keeps full verification.
-        tls = self.base_url.startswith("https:")
-        self.client = httpx.Client(
-            base_url=self.base_url,
-            headers=headers,
-            transport=transport,
-            timeout=10.0,
-            verify=tls,
-        )
+        url = urlsplit(self.base_url)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise ProbeError(f"{base_url!r} is not an http(s) URL; e.g. http://127.0.0.1:8080")
+        self.tls = url.scheme == "https"
+        self.host = url.hostname
+        self.port = url.port or (443 if self.tls else 80)
+        self.prefix = url.path
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.connector = connector
 
     def close(self) -> None:
-        self.client.close()
+        """Nothing to release: every request uses its own connection."""
+
+    def request(
+        self, method: str, path: str, body: dict[str, Any] | None = None, timeout: float = 10.0
+    ) -> Response:
+        """One request; raises OSError/HTTPException when nothing (usable) answers."""
+        conn = self.connector(self.host, self.port, self.tls, timeout)
+        try:
+            headers = dict(self.headers)
+            data = None
+            if body is not None:
+                data = json.dumps(body).encode()
+                headers["Content-Type"] = "application/json"
+            conn.request(method, self.prefix + path, body=data, headers=headers)
+            r = conn.getresponse()
+            return Response(r.status, r.read())
+        finally:
+            conn.close()
 
     def health(self, timeout: float = 0.1) -> tuple[int | None, str]:
         """(status, detail): None when nothing answers yet.
@@ -73,60 +114,49 @@ class Probe:
         and whatever else holds the port (a stale process) may never answer.
         """
         try:
-            r = self.client.get("/health", timeout=timeout)
-        except httpx.HTTPError as e:
+            r = self.request("GET", "/health", timeout=timeout)
+        except (OSError, http.client.HTTPException) as e:
             return None, type(e).__name__
         try:
             detail = str(r.json().get("error", {}).get("message", "")) or r.text[:100]
-        except ValueError:
+        except (ValueError, AttributeError):
             detail = r.text[:100]
-        return r.status_code, detail
+        return r.status, detail
 
     def props(self) -> dict[str, Any]:
-        r = self._get("/props")
-        data = r.json()
+        try:
+            r = self.request("GET", "/props")
+        except (OSError, http.client.HTTPException) as e:
+            raise ProbeError(f"GET {self.base_url}/props failed: {e}") from e
+        if r.status != 200:
+            raise ProbeError(
+                f"GET {self.base_url}/props returned {r.status}: {_error_text(r)}"
+                + _auth_hint(r.status)
+            )
+        try:
+            data = r.json()
+        except ValueError as e:
+            raise ProbeError(f"/props is not JSON: {r.text[:200]}") from e
         if not isinstance(data, dict):
             raise ProbeError(f"/props returned {type(data).__name__}, not an object")
         return data
 
-    def _get(self, path: str) -> httpx.Response:
-        try:
-            r = self.client.get(path)
-        except httpx.HTTPError as e:
-            raise ProbeError(f"GET {self.base_url}{path} failed: {e}") from e
-        if r.status_code != 200:
-            raise ProbeError(
-                f"GET {self.base_url}{path} returned {r.status_code}: {r.text[:300]}"
-                + _auth_hint(r.status_code)
-            )
-        return r
-
-    def _post_retrying(self, path: str, body: dict[str, Any], timeout: float) -> httpx.Response:
+    def _post_retrying(self, path: str, body: dict[str, Any], timeout: float) -> Response:
         """POST, retried briefly on a dropped connection or a 503: a server that just turned
-        healthy may still refuse the first request while it settles. A real error (4xx,
-        500) is returned at once, for the gate to judge."""
-        from tenacity import (
-            Retrying,
-            retry_if_exception_type,
-            retry_if_result,
-            stop_after_attempt,
-            wait_exponential,
-        )
-
-        retrying = Retrying(
-            retry=retry_if_exception_type(httpx.TransportError)
-            | retry_if_result(lambda r: r.status_code == 503),
-            stop=stop_after_attempt(3),
-            wait=wait_exponential(multiplier=0.05, max=0.5),
-            # out of attempts: the last response, or the last exception raised again
-            retry_error_callback=lambda state: state.outcome.result() if state.outcome else None,
-        )
-        try:
-            r = retrying(self.client.post, path, json=body, timeout=timeout)
-        except httpx.HTTPError as e:
-            raise ProbeError(f"the chat completion failed: {type(e).__name__}: {e}") from e
-        assert isinstance(r, httpx.Response)
-        return r
+        healthy may refuse the first request while it settles. A real error (4xx, 500) is
+        returned at once, for the gate to judge."""
+        delay = 0.05
+        for attempt in range(3):
+            try:
+                r = self.request("POST", path, body, timeout)
+                if r.status != 503 or attempt == 2:
+                    return r
+            except (OSError, http.client.HTTPException) as e:
+                if attempt == 2:
+                    raise ProbeError(f"the chat completion failed: {type(e).__name__}: {e}") from e
+            time.sleep(delay)
+            delay *= 2
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def chat(self, timeout: float, max_tokens: int = 4) -> Completion:
         """A real, greedy chat completion; it must come back with ``usage``."""
@@ -141,10 +171,9 @@ class Probe:
         start = time.monotonic()
         r = self._post_retrying("/v1/chat/completions", body, timeout)
         ms = (time.monotonic() - start) * 1000
-        if r.status_code != 200:
+        if r.status != 200:
             raise ProbeError(
-                f"the chat completion returned {r.status_code}: {_error_text(r)}"
-                + _auth_hint(r.status_code)
+                f"the chat completion returned {r.status}: {_error_text(r)}" + _auth_hint(r.status)
             )
         try:
             data = r.json()
@@ -162,7 +191,7 @@ class Probe:
             ) from e
 
 
-def _error_text(r: httpx.Response) -> str:
+def _error_text(r: Response) -> str:
     """The server's error message, shortened to its first line."""
     try:
         msg = str(r.json()["error"]["message"])
