@@ -407,17 +407,18 @@ class Deployer:
         timings: dict[str, float] = {}
         cfg = self._materialize_key(cfg, write=not check)
         self._say("validate")
-        running = self.systemd.state()
-        releasable = (process_memory(running) or 0) if running.running else 0
+        try:
+            running: UnitState | None = self.systemd.state()
+        except LauncherError:
+            if not check:
+                raise
+            running = None  # check mode works without a reachable systemd (a build box)
+        releasable = (process_memory(running) or 0) if running and running.running else 0
         checked = validate.validate(cfg, releasable=releasable, force_memory=self.force_memory)
         timings["validate"] = round(time.monotonic() - t0, 3)
         live_text = self.env_file.read_text() if self.env_file.exists() else None
         live_argv = self._argv_of(live_text)
-        diff = (
-            argv_diff(live_argv, checked.argv)
-            if live_text is not None
-            else [f"+{w}" for w in checked.argv]
-        )
+        diff = argv_diff(live_argv, checked.argv)
         planned = plan_dict(checked.plan)
         prev_number = self.store.live_number()
         if live_text == checked.env_text and not force_restart:
@@ -445,6 +446,7 @@ class Deployer:
                 diff=diff,
                 timings=timings,
             )
+        assert running is not None
         prev_number = self._adopt_unmanaged(live_text, prev_number)
         return self._transaction(
             checked, live_text, prev_number, origin, diff, planned, timings, t0, running
