@@ -289,3 +289,10 @@ def test_bad_setting_names_the_field(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LLAMA_LAUNCHER_SCOPE", "galaxy")
     with pytest.raises(ConfigInvalid, match="scope"):
         config.load_settings()
+
+
+def test_template_instance_reads_its_own_env_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LLAMA_LAUNCHER_ENV_FILE", raising=False)
+    s = config.load_settings(unit="llama-server@big", scope="user")
+    assert s.unit_name == "llama-server@big.service"
+    assert s.resolved_env_file().name == "big.env"  # the template's %i.env

@@ -251,7 +251,7 @@ def _progress() -> Any:
     last = [0.0]
 
     def show(phase: str, elapsed: float, line: str) -> None:
-        if not tty and phase not in ("starting", "loading"):
+        if not tty and (phase not in ("starting", "loading") or elapsed < 2.0):
             return  # a log file wants only the slow waits, not every phase
         now = time.monotonic()
         if now - last[0] < (0.1 if tty else 2.0) and phase in ("starting", "loading"):

@@ -167,7 +167,12 @@ def _failure(f: Failure) -> list[str]:
 
 
 def _fix(fix: Fix, lead: str) -> list[str]:
-    mem = "unknown" if fix.memory_bytes is None else f"{fix.memory_bytes / 2**30:.2f} GiB"
+    if fix.memory_bytes is None:
+        mem = "unknown"
+    elif fix.memory_bytes >= 2**30:
+        mem = f"{fix.memory_bytes / 2**30:.2f} GiB"
+    else:
+        mem = f"{fix.memory_bytes / 2**20:.1f} MiB"
     return [
         f"  {lead}{fix.command}",
         f"  {' ' * len(lead)}every slot guaranteed {fix.guaranteed_window:,}; pool "
