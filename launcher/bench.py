@@ -107,18 +107,20 @@ def _positive(flag: str, value: int, example: str) -> None:
 
 
 def read_api_key(path: Path | str) -> SecretStr:
-    """Read the server's API key from a file (first line, whitespace stripped)."""
+    """The server's API key from an ``--api-key-file``, read the way llama-server reads it
+    (``launcher.probe.read_api_key``: the first line that is not blank or a comment)."""
     from pydantic import SecretStr
+
+    from launcher.errors import ProbeError
+    from launcher.probe import read_api_key as first_key
 
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as e:
+        key = first_key(p)
+    except ProbeError as e:
         raise InvalidInput(
-            f"--api-key-file {str(p)!r} cannot be read ({e.strerror}); "
-            "give a readable file that holds the server's --api-key"
+            f"--api-key-file {str(p)!r}: {e}; give a readable file that holds the server's key"
         ) from e
-    key = text.strip().splitlines()[0].strip() if text.strip() else ""
     if not key:
         raise InvalidInput(
             f"--api-key-file {str(p)!r} is empty; put the server's API key on its first line"

@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-import subprocess
-import tempfile
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -41,7 +39,7 @@ from enum import StrEnum
 from typing import IO, Any
 
 from launcher import pool, serverlog
-from launcher.errors import CommandError, ConfigInvalid
+from launcher.errors import ConfigInvalid
 
 #: Bytes read per block. Large blocks keep the per-block overhead of the fast path small.
 BLOCK = 8 << 20
@@ -990,44 +988,8 @@ def diagnose(
     return scanner.report(source, lines.count, memory)
 
 
-def journal_argv(unit: str, since: str | None = None) -> list[str]:
-    """journalctl for a system or a --user unit (the '+' ORs the two matches)."""
-    if not unit or unit.startswith("-") or "/" in unit:
-        raise ConfigInvalid(f"unit name {unit!r} is not valid; give a name like llama.service")
-    if "." not in unit:
-        unit += ".service"
-    argv = [
-        "journalctl",
-        "--no-pager",
-        "-o",
-        "cat",
-        f"_SYSTEMD_UNIT={unit}",
-        "+",
-        f"_SYSTEMD_USER_UNIT={unit}",
-    ]
-    if since:
-        argv += ["--since", since]
-    return argv
+def journal(unit: str, since: str | None = None) -> contextlib.AbstractContextManager[IO[bytes]]:
+    """Stream the unit's journal (``launcher.systemd.journal``)."""
+    from launcher import systemd
 
-
-@contextlib.contextmanager
-def journal(unit: str, since: str | None = None) -> Iterator[IO[bytes]]:
-    """Stream the unit's journal; raise ``CommandError`` if journalctl fails."""
-    argv = journal_argv(unit, since)
-    with tempfile.TemporaryFile() as err:
-        try:
-            proc = subprocess.Popen(
-                argv, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL
-            )
-        except OSError as e:
-            raise CommandError(argv, None, str(e), "is journalctl installed?") from e
-        assert proc.stdout is not None
-        try:
-            yield proc.stdout
-        finally:
-            proc.stdout.close()
-            status = proc.wait()
-        if status != 0:
-            err.seek(0)
-            text = err.read().decode(errors="replace")
-            raise CommandError(argv, status, text, "check the unit name and --since")
+    return systemd.journal(unit, since)

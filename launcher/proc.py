@@ -6,10 +6,13 @@ failure turned into ``CommandError`` naming the command and the tail of its stde
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
-from collections.abc import Mapping, Sequence
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import IO
 
 from launcher.errors import CommandError, CommandTimeout
 
@@ -65,3 +68,48 @@ def base_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update({"LC_ALL": "C.UTF-8", "SYSTEMD_COLORS": "0", "SYSTEMD_PAGER": "", **extra})
     return env
+
+
+def spawn(argv: Sequence[str], env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """Start a long-running reader (``journalctl -f``): its stdout is a pipe, stderr dropped.
+    The caller ends it (``kill`` + ``wait``)."""
+    args = [str(a) for a in argv]
+    try:
+        return subprocess.Popen(
+            args,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            stdin=subprocess.DEVNULL,
+            env=dict(env) if env is not None else None,
+        )
+    except OSError as e:
+        raise CommandError(args, None, str(e), e.strerror or "") from e
+
+
+@contextlib.contextmanager
+def stream(
+    argv: Sequence[str], note: str = "", env: Mapping[str, str] | None = None
+) -> Iterator[IO[bytes]]:
+    """Yield a command's stdout to read in constant memory; raise ``CommandError`` (with
+    ``note`` as the hint) when it exits non-zero."""
+    args = [str(a) for a in argv]
+    with tempfile.TemporaryFile() as err:
+        try:
+            p = subprocess.Popen(
+                args,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
+                env=dict(env) if env is not None else None,
+            )
+        except OSError as e:
+            raise CommandError(args, None, str(e), note or e.strerror or "") from e
+        assert p.stdout is not None
+        try:
+            yield p.stdout
+        finally:
+            p.stdout.close()
+            status = p.wait()
+        if status != 0:
+            err.seek(0)
+            raise CommandError(args, status, err.read().decode(errors="replace"), note)

@@ -8,16 +8,16 @@ tests hand in the real sandbox, never a patched module.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
-import subprocess
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import IO, Any, Literal
 
 from launcher import proc
-from launcher.errors import CommandError, SystemdError
+from launcher.errors import CommandError, ConfigInvalid, SystemdError
 
 Runner = Callable[..., proc.Result]
 Scope = Literal["system", "user"]
@@ -123,14 +123,7 @@ class Systemd:
     # -- journal ---------------------------------------------------------------------------
 
     def _journal_argv(self, *args: str) -> list[str]:
-        return [
-            "journalctl",
-            "--no-pager",
-            *args,
-            f"_SYSTEMD_UNIT={self.unit}",
-            "+",
-            f"_SYSTEMD_USER_UNIT={self.unit}",
-        ]
+        return ["journalctl", "--no-pager", *args, *unit_matches(self.unit)]
 
     def cursor(self) -> str | None:
         """The journal's current end, to read only what comes after it."""
@@ -190,9 +183,7 @@ class JournalFollower:
     spawning journalctl on every poll."""
 
     def __init__(self, argv: list[str], env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env
-        )
+        self.proc = proc.spawn(argv, env)
         assert self.proc.stdout is not None
         self.fd = self.proc.stdout.fileno()
         os.set_blocking(self.fd, False)
@@ -232,17 +223,36 @@ class JournalFollower:
         self.close()
 
 
-def stream_journal(unit: str, since: str | None = None, extra: Sequence[str] = ()) -> Iterator[str]:
-    """Stream a unit's journal messages, one per line, in constant memory."""
-    argv = ["journalctl", "--no-pager", "-o", "cat", *extra]
+def unit_matches(unit: str) -> list[str]:
+    """Journal matches for a unit of either manager: ``_SYSTEMD_UNIT=U + _SYSTEMD_USER_UNIT=U``
+    (a user manager run as root - the sandbox - logs its units as system units)."""
+    return [f"_SYSTEMD_UNIT={unit}", "+", f"_SYSTEMD_USER_UNIT={unit}"]
+
+
+def journal_argv(unit: str, since: str | None = None) -> list[str]:
+    """``journalctl -o cat`` for a system or a --user unit (the '+' ORs the two matches)."""
+    if not unit or unit.startswith("-") or "/" in unit:
+        raise ConfigInvalid(f"unit name {unit!r} is not valid; give a name like llama.service")
+    if "." not in unit:
+        unit += ".service"
+    argv = [
+        "journalctl",
+        "--no-pager",
+        "-o",
+        "cat",
+        f"_SYSTEMD_UNIT={unit}",
+        "+",
+        f"_SYSTEMD_USER_UNIT={unit}",
+    ]
     if since:
         argv += ["--since", since]
-    argv += [f"_SYSTEMD_UNIT={unit}", "+", f"_SYSTEMD_USER_UNIT={unit}"]
-    with subprocess.Popen(
-        argv, stdout=subprocess.PIPE, text=True, errors="replace", env=proc.base_env()
-    ) as p:
-        assert p.stdout is not None
-        yield from p.stdout
-        status = p.wait()
-    if status != 0:
-        raise SystemdError(f"journalctl for {unit} exited with status {status}")
+    return argv
+
+
+@contextlib.contextmanager
+def journal(unit: str, since: str | None = None) -> Iterator[IO[bytes]]:
+    """Stream a unit's journal messages (bytes, one per line) in constant memory."""
+    with proc.stream(
+        journal_argv(unit, since), "check the unit name and --since", proc.base_env()
+    ) as out:
+        yield out

@@ -9,7 +9,7 @@ import io
 
 import pytest
 
-from launcher import diagnose, pool
+from launcher import diagnose, pool, systemd
 from launcher.errors import ConfigInvalid
 
 
@@ -70,7 +70,7 @@ def test_too_long_fix_holds_the_request(
 
 
 def test_journal_argv_matches_system_and_user_units() -> None:
-    assert diagnose.journal_argv("llama", "1 hour ago") == [
+    assert systemd.journal_argv("llama", "1 hour ago") == [
         "journalctl",
         "--no-pager",
         "-o",
@@ -86,7 +86,7 @@ def test_journal_argv_matches_system_and_user_units() -> None:
 @pytest.mark.parametrize("unit", ["", "-x", "a/b"])
 def test_bad_unit_names_are_refused(unit: str) -> None:
     with pytest.raises(ConfigInvalid, match="unit name"):
-        diagnose.journal_argv(unit)
+        systemd.journal_argv(unit)
 
 
 def test_bad_pool_hint_is_refused() -> None:
