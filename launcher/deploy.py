@@ -580,10 +580,11 @@ class Deployer:
         )
         self._rolling_back = True
         try:
-            self.store.update(gen, outcome="failed", failure=failure)
             self._say("rollback")
+            # the old config first: every millisecond here is clients without a model
             self._restore_text(live_text)
             rb = self._restart_old(prev_number, live_text)
+            self.store.update(gen, outcome="failed", failure=failure)
         finally:
             self._rolling_back = False
         self.store.end()
