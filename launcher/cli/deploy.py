@@ -51,8 +51,15 @@ def _memory_option(p: argparse.ArgumentParser) -> None:
 
 
 def _parser(sub: Any, name: str, help: str, flags: bool = False) -> argparse.ArgumentParser:
+    from launcher.cli import EPILOG
+
     p: argparse.ArgumentParser = sub.add_parser(
-        name, help=help, description=help, allow_abbrev=False
+        name,
+        help=help,
+        description=help,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
     )
     p.set_defaults(takes_flags=flags)
     return p
@@ -96,7 +103,11 @@ def register(sub: Any) -> None:
         "llama-launcher set -ctk q8_0 -ctv q8_0",
         True,
     )
-    p.add_argument("--allow-overcommit", action="store_true")
+    p.add_argument(
+        "--allow-overcommit",
+        action="store_true",
+        help="accept a shared KV pool whose slots can exhaust it",
+    )
     _mode_options(p)
     _settings_options(p)
     _memory_option(p)
