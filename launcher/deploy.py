@@ -37,6 +37,7 @@ from launcher import config, envfile, launch, pool, serverlog, store, validate
 from launcher.errors import (
     ConfigInvalid,
     DeployFailed,
+    GateFailure,
     LauncherError,
     ProbeError,
     RollbackFailed,
@@ -54,22 +55,6 @@ class Interrupted(BaseException):
     def __init__(self, signum: int) -> None:
         self.signum = signum
         super().__init__(f"interrupted by {signal.Signals(signum).name}")
-
-
-class GateFailure(LauncherError):
-    """The gate refused the running config. Carries the phase, a class and the log tail."""
-
-    def __init__(self, phase: str, kind: str, message: str, log_tail: list[str]) -> None:
-        self.phase, self.kind, self.log_tail = phase, kind, log_tail
-        super().__init__(message)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "phase": self.phase,
-            "class": self.kind,
-            "message": str(self),
-            "log_tail": self.log_tail[-20:],
-        }
 
 
 @dataclass
@@ -105,7 +90,7 @@ class Result:
 
     @property
     def ok(self) -> bool:
-        return self.outcome in ("deployed", "unchanged", "checked", "restored")
+        return self.outcome in ("deployed", "unchanged", "checked")
 
     def to_dict(self) -> dict[str, Any]:
         return {"ok": self.ok, **self.__dict__}
@@ -556,7 +541,7 @@ class Deployer:
         )
         self.store.set_live(gen.number)
         self.store.end()
-        result.message = f"generation {gen.number} is serving: {pool_sentence(checked.plan)}"
+        result.message = f"generation {gen.number} is serving: {checked.plan.describe()}"
         return result
 
     def _fail(
@@ -870,10 +855,6 @@ class Deployer:
                 f"{plan.n_slots} and {plan.n_ctx_slot}",
                 log[-30:],
             )
-
-
-def pool_sentence(plan: pool.PoolPlan) -> str:
-    return plan.describe()
 
 
 def url_from_argv(argv: list[str]) -> str:

@@ -12,6 +12,8 @@
     │   └── CommandTimeout
     ├── SystemdError                   systemctl/journalctl said something unexpected
     ├── ProbeError                     the HTTP probe of llama-server failed
+    ├── GateFailure                    the restarted unit failed the gate (phase, class, log)
+    ├── EstimateUnsupported            (kvmem) a model whose KV cache the estimator cannot size
     ├── StoreError                     the generation store is unreadable or inconsistent
     ├── LockTimeout                    exit 5: another deploy holds the lock
     ├── DeployFailed                   exit 3: the new config failed, the old one serves again
@@ -97,6 +99,22 @@ class SystemdError(LauncherError):
 
 class ProbeError(LauncherError):
     """llama-server did not answer the probe as it should."""
+
+
+class GateFailure(LauncherError):
+    """The gate refused the running config. Carries the phase, a class and the log tail."""
+
+    def __init__(self, phase: str, kind: str, message: str, log_tail: list[str]) -> None:
+        self.phase, self.kind, self.log_tail = phase, kind, log_tail
+        super().__init__(message)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "phase": self.phase,
+            "class": self.kind,
+            "message": str(self),
+            "log_tail": self.log_tail[-20:],
+        }
 
 
 class StoreError(LauncherError):

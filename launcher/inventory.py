@@ -6,7 +6,6 @@ from typing import Any
 
 from launcher import config, store
 from launcher.deploy import argv_diff, process_memory
-from launcher.errors import LauncherError
 from launcher.systemd import Systemd
 
 
@@ -136,6 +135,3 @@ def memory_line(mem: dict[str, Any], estimate: dict[str, Any] | None) -> str:
     elif estimate and estimate.get("unsupported"):
         text += "; KV not estimated (model not covered)"
     return text
-
-
-__all__ = ["LauncherError", "history", "history_text", "status", "status_text"]

@@ -29,7 +29,7 @@ from typing import Any
 from launcher.errors import LockTimeout, StoreError
 
 #: Outcomes that make a generation "known good".
-GOOD = ("deployed", "restored")
+GOOD = ("deployed",)
 
 
 def _fsync_dir(path: Path) -> None:
