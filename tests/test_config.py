@@ -11,6 +11,8 @@ from launcher.errors import ConfigInvalid, OvercommitError, ValidationFailed
 
 BASE = {"llama_server": "/usr/bin/llama-server", "model": "/m/model.gguf"}
 HEAD = ["-m", "/m/model.gguf", "--host", "127.0.0.1", "--port", "8080"]
+#: seed 000's fix: 4 slots, each guaranteed 262144, an 8-bit cache
+SEED_FIX = "-c 1048576 -np 4 -kvu --kv-unified-per-slot 262144 -ctk q8_0 -ctv q8_0".split()
 
 # (flags given, args rendered after the fixed head)
 CASES = [
@@ -138,19 +140,7 @@ def test_api_key_is_masked_and_never_in_argv() -> None:
 
 def test_seed_fix_gives_four_guaranteed_262144_windows() -> None:
     cfg = config.from_flags(
-        [
-            "-c",
-            "1048576",
-            "-np",
-            "4",
-            "-kvu",
-            "--kv-unified-per-slot",
-            "262144",
-            "-ctk",
-            "q8_0",
-            "-ctv",
-            "q8_0",
-        ],
+        SEED_FIX,
         BASE,
     )
     plan = cfg.check_overcommit(n_ctx_train=262144)
@@ -197,21 +187,7 @@ def real(llama_server_bin: str, model: Path, *flags: str) -> config.ServerConfig
 
 def test_seed_fix_validates_through_every_step(llama_server_bin: str, make_model) -> None:  # type: ignore[no-untyped-def]
     model = make_model(ctx_train=262144)
-    cfg = real(
-        llama_server_bin,
-        model,
-        "-c",
-        "1048576",
-        "-np",
-        "4",
-        "-kvu",
-        "--kv-unified-per-slot",
-        "262144",
-        "-ctk",
-        "q8_0",
-        "-ctv",
-        "q8_0",
-    )
+    cfg = real(llama_server_bin, model, *SEED_FIX)
     checked = validate.validate(cfg)
     assert checked.steps == validate.STEPS
     assert checked.plan.guaranteed_window == 262144
