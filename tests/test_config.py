@@ -12,7 +12,9 @@ from launcher.errors import ConfigInvalid, OvercommitError, ValidationFailed
 BASE = {"llama_server": "/usr/bin/llama-server", "model": "/m/model.gguf"}
 HEAD = ["-m", "/m/model.gguf", "--host", "127.0.0.1", "--port", "8080"]
 #: seed 000's fix: 4 slots, each guaranteed 262144, an 8-bit cache
-SEED_FIX = ["-c", "1048576", "-np", "4", "-kvu", "--kv-unified-per-slot", "262144", "-ctk", "q8_0", "-ctv", "q8_0"]
+SEED_FIX = (  # noqa: SIM905 - it reads like the seed's command line
+    "-c 1048576 -np 4 -kvu --kv-unified-per-slot 262144 -ctk q8_0 -ctv q8_0"
+).split()
 
 # (flags given, args rendered after the fixed head)
 CASES = [
