@@ -19,12 +19,15 @@ MiB = 1 << 20
 DEFAULT_CACHE_RAM_MIB = 8192
 
 
-def mem_available(meminfo: Path = Path("/proc/meminfo")) -> int:
-    """MemAvailable in bytes."""
+MEMINFO = Path("/proc/meminfo")
+
+
+def mem_available(meminfo: Path = MEMINFO) -> int:
+    """``MemAvailable`` in bytes (the kernel's estimate of memory usable without swapping)."""
     for line in meminfo.read_text().splitlines():
         if line.startswith("MemAvailable:"):
             return int(line.split()[1]) * 1024
-    raise OSError(f"no MemAvailable in {meminfo}")
+    raise ConfigInvalid(f"{meminfo} has no MemAvailable line; give --mem-available MIB")
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from typing import Any
 
 from launcher import kvmem, pool
 from launcher.errors import ConfigInvalid
+from launcher.memory import mem_available
 
 MIB = 1024 * 1024
 #: Memory left free for what the estimate leaves out (compute buffers, output buffer, the
@@ -26,17 +27,8 @@ MIB = 1024 * 1024
 HEADROOM_MIB = 1024
 #: Cache types the per-slot rows compare, as in seed 000 (f16, then 8 and 4 bit).
 PER_SLOT_TYPES = ("f16", "q8_0", "q4_0")
-MEMINFO = Path("/proc/meminfo")
 #: The smaller-window option is a multiple of this (1k tokens: a number to tell clients).
 WINDOW_STEP = 1024
-
-
-def mem_available(meminfo: Path = MEMINFO) -> int:
-    """``MemAvailable`` in bytes (the kernel's estimate of memory usable without swapping)."""
-    for line in meminfo.read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    raise ConfigInvalid(f"{meminfo} has no MemAvailable line; give --mem-available MIB")
 
 
 @dataclass(frozen=True)

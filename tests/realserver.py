@@ -7,7 +7,7 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,22 +78,7 @@ def run_server(
     url = f"http://127.0.0.1:{port}"
     server = Server(proc, url, log_path)
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(
-                    f"llama-server exited {proc.returncode}:\n{server.log()[-3000:]}"
-                )
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"llama-server not healthy in {timeout}s:\n{server.log()[-3000:]}"
-                )
-            time.sleep(0.02)
+        wait_healthy(url, timeout, lambda: proc.poll() is not None, server.log)
         yield server
     finally:
         proc.terminate()
@@ -102,6 +87,27 @@ def run_server(
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def wait_healthy(
+    url: str,
+    timeout: float = 30.0,
+    dead: Callable[[], bool] = lambda: False,
+    log: Callable[[], str] = lambda: "",
+) -> None:
+    """Poll ``url``/health until 200; fail with the log when ``dead()`` or on timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if dead():
+            raise RuntimeError(f"llama-server exited:\n{log()[-3000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"llama-server not healthy in {timeout}s:\n{log()[-3000:]}")
+        time.sleep(0.02)
 
 
 def run_to_exit(

@@ -11,11 +11,9 @@ import io
 import json
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
-import httpx
 import pytest
 
 from launcher import diagnose
@@ -224,15 +222,7 @@ def _overflow_unit(tiny_model: Path, llama_server_bin: str) -> tuple[str, tuple[
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the unit's llama-server did not get healthy"
-            time.sleep(0.05)
+        realserver.wait_healthy(url, 30)
         text, _ = repro.sized_prompt(url, 300, 99)
         repro.chat(url, text)
         statuses = repro.burst(url, [repro.sized_prompt(url, 400, i)[0] for i in range(3)])
