@@ -18,6 +18,10 @@ What the real server (b11434) taught, beyond LLAMA_SERVER_FACTS §2:
   the size of the first view that failed at the final offset (``batch.size() - off``; the seed's
   719). When that view was capped by n_batch the overflow is not in the log; then it is
   inferred as ``sum - pool``.
+- A retry can succeed without a line saying so; the next batch may then fail at the same
+  offset. Within one batch the view after a retry announcing n_batch is min(n_batch, the
+  first view at that offset); a memory-slot line of another size starts a new batch, whose
+  first view is the one that counts.
 
 Streams in constant memory: the input is read in binary blocks of whole lines. Lines holding
 an event keyword (``serverlog.KEYWORDS``: startup, release, send_error, decode errors...) are
@@ -206,6 +210,8 @@ _RT = b"failed to find free space in the KV cache, retrying with smaller batch s
 _MS_B = re.compile(serverlog.MEMORY_SLOT.pattern.encode())
 _RT_B = re.compile(serverlog.DECODE_RETRY.pattern.encode())
 assert _MS_B.match(_MS + b"1") and _RT_B.match(_RT + b"1, n_batch = 1, ret = 1")
+#: The numbers of the cascade lines, in order: a memory-slot size, or a retry's off, n_batch.
+_SIZES = re.compile(re.escape(_MS) + rb"(\d+)|" + re.escape(_RT) + rb"(\d+), n_batch = (\d+)")
 #: A run of cascade lines longer than this is kept as parsed steps, not as text.
 _RAW_MAX = 1 << 16
 
@@ -404,12 +410,11 @@ class _Scanner:
         self.view_at_off: int | None = None  # first failed view at the current offset
         self.view_capped = False  # that view was as large as n_batch: more may have followed
         self.last_size: int | None = None
+        self.expect: int | None = None  # the next view, if the batch at last_off goes on
         self.purges = 0
 
     def _memory_slot(self, size: int) -> None:
-        self.last_size = size
-        if self.first_view is None:
-            self.first_view = size
+        self._view(size)
         if self.n_steps < MAX_STEPS:
             if self.detail and self.detail[-1][0] == "ms":
                 self.detail[-1] = ("ms", size)
@@ -417,14 +422,29 @@ class _Scanner:
                 self.detail.append(("ms", size))
 
     def _retry(self, off: int, n_batch: int) -> None:
+        if self.n_steps < MAX_STEPS:
+            self.detail.append(("rt", off, n_batch))
+        self._try(off, n_batch)
+
+    def _view(self, size: int) -> None:
+        """A memory-slot line: the view of ``size`` tokens did not fit."""
+        if self.expect is not None and size != self.expect:
+            self.last_off = None  # the retry succeeded: a new batch failed, maybe at that offset
+        self.expect = None
+        self.last_size = size
+        if self.first_view is None:
+            self.first_view = size
+
+    def _try(self, off: int, n_batch: int) -> None:
+        """A retry line: the next try at ``off`` uses ``n_batch``."""
         if self.last_off != off:
             self.n_offsets += 1
             self.last_off = off
             self.view_at_off = self.last_size
             # the first try at an offset uses the full n_batch, now halved (or kept: purge)
             self.view_capped = self.last_size in (n_batch, 2 * n_batch)
-        if self.n_steps < MAX_STEPS:
-            self.detail.append(("rt", off, n_batch))
+        if self.view_at_off is not None:
+            self.expect = min(n_batch, self.view_at_off)
         self.n_steps += 1
         self.last_size = None
 
@@ -438,63 +458,24 @@ class _Scanner:
     def cascade(self, chunk: bytes, lo: int, hi: int) -> bool:
         """Take the cascade lines of chunk[lo:hi] (whole lines, no other keyword) at once.
 
-        Does what ``feed`` would do line by line, from C-level counts and searches: the
-        number of tries, the offsets, the first failed view at each offset and the last size
-        are read from the few lines that decide them. Returns False, changing nothing, when
-        a line does not have the usual form; the caller then feeds the lines one by one.
+        Does what ``feed`` would do line by line, from one C-level search for their numbers;
+        their text is stored for the steps. Returns False, changing nothing, when a line does
+        not have the usual form; the caller then feeds the lines one by one.
         """
-        count, find, rfind = chunk.count, chunk.find, chunk.rfind
-        n_ms, n_rt = count(_MS_KW, lo, hi), count(_RT_KW, lo, hi)
-        if count(_MS, lo, hi) != n_ms or count(_RT, lo, hi) != n_rt:
+        found = _SIZES.findall(chunk, lo, hi)  # at most one per keyword line
+        n_rt = chunk.count(_RT_KW, lo, hi)
+        if len(found) != chunk.count(_MS_KW, lo, hi) + n_rt:
             return False  # another ", ret = " line (a decode error) or a changed format
-        last_size, first_view = self.last_size, self.first_view
-        n_offsets, last_off = self.n_offsets, self.last_off
-        view_at_off, view_capped = self.view_at_off, self.view_capped
-        if first_view is None and n_ms:
-            if not (m := _MS_B.match(chunk, find(_MS, lo, hi))):
-                return False
-            first_view = int(m["size"])
-        pos, seen_retry = lo, False
-        while (i := find(_RT, pos, hi)) >= 0:
-            # a run of tries at one offset: from its first retry line to its last one
-            if not (m := _RT_B.match(chunk, i)):
-                return False
-            off, n_batch = int(m["off"]), int(m["n_batch"])
-            same = b"%s%d, n_batch = " % (_RT, off)
-            j = rfind(same, i, hi)
-            if j < i:
-                return False
-            end = find(b"\n", j, hi) + 1
-            if end <= 0 or count(same, i, end) != count(_RT, i, end):
-                return False  # the offset comes back after another one
-            k = rfind(_MS, pos, i)  # the memory-slot line before the run's first retry
-            if k >= 0:
-                if not (m := _MS_B.match(chunk, k)):
-                    return False
-                size: int | None = int(m["size"])
-            else:
-                size = None if seen_retry else last_size
-            if last_off != off:
-                n_offsets += 1
-                last_off = off
-                view_at_off = size
-                view_capped = size in (n_batch, 2 * n_batch)
-            pos, seen_retry = end, True
-        k = rfind(_MS, pos, hi)
-        if k >= 0:
-            if not (m := _MS_B.match(chunk, k)):
-                return False
-            last_size = int(m["size"])
-        elif seen_retry:
-            last_size = None
         if self.n_steps < MAX_STEPS:
             self._store(
                 chunk, lo, hi, MAX_STEPS - self.n_steps if n_rt > MAX_STEPS - self.n_steps else 0
             )
-        self.last_size, self.first_view = last_size, first_view
-        self.n_offsets, self.last_off = n_offsets, last_off
-        self.view_at_off, self.view_capped = view_at_off, view_capped
-        self.n_steps += n_rt
+        view, try_ = self._view, self._try
+        for size, off, n_batch in found:
+            if size:
+                view(int(size))
+            else:
+                try_(int(off), int(n_batch))
         return True
 
     def _store(self, chunk: bytes, lo: int, hi: int, tries: int) -> None:

@@ -102,6 +102,7 @@ def test_empty_input_has_no_verdict() -> None:
 
 # A failing server's log in b11434's format (cf. scripts/repro-overflow): a startup, a warm
 # slot, then a cascade at rising offsets, a purge, the decode error and the release lines.
+# Abridged: the halvings from 128 to 2 at offset 580 are left out.
 SEED = b"""0.00.003.981 I srv  llama_server: initializing ...
 0.00.748.696 I srv    load_model: initializing, n_slots = 4, n_ctx_slot = 1024, kv_unified = 'true'
 0.02.522.065 I slot      release: id  3 | task 0 | stop processing: n_tokens = 346, truncated = 0
@@ -122,7 +123,7 @@ SEED = b"""0.00.003.981 I srv  llama_server: initializing ...
 0.03.842.240 W srv        decode: RETRY off = 580, n_batch = 512, ret = 1
 0.03.842.343 W decode: failed to find a memory slot for batch of size 300
 0.03.842.363 W srv        decode: RETRY off = 580, n_batch = 256, ret = 1
-0.03.842.864 W decode: failed to find a memory slot for batch of size 2
+0.03.842.864 W decode: failed to find a memory slot for batch of size 256
 0.03.842.883 W srv        decode: RETRY off = 580, n_batch = 1, ret = 1
 0.03.842.912 W decode: failed to find a memory slot for batch of size 1
 0.03.842.933 E srv        decode: Context size has been exceeded. off = 580, n_batch = 1, ret = 1
@@ -137,9 +138,55 @@ SEED = b"""0.00.003.981 I srv  llama_server: initializing ...
     b"RETRY", b"failed to find free space in the KV cache, retrying with smaller batch size,"
 )
 
+# The real server (b11434) under load, from the sandbox journal: the retry after the purge
+# placed all 441 tokens (no line says so); the next batch, one generated token for each of
+# two slots, then failed at the same offset 0. The overflow is that batch of 2, not the 441.
+NEW_BATCH = b"""\
+0.00.090.416 I srv    load_model: initializing, n_slots = 4, n_ctx_slot = 1024, kv_unified = 'true'
+0.00.166.829 I slot launch_slot_: id  3 | task 0 | processing task, is_child = 0
+0.00.182.440 I slot      release: id  3 | task 0 | stop processing: n_tokens = 347, truncated = 0
+0.00.355.593 I slot launch_slot_: id  2 | task 9 | processing task, is_child = 0
+0.00.390.200 I slot launch_slot_: id  1 | task 12 | processing task, is_child = 0
+0.00.390.473 W decode: failed to find a memory slot for batch of size 441
+0.00.390.503 W srv  try_clear_id: purging slot 3 with 347 tokens
+0.00.390.555 W srv        decode: RETRY off = 0, n_batch = 1024, ret = 1
+0.00.416.961 W decode: failed to find a memory slot for batch of size 2
+0.00.417.023 W srv        decode: RETRY off = 0, n_batch = 512, ret = 1
+0.00.417.061 W decode: failed to find a memory slot for batch of size 2
+0.00.417.088 W srv        decode: RETRY off = 0, n_batch = 256, ret = 1
+0.00.417.124 W decode: failed to find a memory slot for batch of size 2
+0.00.417.151 W srv        decode: RETRY off = 0, n_batch = 128, ret = 1
+0.00.417.189 W decode: failed to find a memory slot for batch of size 2
+0.00.417.215 W srv        decode: RETRY off = 0, n_batch = 64, ret = 1
+0.00.417.251 W decode: failed to find a memory slot for batch of size 2
+0.00.417.278 W srv        decode: RETRY off = 0, n_batch = 32, ret = 1
+0.00.417.313 W decode: failed to find a memory slot for batch of size 2
+0.00.417.341 W srv        decode: RETRY off = 0, n_batch = 16, ret = 1
+0.00.417.376 W decode: failed to find a memory slot for batch of size 2
+0.00.417.402 W srv        decode: RETRY off = 0, n_batch = 8, ret = 1
+0.00.417.438 W decode: failed to find a memory slot for batch of size 2
+0.00.417.464 W srv        decode: RETRY off = 0, n_batch = 4, ret = 1
+0.00.417.499 W decode: failed to find a memory slot for batch of size 2
+0.00.417.532 W srv        decode: RETRY off = 0, n_batch = 2, ret = 1
+0.00.417.567 W decode: failed to find a memory slot for batch of size 2
+0.00.417.594 W srv        decode: RETRY off = 0, n_batch = 1, ret = 1
+0.00.417.630 W decode: failed to find a memory slot for batch of size 1
+0.00.417.657 E srv        decode: Context size has been exceeded. off = 0, n_batch = 1, ret = 1
+0.00.417.674 E srv    send_error: task id = 12, error: Context size has been exceeded.
+0.00.417.921 I slot      release: id  1 | task 12 | stop processing: n_tokens = 510, truncated = 0
+0.00.417.994 E srv    send_error: task id = 9, error: Context size has been exceeded.
+0.00.418.085 I slot      release: id  2 | task 9 | stop processing: n_tokens = 516, truncated = 0
+0.00.418.276 E srv  update_slots: decode() failed: Context size has been exceeded.
+0.00.430.467 I slot launch_slot_: id  0 | task 86 | processing task, is_child = 0
+0.00.460.620 I slot      release: id  0 | task 86 | stop processing: n_tokens = 544, truncated = 0
+""".replace(
+    b"RETRY", b"failed to find free space in the KV cache, retrying with smaller batch size,"
+)
+
 VARIANTS = {
     "seed": SEED,
     "repeated": SEED * 7,
+    "new-batch": NEW_BATCH + SEED + NEW_BATCH,
     "offset-returns": SEED.replace(b"off = 576, n_batch = 256", b"off = 0, n_batch = 256"),
     "other-decode-error": SEED.replace(
         b"Context size has been exceeded. off", b"Compute error. off"
@@ -206,3 +253,11 @@ def test_seed_failure_in_detail() -> None:
     assert f.adds_up is True and r.adds_up == r.checked == 3
     assert r.by_class == {diagnose.FailureClass.SHARED_POOL.value: 3}
     assert r.drift_lines == 0
+
+
+def test_a_new_batch_at_the_same_offset_is_the_overflow() -> None:
+    r = diagnose.diagnose(io.BytesIO(NEW_BATCH), "journal")
+    f = r.failures[0]
+    assert (r.failures_total, r.requests_failed, f.purges) == (1, 2, 1)
+    assert (f.total, f.pool_cells, f.overflow, f.overflow_source) == (1026, 1024, 2, "log")
+    assert f.adds_up is True and f.first_view == 441 and f.offsets == 2
