@@ -365,9 +365,12 @@ class Deployer:
                 plan = config.build(dict(gen.meta["config"])).pool_plan(
                     gen.meta.get("model", {}).get("n_ctx_train")
                 )
-        self.systemd.reset_failed()
-        cursor = self.systemd.cursor()
-        before = self.systemd.state()
+
+        def reset_then_state() -> UnitState:
+            self.systemd.reset_failed()
+            return self.systemd.state()
+
+        cursor, before = _together(self.systemd.cursor, reset_then_state)
         self.systemd.restart()
         try:
             argv = self._argv_of(old_text)
@@ -509,8 +512,7 @@ class Deployer:
             self._checkpoint("swap")
             store.swap_env(self.env_file, checked.env_text)
             self._checkpoint("swapped")
-            cursor = self.systemd.cursor()
-            self.systemd.reset_failed()
+            cursor, _ = _together(self.systemd.cursor, self.systemd.reset_failed)
             self._checkpoint("restart")
             t_restart = time.monotonic()
             self.systemd.restart()
@@ -653,12 +655,27 @@ class Deployer:
         timings: dict[str, float] = {}
         probe = Probe(self.url_for(argv), api_key)
         try:
-            scan, log, before = self._wait_ready(probe, cursor, before, t0)
+            scan, log, before, pid = self._wait_ready(probe, cursor, before, t0)
             timings["healthy"] = round(time.monotonic() - t0, 3)
-            scan, log = self._startup_line(scan, log, cursor)
+            # The startup line (a journal read) and the unit's state (a systemctl) are read
+            # beside /props and the chat: each costs a process start. Failures are reported
+            # in the order of the checks: startup line, plan, /props, completion.
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(2) as workers:
+                read = workers.submit(self._startup_line, scan, log, cursor)
+                shown = workers.submit(self.systemd.state)
+                asked: tuple[dict[str, Any], Any] | BaseException
+                try:
+                    props = probe.props()
+                    self._compare_props(plan, props, log)
+                    asked = props, probe.chat(self.settings.probe_timeout)
+                except (ProbeError, GateFailure) as e:
+                    asked = e
+                scan, log = read.result()
+                state = shown.result()
             startup = scan.startup
             assert startup is not None
-            timings["startup_line"] = round(time.monotonic() - t0, 3)
             startup_d = {
                 "n_slots": startup.n_slots,
                 "n_ctx_slot": startup.n_ctx_slot,
@@ -668,17 +685,22 @@ class Deployer:
             }
             if plan is not None:
                 self._compare(plan, startup_d, log)
-            props = probe.props()
-            self._compare_props(plan, props, log)
-            completion = probe.chat(self.settings.probe_timeout)
+            if isinstance(asked, BaseException):
+                raise asked
+            props, completion = asked
             timings["completion"] = round(time.monotonic() - t0, 3)
         except ProbeError as e:
             raise GateFailure("probe", "probe", str(e), self._tail(30)) from e
         finally:
             probe.close()
-        time.sleep(self.settings.settle_seconds)
-        state = self.systemd.state()
+        if self.settings.settle_seconds:
+            time.sleep(self.settings.settle_seconds)
+            state = self.systemd.state()
+        # still up after the completion: what systemd said meanwhile, and its process now
         dead = _dead(state, before, True)
+        if not dead and not _alive(pid):
+            state = self.systemd.state()
+            dead = _dead(state, before, True) or f"llama-server (pid {pid}) exited"
         if dead:
             raise self._exited(dead, log + self._tail(20))
         return GateResult(
@@ -695,7 +717,7 @@ class Deployer:
 
     def _wait_ready(
         self, probe: Probe, cursor: str | None, before: UnitState, t0: float
-    ) -> tuple[serverlog.StartupScan, list[str], UnitState]:
+    ) -> tuple[serverlog.StartupScan, list[str], UnitState, int]:
         """Until the *new* process answers /health 200: watch the unit (its first exit fails
         the gate), follow its journal (progress and the startup line) and poll /health.
 
@@ -705,9 +727,10 @@ class Deployer:
         scan = serverlog.StartupScan()
         log: list[str] = []
         started = respawned = False
+        pid = 0  # the new process, once systemd shows it
         next_state = 0.0
         t_startup: float | None = None
-        health_wait = 0.02  # a local llama-server answers /health in about a millisecond
+        health_wait = 0.01  # a local llama-server answers /health in about a millisecond
         with self.systemd.follow(cursor) as journal:
             while True:
                 lines = journal.read(0.005)
@@ -716,21 +739,27 @@ class Deployer:
                 now = time.monotonic()
                 if t_startup is None and scan.startup is not None:
                     t_startup = now
+                gone = pid > 0 and not _alive(pid)
+                if gone:
+                    next_state = now  # the new process is gone: ask systemd why, now
                 if now >= next_state:
-                    # often at first (a bad config exits within milliseconds), rarely while a
-                    # large model loads for minutes
-                    next_state = now + (0.02 if now - t0 < 2.0 else 0.25)
+                    # Until the new process shows, often. Then its pid is watched every loop
+                    # (a free syscall: a bad config exits within milliseconds) and systemd is
+                    # asked rarely: each `systemctl show` takes CPU the loading server needs.
+                    next_state = now + (0.02 if pid <= 0 else 0.25)
                     state = self.systemd.state()
                     started = (
                         started
                         or state.invocation_id != before.invocation_id
                         or state.main_pid not in (0, before.main_pid)
                     )
+                    if started:
+                        pid = state.main_pid
                     dead = _dead(state, before, started)
                     if dead and state.exec_main_status in SPAWN_FAILURES and not respawned:
                         # systemd itself failed to spawn the process (e.g. 219/CGROUP while the
                         # old process's cgroup was still being torn down): not the config's fault
-                        respawned, started, before = True, False, state
+                        respawned, started, before, pid = True, False, state, 0
                         self.spawn_warnings.append(
                             f"systemd failed to spawn the service (status "
                             f"{state.exec_main_status}, {state.result}); restarted it once more"
@@ -740,19 +769,22 @@ class Deployer:
                         continue
                     if dead:
                         raise self._exited(dead, self._last_words(cursor) or log)
-                if started:
+                if started and not gone:
                     status, detail = probe.health(health_wait)
-                    if status is None and detail == "TimeoutError":
+                    if status is None and detail == "TimeoutError" and now - t0 > 1.0:
                         # something holds the port but does not answer (yet): ask again with
-                        # more patience, but first look at the unit (it may have died)
+                        # more patience, but first look at the unit (it may have died). Not at
+                        # once: a config that cannot bind a taken port dies within milliseconds.
                         health_wait = min(health_wait * 2, 1.0)
                     if status == 200:
                         # the 200 must come from our process, not from whatever else may hold
-                        # the port: the unit must still be running
-                        dead = _dead(self.systemd.state(), before, True)
-                        if dead:
-                            raise self._exited(dead, self._last_words(cursor) or log)
-                        return scan, log, before
+                        # the port: the process systemd started must still be there
+                        if pid <= 0 or not _alive(pid):
+                            dead = _dead(self.systemd.state(), before, True)
+                            if dead:
+                                raise self._exited(dead, self._last_words(cursor) or log)
+                            continue
+                        return scan, log, before, pid
                     self._say("loading", now - t0, log[-1] if log else detail)
                 self._check_deadline(now, t0, t_startup, log)
 
@@ -890,6 +922,15 @@ def _dead(state: UnitState, before: UnitState, started: bool) -> str | None:
             return f"the launcher refused the env file (status {status})"
         return f"llama-server exited with status {status} ({state.result})"
     return None
+
+
+def _together(*calls: Callable[[], Any]) -> list[Any]:
+    """Run independent systemctl/journalctl calls at once: each costs a process start."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(calls)) as workers:
+        futures = [workers.submit(call) for call in calls]
+        return [f.result() for f in futures]
 
 
 def _alive(pid: int) -> bool:

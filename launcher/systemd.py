@@ -213,8 +213,7 @@ class JournalFollower:
         return lines
 
     def close(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
+        proc.end(self.proc)
 
     def __enter__(self) -> JournalFollower:
         return self

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -83,3 +85,29 @@ def test_unit_runs_llama_server_itself_not_a_wrapper(host: Host) -> None:
     assert exe.name == "llama-server"
     cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     assert b"--log-colors" in cmdline
+
+
+def test_a_killed_reader_is_reaped_later_not_waited_for() -> None:
+    from launcher import proc
+
+    p = proc.spawn(["sleep", "60"])
+    proc.end(p)  # returns at once; the kernel tears the process down meanwhile
+    assert p.stdout is not None and p.stdout.closed
+    proc.reap()
+    assert p.returncode == -9 and proc._ending == []
+
+
+def test_cli_output_is_whole_when_piped_and_a_closed_pipe_is_no_error() -> None:
+    """The CLI ends with os._exit (no interpreter teardown): its output must be flushed."""
+    argv = [sys.executable, "-m", "launcher", "plan", "--slots", "4", "--window", "2048"]
+    out = subprocess.run([*argv, "--json"], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)
+    head = subprocess.run(
+        ["sh", "-c", " ".join(argv) + " | head -c 1"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    )
+    assert head.returncode == 0 and len(head.stdout) == 1 and "Traceback" not in head.stderr
