@@ -395,14 +395,26 @@ class Deployer:
         timings: dict[str, float] = {}
         cfg = self._materialize_key(cfg, write=not check)
         self._say("validate")
-        try:
-            running: UnitState | None = self.systemd.state()
-        except LauncherError:
-            if not check:
-                raise
-            running = None  # check mode works without a reachable systemd (a build box)
-        releasable = (process_memory(running) or 0) if running and running.running else 0
-        checked = validate.validate(cfg, releasable=releasable, force_memory=self.force_memory)
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(1) as workers:
+            # the unit's state (a systemctl) is read beside the validation's own processes
+            shown = workers.submit(self.systemd.state)
+
+            def unit_state() -> UnitState | None:
+                try:
+                    return shown.result()
+                except LauncherError:
+                    if not check:
+                        raise
+                    return None  # check mode works without a reachable systemd (a build box)
+
+            def releasable() -> int:
+                running = unit_state()
+                return (process_memory(running) or 0) if running and running.running else 0
+
+            checked = validate.validate(cfg, releasable=releasable, force_memory=self.force_memory)
+            running = unit_state()
         timings["validate"] = round(time.monotonic() - t0, 3)
         live_text = self.env_file.read_text() if self.env_file.exists() else None
         live_argv = self._argv_of(live_text)
@@ -730,7 +742,7 @@ class Deployer:
         pid = 0  # the new process, once systemd shows it
         next_state = 0.0
         t_startup: float | None = None
-        health_wait = 0.01  # a local llama-server answers /health in about a millisecond
+        health_wait = 0.005  # a local llama-server answers /health in about a millisecond
         with self.systemd.follow(cursor) as journal:
             while True:
                 lines = journal.read(0.005)
@@ -768,7 +780,7 @@ class Deployer:
                         self.systemd.restart()
                         continue
                     if dead:
-                        raise self._exited(dead, self._last_words(cursor) or log)
+                        raise self._exited(dead, self._last_words(cursor, log))
                 if started and not gone:
                     status, detail = probe.health(health_wait)
                     if status is None and detail == "TimeoutError" and now - t0 > 1.0:
@@ -782,7 +794,7 @@ class Deployer:
                         if pid <= 0 or not _alive(pid):
                             dead = _dead(self.systemd.state(), before, True)
                             if dead:
-                                raise self._exited(dead, self._last_words(cursor) or log)
+                                raise self._exited(dead, self._last_words(cursor, log))
                             continue
                         return scan, log, before, pid
                     self._say("loading", now - t0, log[-1] if log else detail)
@@ -830,14 +842,17 @@ class Deployer:
                 time.sleep(0.02)
         return scan, log
 
-    def _last_words(self, cursor: str | None) -> list[str]:
-        """The dead process's journal since the restart. journald may still be storing its
-        last lines: read until they say why it died, for at most half a second."""
+    def _last_words(self, cursor: str | None, followed: list[str]) -> list[str]:
+        """The dead process's journal since the restart: the lines followed so far when they
+        say why it died, else read until they do. journald may still be storing its last
+        lines: for at most half a second."""
+        if serverlog.classify(followed):
+            return followed
         deadline = time.monotonic() + 0.5
         while True:
             lines, _ = self.systemd.messages(cursor)
             if serverlog.classify(lines) or time.monotonic() > deadline:
-                return lines
+                return lines or followed
             time.sleep(0.02)
 
     def _exited(self, reason: str, log: list[str]) -> GateFailure:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -212,12 +213,13 @@ def validate(
     cfg: config.ServerConfig,
     key_file: str | None = None,
     workdir: Path | None = None,
-    releasable: int = 0,
+    releasable: int | Callable[[], int] = 0,
     force_memory: bool = False,
 ) -> Validated:
     """Render ``cfg`` to a temporary file and run the whole chain on it.
 
-    ``releasable``: bytes the running server frees when it is restarted (memory guard).
+    ``releasable``: bytes the running server frees when it is restarted (memory guard), or
+    a function that gives them, asked only when the guard is reached.
     """
     text = render(cfg, key_file)
     values = env_values(cfg, key_file)
@@ -233,5 +235,5 @@ def validate(
     except ConfigInvalid as e:
         raise ValidationFailed("pool", str(e)) from None
     need = memory.need(cfg, plan, layout, model["weights"], unsupported)
-    memory.guard(need, releasable, force_memory)
+    memory.guard(need, releasable() if callable(releasable) else releasable, force_memory)
     return Validated(cfg, text, values, expected, plan, model, info, need)

@@ -76,9 +76,11 @@ def check_overflow(r: diagnose.Report, run: repro.Run) -> None:
     else:
         assert f.overflow_source == "inferred (sum - pool)" and f.steps[0].size == 1024
     assert f.total == 1024 + (f.overflow or 0)
-    # every slot held its whole prompt (the chat template adds some tokens)
+    # every slot held its whole prompt (the chat template adds some tokens), and the tokens
+    # it had generated when the burst did not overlap fully (a retry placed one prompt whole)
     for s in f.slots:
-        assert min(run.prompt_tokens) <= s.n_tokens <= max(run.prompt_tokens) + 100
+        top = max(run.prompt_tokens) + 100 + repro.BURST_MAX_TOKENS
+        assert min(run.prompt_tokens) <= s.n_tokens <= top
         assert s.share == pytest.approx(s.n_tokens / 1024)
     # the cascade halves down to 1, possibly restarting at larger views after partial placement
     assert f.steps[-1].size in (1, None) and f.steps[-1].next_n_batch is None
