@@ -22,12 +22,12 @@ def main() -> None:
     from launcher import proc
     from launcher.cli import main as cli_main
 
-    code = cli_main(args)
     try:
+        code = cli_main(args)
         sys.stdout.flush()
         sys.stderr.flush()
-    except BrokenPipeError:  # `llama-launcher ... | head`
-        pass
+    except BrokenPipeError:  # `llama-launcher ... | head`: the reader has what it wanted
+        code = 128 + 13  # as if killed by SIGPIPE, like the tools it is piped with
     proc.reap()
     os._exit(code)
 

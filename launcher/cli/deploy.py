@@ -269,10 +269,13 @@ def _progress() -> Any:
             return
         last[0] = now
         text = f"[{phase} {elapsed:5.1f}s] {line[-100:]}" if elapsed else f"[{phase}]"
-        if tty:
-            print("\r\x1b[2K" + text, end="", file=sys.stderr, flush=True)
-        else:
-            print(text, file=sys.stderr, flush=True)
+        try:
+            if tty:
+                print("\r\x1b[2K" + text, end="", file=sys.stderr, flush=True)
+            else:
+                print(text, file=sys.stderr, flush=True)
+        except OSError:
+            pass  # progress is for a reader; a closed stderr must not stop a transaction
 
     return show
 
