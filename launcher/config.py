@@ -94,8 +94,9 @@ FLAG_BY_FIELD = {f.field: f for f in FLAGS}
 SPELLING = {s: f for f in FLAGS for s in (*f.spellings, *f.negative)}
 #: Flags the tool relies on (probe address, KV guarantee, secrets): never through extra_args.
 OWNED = {
-    "--api-key": "set api_key (a secret, read from a file by llama-server)",
-    "--api-key-file": "set api_key_file",
+    "--api-key": "set api_key in a config file (deploy --config FILE); it reaches "
+    "llama-server as a 0600 key file",
+    "--api-key-file": "set api_key_file in a config file (deploy --config FILE)",
     "--log-colors": "the launcher passes --log-colors off itself",
 }
 #: Flags removed before b11434, with their replacement (common/arg.cpp:2694-2711).
@@ -202,8 +203,8 @@ class ServerConfig(BaseModel):
                     f"{word!r} in extra_args is a typed flag; set {field} instead "
                     f"(e.g. llama-launcher set {SPELLING[name].canonical} ...)"
                 )
-            if name in OWNED:
-                raise ValueError(f"{word!r} cannot go through extra_args: {OWNED[name]}")
+            if name in OWNED:  # named without its value: it may be a secret
+                raise ValueError(f"{name!r} cannot go through extra_args: {OWNED[name]}")
             if name in REMOVED:
                 raise ValueError(
                     f"{name} was removed from llama-server (b11434); use {REMOVED[name]}"
@@ -369,7 +370,9 @@ def config_error(e: ValidationError) -> ConfigInvalid:
         name = f"{loc} ({flag.canonical})" if flag else loc
         msg = str(err["msg"]).removeprefix("Value error, ")
         value = err.get("input")
-        shown = "" if isinstance(value, dict) or loc == "api_key" else f" (got {value!r})"
+        # extra_args is not echoed: its messages name the word, and a value may be a secret
+        secret = loc == "api_key" or loc.startswith("extra_args")
+        shown = "" if isinstance(value, dict) or secret else f" (got {value!r})"
         parts.append(f"{name}: {msg}{shown}")
     return ConfigInvalid("invalid config: " + "; ".join(parts))
 

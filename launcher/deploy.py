@@ -38,6 +38,7 @@ from launcher.errors import (
     ConfigInvalid,
     DeployFailed,
     GateFailure,
+    Interrupted,
     LauncherError,
     ProbeError,
     RollbackFailed,
@@ -47,14 +48,6 @@ from launcher.probe import Probe, read_api_key
 from launcher.systemd import Systemd, UnitState
 
 Progress = Callable[[str, float, str], None]  # (phase, elapsed seconds, last log line)
-
-
-class Interrupted(BaseException):
-    """SIGINT/SIGTERM arrived during a transaction: roll back, then report."""
-
-    def __init__(self, signum: int) -> None:
-        self.signum = signum
-        super().__init__(f"interrupted by {signal.Signals(signum).name}")
 
 
 @dataclass
@@ -241,8 +234,21 @@ class Deployer:
         return None
 
     def recover_only(self) -> dict[str, Any] | None:
+        """The ``recover`` verb: revert what a killed deployer left; ``RollbackFailed`` when
+        the restored config does not pass its gate."""
         with self._locked() as recovered:
-            return recovered
+            pass
+        rec = recovered or {}
+        gate = rec.get("gate")
+        if gate is not None and not gate.get("ok"):
+            raise RollbackFailed(
+                f"restored the env file of generation {rec['from']} (the deploy of generation "
+                f"{rec['to']} was interrupted at {rec['interrupted_phase']}), but it failed its "
+                f"gate: {gate.get('message')}. Nothing was deleted; read `journalctl -u "
+                f"{self.systemd.unit}`, fix the cause, then run llama-launcher rollback",
+                data={"recovered": rec},
+            )
+        return recovered
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -259,6 +265,15 @@ class Deployer:
     def _locked(self) -> Iterator[dict[str, Any] | None]:
         with self.store.lock(self.settings.lock_timeout), self._signals():
             yield self._recover()
+
+    @contextlib.contextmanager
+    def _deferred_signals(self) -> Iterator[None]:
+        """SIGINT/SIGTERM inside wait until the block is done (``_pending_signal``)."""
+        was, self._rolling_back = self._rolling_back, True
+        try:
+            yield
+        finally:
+            self._rolling_back = was
 
     @contextlib.contextmanager
     def _signals(self) -> Iterator[None]:
@@ -320,9 +335,12 @@ class Deployer:
         txn = self.store.txn()
         if not txn:
             return None
-        pid = int(txn.get("pid", 0))
-        if pid and pid != os.getpid() and _alive(pid):
-            return None  # cannot happen under the lock, but never touch a live transaction
+        with self._deferred_signals():  # a recovery is a rollback: it is not interrupted
+            return self._recover_txn(txn)
+
+    def _recover_txn(self, txn: dict[str, Any]) -> dict[str, Any]:
+        # Under the lock the record's writer is gone (the lock dies with its holder); its pid
+        # may belong to another process by now (a reboot), so it is not consulted.
         phase = str(txn.get("phase", "begin"))
         report: dict[str, Any] = {
             "interrupted_phase": phase,
@@ -330,6 +348,11 @@ class Deployer:
             "to": txn.get("to"),
         }
         old_text = txn.get("old_text")
+        if phase in ("begin", "stored") and self._new_file_is_live(txn, old_text):
+            # the record's phase is written without fsync, the swap with it: after a power
+            # loss the new file can be live while the record still says it was not swapped
+            phase = "gate"
+            report["interrupted_phase"] = f"{txn.get('phase')} (the new file was live)"
         if phase in ("begin", "stored"):
             report["action"] = "nothing live was touched; discarded"
         else:
@@ -339,12 +362,27 @@ class Deployer:
                 report["gate"] = self._restart_old(txn.get("from"), old_text)
             else:
                 report["action"] = "restored the previous env file (no restart had happened)"
+            if txn.get("from") is not None:
+                self.store.set_live(int(txn["from"]))
         if txn.get("to"):
             with contextlib.suppress(StoreError):
                 gen = self.store.get(int(txn["to"]))
                 self.store.update(gen, outcome="interrupted")
+        if not report.get("gate", {"ok": True}).get("ok") and txn.get("from") is not None:
+            with contextlib.suppress(StoreError):
+                self.store.update(self.store.get(int(txn["from"])), gate_failed_at=time.time())
         self.store.end()
         return report
+
+    def _new_file_is_live(self, txn: dict[str, Any], old_text: str | None) -> bool:
+        if not txn.get("to"):
+            return False
+        try:
+            new_text = self.store.get(int(txn["to"])).env_text
+            live = self.env_file.read_text() if self.env_file.exists() else None
+        except (StoreError, OSError):
+            return False
+        return live == new_text and live != old_text
 
     def _restore_text(self, old_text: str | None) -> None:
         if old_text is None:
@@ -354,9 +392,13 @@ class Deployer:
             store.swap_env(self.env_file, old_text, backup=False)
 
     def _restart_old(self, number: Any, old_text: str | None) -> dict[str, Any]:
+        """Start the restored config and gate it; never raises: the result says ``ok``."""
         if old_text is None:
-            self.systemd.stop()
-            self.systemd.reset_failed()
+            try:
+                self.systemd.stop()
+                self.systemd.reset_failed()
+            except LauncherError as e:
+                return {"ok": False, "message": f"could not stop the unit: {e}"}
             return {"ok": True, "note": "there was no previous config; the unit is stopped"}
         plan = None
         if number:
@@ -370,19 +412,22 @@ class Deployer:
             self.systemd.reset_failed()
             return self.systemd.state()
 
-        cursor, before = _together(self.systemd.cursor, reset_then_state)
-        self.systemd.restart()
         try:
+            cursor, before = _together(self.systemd.cursor, reset_then_state)
+            self.systemd.restart()
             argv = self._argv_of(old_text)
             gate = self.gate(plan, cursor, before, self._key_for_text(old_text), argv)
             return {"ok": True, "startup": gate.startup}
-        except (GateFailure, ProbeError) as e:
+        except LauncherError as e:  # a gate, a probe, systemctl or journalctl: reported
             return {"ok": False, "message": str(e)}
 
     def _key_for_text(self, env_text: str | None) -> str | None:
         if not env_text:
             return None
-        values = envfile.parse(env_text, str(self.env_file))
+        try:
+            values = envfile.parse(env_text, str(self.env_file))
+        except envfile.EnvFileError:
+            return None  # a hand-written file the strict parser refuses: probe without a key
         path = values.get("API_KEY_FILE")
         return read_api_key(Path(path)) if path else None
 
@@ -503,18 +548,32 @@ class Deployer:
             "kv_estimate": checked.memory.to_dict(),
         }
         # The rollback is registered before the risky step: the record names the old text.
-        self.store.begin(
-            {
-                "phase": "begin",
-                "from": prev_number,
-                "to": None,
-                "env_file": str(self.env_file),
-                "old_text": live_text,
-            }
-        )
-        gen = self.store.new(checked.env_text, meta)
-        self.store.mark(to=gen.number)
-        self._checkpoint("stored")
+        try:
+            self.store.begin(
+                {
+                    "phase": "begin",
+                    "from": prev_number,
+                    "to": None,
+                    "env_file": str(self.env_file),
+                    "old_text": live_text,
+                }
+            )
+            gen = self.store.new(checked.env_text, meta)
+            self.store.mark(to=gen.number)
+            self._checkpoint("stored")
+        except (OSError, Interrupted) as e:
+            # nothing live was touched: the record goes, a stored generation stays as a trace
+            with self._deferred_signals(), contextlib.suppress(OSError, StoreError):
+                if self.store.txn().get("to"):
+                    gone = self.store.get(int(self.store.txn()["to"]))
+                    self.store.update(gone, outcome="interrupted")
+                self.store.end()
+            if isinstance(e, OSError):
+                raise StoreError(
+                    f"cannot write the new generation to {self.store.root}: {e}; "
+                    "nothing live was changed (free space or fix the permissions, then retry)"
+                ) from e
+            raise
         result = Result(
             "deployed", True, gen.number, prev_number, planned=planned, diff=diff, timings=timings
         )
@@ -538,24 +597,32 @@ class Deployer:
             )
             timings.update(gate.timings)
             timings["restart_to_serving"] = round(time.monotonic() - t_restart, 3)
-        except (GateFailure, ProbeError, LauncherError, Interrupted) as e:
+        except (LauncherError, OSError, Interrupted) as e:
             return self._fail(e, gen, live_text, prev_number, result, t0)
-        result.startup, result.probe, result.warnings = gate.startup, gate.probe, gate.warnings
-        result.memory["after"] = process_memory(gate.state)
-        result.client_window = self._client_window(checked, gen.number)
-        timings["total"] = round(time.monotonic() - t0, 3)
-        self.store.update(
-            gen,
-            outcome="deployed",
-            startup=gate.startup,
-            probe=gate.probe,
-            memory=result.memory,
-            warnings=gate.warnings,
-            timings=timings,
-        )
-        self.store.set_live(gen.number)
-        self.store.end()
+        # the gate passed: the bookkeeping is finished before a signal is acted on
+        with self._deferred_signals():
+            result.startup, result.probe, result.warnings = (
+                gate.startup,
+                gate.probe,
+                gate.warnings,
+            )
+            result.memory["after"] = process_memory(gate.state)
+            result.client_window = self._client_window(checked, gen.number)
+            timings["total"] = round(time.monotonic() - t0, 3)
+            self.store.update(
+                gen,
+                outcome="deployed",
+                startup=gate.startup,
+                probe=gate.probe,
+                memory=result.memory,
+                warnings=gate.warnings,
+                timings=timings,
+            )
+            self.store.set_live(gen.number)
+            self.store.end()
         result.message = f"generation {gen.number} is serving: {checked.plan.describe()}"
+        if self._pending_signal is not None:
+            result.message += " (a signal arrived after the gate passed; the deploy stands)"
         return result
 
     def _fail(
@@ -567,30 +634,42 @@ class Deployer:
         result: Result,
         t0: float,
     ) -> Result:
-        failure = (
-            error.to_dict()
-            if isinstance(error, GateFailure)
-            else {
-                "phase": "interrupted" if isinstance(error, Interrupted) else "gate",
-                "class": "interrupted" if isinstance(error, Interrupted) else type(error).__name__,
-                "message": str(error),
-                "log_tail": self._tail(),
-            }
-        )
-        self._rolling_back = True
-        try:
+        with self._deferred_signals():  # a signal waits until the old config is back
+            failure = (
+                error.to_dict()
+                if isinstance(error, GateFailure)
+                else {
+                    "phase": "interrupted" if isinstance(error, Interrupted) else "gate",
+                    "class": "interrupted"
+                    if isinstance(error, Interrupted)
+                    else type(error).__name__,
+                    "message": str(error),
+                    "log_tail": self._tail(),
+                }
+            )
             self._say("rollback")
             # the old config first: every millisecond here is clients without a model
-            self._restore_text(live_text)
-            rb = self._restart_old(prev_number, live_text)
-            self.store.update(gen, outcome="failed", failure=failure)
-        finally:
-            self._rolling_back = False
-        self.store.end()
+            restored = False
+            try:
+                self._restore_text(live_text)
+                restored = True
+            except OSError as e:
+                # the record stays: the next invocation restores the file before anything else
+                rb: dict[str, Any] = {
+                    "ok": False,
+                    "message": f"cannot write the previous env file back to {self.env_file}: "
+                    f"{e}; the transaction record in {self.store.root} keeps it",
+                }
+            else:
+                rb = self._restart_old(prev_number, live_text)
+            with contextlib.suppress(OSError):
+                self.store.update(gen, outcome="failed", failure=failure)
+                if restored:
+                    self.store.end()
+                    if prev_number is not None:
+                        self.store.set_live(prev_number)
         result.failure, result.rollback = failure, rb
         result.timings["total"] = round(time.monotonic() - t0, 3)
-        if prev_number is not None:
-            self.store.set_live(prev_number)
         if rb.get("ok"):
             result.outcome = "rolled_back"
             what = (
@@ -609,9 +688,15 @@ class Deployer:
                     self.store.update(self.store.get(prev_number), gate_failed_at=time.time())
             result.message = (
                 f"generation {gen.number} failed ({failure['message']}) and restoring generation "
-                f"{prev_number} failed too ({rb.get('message')}). Nothing was deleted: the old env "
-                f"file is back in {self.env_file}; read `journalctl -u {self.systemd.unit}`, fix "
-                f"the cause (model, binary, port, memory), then run llama-launcher rollback"
+                f"{prev_number} failed too ({rb.get('message')}). Nothing was deleted"
+                + (
+                    f": the old env file is back in {self.env_file}; "
+                    if restored
+                    else f", but {self.env_file} still holds the new file: free space or fix "
+                    "the permissions, then run llama-launcher recover; "
+                )
+                + f"read `journalctl -u {self.systemd.unit}`, fix the cause (model, binary, "
+                "port, memory), then run llama-launcher rollback"
             )
             exc = RollbackFailed(result.message, result)
         if self._pending_signal is not None or isinstance(error, Interrupted):

@@ -18,6 +18,7 @@
     ├── LockTimeout                    exit 5: another deploy holds the lock
     ├── DeployFailed                   exit 3: the new config failed, the old one serves again
     └── RollbackFailed                 exit 4: the old config failed as well; nothing was deleted
+    Interrupted (a BaseException)      exit 128+signal: SIGINT/SIGTERM before anything live changed
 
 Every message names the value at fault and the fix. Causes are chained with ``raise ... from``.
 """
@@ -142,6 +143,24 @@ class RollbackFailed(LauncherError):
 
     exit_code = 4
 
-    def __init__(self, message: str, result: Any = None) -> None:
+    def __init__(
+        self, message: str, result: Any = None, data: dict[str, Any] | None = None
+    ) -> None:
         self.result = result
+        self.data = data or {}
         super().__init__(message)
+
+    def details(self) -> dict[str, Any]:
+        return self.data
+
+
+class Interrupted(BaseException):
+    """SIGINT/SIGTERM arrived during a transaction. Inside the risky part the deployer rolls
+    back and reports; raised out of it (validation, storing the generation), nothing live was
+    changed. A BaseException, so ``except Exception`` cannot swallow it."""
+
+    def __init__(self, signum: int) -> None:
+        import signal
+
+        self.signum = signum
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")

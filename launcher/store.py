@@ -20,6 +20,7 @@ import errno
 import fcntl
 import json
 import os
+import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -187,10 +188,16 @@ class Store:
         self.ensure()
         number = (self.numbers() or [0])[-1] + 1
         path = self.gen_dir / f"{number:04d}"
-        path.mkdir()
-        atomic_write(path / "env", env_text.encode(), 0o600)
+        # built under a temporary name and renamed: a deployer killed halfway leaves no
+        # generation without its meta.json (a leftover is replaced by the next one)
+        tmp = self.gen_dir / f".new-{number:04d}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
         meta = {"generation": number, "outcome": "pending", **meta}
-        write_json(path / "meta.json", meta)
+        atomic_write(tmp / "env", env_text.encode(), 0o600)
+        write_json(tmp / "meta.json", meta)
+        os.rename(tmp, path)
+        _fsync_dir(self.gen_dir)
         return Generation(number, path, meta)
 
     def update(self, gen: Generation, **changes: Any) -> Generation:

@@ -127,6 +127,14 @@ def test_owned_and_removed_flags_cannot_hide_in_extra_args(word: str, needle: st
     assert needle in str(e.value)
 
 
+@pytest.mark.parametrize("flags", [["--api-key", "hunter2"], ["--api-key=hunter2"]])
+def test_a_key_on_the_command_line_is_refused_without_echoing_it(flags: list[str]) -> None:
+    with pytest.raises(ConfigInvalid) as e:
+        config.from_flags(flags, BASE)
+    assert "'--api-key' cannot go through extra_args" in str(e.value)
+    assert "hunter2" not in str(e.value)
+
+
 def test_control_characters_are_refused_naming_the_field() -> None:
     with pytest.raises(ConfigInvalid) as e:
         config.build({**BASE, "alias": "a\nb"})

@@ -360,3 +360,88 @@ def test_env_file_is_private_and_keeps_its_mode(host: Host) -> None:
     assert host.cli_json("set", "-c", "8192")[0] == 0
     assert oct(host.env_file.stat().st_mode & 0o777) == "0o640"
     assert (host.env_file.parent / (host.env_file.name + ".bak")).exists()
+
+
+def test_sigterm_while_storing_the_generation_changes_nothing_live(host: Host) -> None:
+    installed(host)
+    good, pid = host.env_file.read_text(), host.state()["MainPID"]
+    p = _popen(host, "set", "-c", "8192", fault="stored:pause")
+    _wait_phase(host, "stored")
+    p.send_signal(signal.SIGTERM)
+    _, stderr = p.communicate(timeout=60)
+    assert p.returncode == 128 + signal.SIGTERM
+    assert "interrupted by SIGTERM before anything live was changed" in stderr
+    assert "Traceback" not in stderr
+    assert host.env_file.read_text() == good
+    assert not (host.state_dir / "txn.json").exists()
+    meta = json.loads((host.state_dir / "generations/0002/meta.json").read_text())
+    assert meta["outcome"] == "interrupted"
+    assert host.state()["MainPID"] == pid
+
+
+def test_recovery_does_not_trust_a_recorded_pid_that_is_alive_again(host: Host) -> None:
+    installed(host)
+    good = host.env_file.read_text()
+    p = _popen(host, "set", "-c", "8192", fault="gate:kill")
+    p.communicate(timeout=60)
+    txn_path = host.state_dir / "txn.json"
+    txn = json.loads(txn_path.read_text())
+    txn["pid"] = os.getpid()  # after a reboot the dead deployer's pid is some live process
+    txn_path.write_text(json.dumps(txn))
+    rc, out = host.cli_json("recover")
+    assert (rc, out["recovered"]["interrupted_phase"]) == (0, "gate")
+    assert host.env_file.read_text() == good
+    assert not txn_path.exists()
+
+
+def test_recovery_restores_a_swap_that_reached_the_disk_before_its_record(host: Host) -> None:
+    installed(host)
+    good = host.env_file.read_text()
+    p = _popen(host, "set", "-c", "8192", fault="stored:kill")
+    p.communicate(timeout=60)
+    # a power loss: the fsynced swap is on disk, the record's phase (not fsynced) is not
+    host.env_file.write_text((host.state_dir / "generations/0002/env").read_text())
+    rc, out = host.cli_json("recover")
+    assert rc == 0, out
+    assert out["recovered"]["interrupted_phase"] == "stored (the new file was live)"
+    assert out["recovered"]["gate"]["ok"] is True
+    assert host.env_file.read_text() == good
+    assert host.chat()["usage"]["completion_tokens"] > 0
+
+
+def test_recover_whose_restored_config_fails_its_gate_exits_4(host: Host, tmp_path: Path) -> None:
+    installed(host)
+    good = host.env_file.read_text()
+    p = _popen(host, "set", "-c", "8192", fault="gate:kill")
+    p.communicate(timeout=60)
+    ini = tmp_path / "xdg" / "llama.cpp" / "config.ini"
+    ini.parent.mkdir(parents=True)
+    ini.write_text("api-key = a-key-the-probe-does-not-have\n")
+    host.sandbox.systemctl("set-environment", f"XDG_CONFIG_HOME={ini.parent.parent}")
+    try:
+        rc, out = host.cli_json("recover")
+    finally:
+        host.sandbox.systemctl("unset-environment", "XDG_CONFIG_HOME")
+    assert (rc, out["error"]) == (4, "RollbackFailed")
+    assert out["recovered"]["gate"]["ok"] is False
+    assert "401" in out["message"]
+    assert host.env_file.read_text() == good
+    assert not (host.state_dir / "txn.json").exists()
+    rc, out = host.cli_json("rollback")
+    assert (rc, out.get("outcome")) == (0, "deployed"), out
+
+
+def test_unparseable_hand_edit_then_a_failed_deploy_is_rollback_failed(host: Host) -> None:
+    installed(host)
+    broken = host.env_file.read_text() + "NOTE=an unquoted hand edit\n"
+    host.env_file.write_text(broken)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        p = host.cli("set", "--port", str(taken.getsockname()[1]), "--json")
+    assert p.returncode == 4, p.stderr
+    assert "Traceback" not in p.stderr
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["outcome"] == "rollback_failed"
+    assert host.env_file.read_text() == broken  # the hand edit is back, and kept
+    assert not (host.state_dir / "txn.json").exists()

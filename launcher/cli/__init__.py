@@ -103,12 +103,15 @@ def main(args: Sequence[str]) -> int:
             ["--env-file", ns.env_file, *(["--print-argv"] if ns.print_argv else [])]
         )
     handler: Handler = ns.func
-    from launcher.errors import LauncherError
+    from launcher.errors import Interrupted, LauncherError
 
     try:
         return handler(ns)
     except LauncherError as e:
         return fail(e, getattr(ns, "json", False))
+    except Interrupted as e:
+        print(f"llama-launcher: {e} before anything live was changed", file=sys.stderr)
+        return 128 + e.signum
     except KeyboardInterrupt:
         print("llama-launcher: interrupted", file=sys.stderr)
         return 130
