@@ -35,6 +35,7 @@ counted), and their steps are made from the stored text of the first MAX_STEPS t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
@@ -176,8 +177,6 @@ class Report:
     drift_samples: tuple[str, ...]
 
     def to_dict(self) -> dict[str, Any]:
-        import dataclasses
-
         return dataclasses.asdict(self)
 
 
@@ -379,8 +378,10 @@ class _Scanner:
         self.requests_failed = 0
         self.rejections: deque[Rejection] = deque(maxlen=keep)
         self.rejections_total = 0
-        self.rejections_after_config: Counter[int] = Counter()
         self.max_rejected: int | None = None
+        # the startup each verdict is about: the one in force at its last failure/rejection
+        self.class_config: dict[FailureClass, Config | None] = {}
+        self.rejection_config: Config | None = None
         # the last ``keep`` failures, their steps still to be made (``_steps``)
         self.kept: deque[tuple[dict[str, Any], list[tuple[Any, ...]], Step | None]] = deque(
             maxlen=keep
@@ -553,6 +554,7 @@ class _Scanner:
         )
         cls = _classify(p, slots)
         self.by_class[cls] += 1
+        self.class_config[cls] = p.config
         self.kept.append(
             (
                 dict(
@@ -632,7 +634,10 @@ class _Scanner:
             if serverlog.DECODE_FAILED.search(t):
                 self._close()
                 return True
-            return False
+            # pre_decode()/post_decode() failed: other faults in the same wording, no cascade
+            return serverlog.OTHER_DECODE_FAILED.search(t) is not None
+        if serverlog.CONTEXT_EXCEEDED_BODY in t:
+            return True  # a logged 500 body: its send_error line counted the request
         if self._too_long(n, t):
             return True
         return self._startup_line(n, t)
@@ -654,21 +659,24 @@ class _Scanner:
         self._too_long(n, error)
 
     def _too_long(self, n: int, t: str) -> bool:
+        if serverlog.EXCEED_CONTEXT_TYPE in t:
+            return True  # a logged 400 body (-v, a proxy): its send_error line counted it
         m = serverlog.REQUEST_TOO_LONG.search(t) or serverlog.INPUT_TOO_LARGE.search(t)
         if m is None:
-            if serverlog.EXCEED_CONTEXT_TYPE in t:
-                self.rejections_total += 1
-                return True
             return False
         n_prompt = int(m["n_prompt"])
         self.rejections_total += 1
+        self.rejection_config = self.config
         self.rejections.append(Rejection(n, n_prompt, int(m["n_ctx"])))
         self.max_rejected = max(self.max_rejected or 0, n_prompt)
         return True
 
     def _startup_line(self, n: int, t: str) -> bool:
         if m := serverlog.STARTUP.search(t):
-            self._startup(n, int(m["n_slots"]), int(m["n_ctx_slot"]), m["kv_unified"] == "true")
+            n_slots, n_ctx_slot = int(m["n_slots"]), int(m["n_ctx_slot"])
+            if not (1 <= n_slots <= pool.MAX_SLOTS and n_ctx_slot >= 1):
+                return False  # values no server prints: a damaged line, shown as drift
+            self._startup(n, n_slots, n_ctx_slot, m["kv_unified"] == "true")
         elif m := serverlog.POOL_SIZING.search(t):
             self.boot.pool_sizing = (int(m["np"]), int(m["per_slot"]), int(m["n_ctx"]))
         elif m := serverlog.LLAMA_CONTEXT_N_CTX.search(t):
@@ -687,7 +695,10 @@ class _Scanner:
             self._cascade_reset()
         else:
             # lines that merely mention a startup keyword (n_ctx_seq < n_ctx_train, a cap
-            # without effect, other "initializing" lines) are known and harmless
+            # without effect, other "initializing" lines) are known and harmless; a line that
+            # looks like the startup line but did not match it is format drift
+            if "n_slots" in t:
+                return False
             return any(
                 s in t
                 for s in ("n_ctx_seq (", "exceeds the per-slot pool", "initializing", " cells")
@@ -791,7 +802,11 @@ def _pool_cells(
 ) -> tuple[int | None, str]:
     """The pool size and where it came from, most direct evidence first."""
     if boot.pool_sizing:
-        return boot.pool_sizing[2], "startup: --kv-unified-per-slot sizing KV pool line"
+        # the line prints n_parallel * N; llama.cpp pads the pool to 256 cells (per stream
+        # when split)
+        c = pool.pad(boot.pool_sizing[2])
+        cells = c if unified else pool.pad(c // n_slots) * n_slots
+        return cells, "startup: --kv-unified-per-slot sizing KV pool line"
     if boot.n_ctx is not None:
         return boot.n_ctx, "startup: llama_context: n_ctx (-lv 4)"
     if boot.kv_cells is not None:
@@ -871,8 +886,10 @@ def too_long_fixes(cfg: Config, needed: int, memory: MemoryCost | None = None) -
     """A per-slot window that holds a prompt of ``needed`` tokens (the server rejects >=)."""
     n = cfg.n_slots
     w = pool.pad(needed + 1)
-    if cfg.n_ctx_train is not None:
-        w = min(w, cfg.n_ctx_train)
+    if cfg.n_ctx_train is not None and w > cfg.n_ctx_train:
+        if needed >= cfg.n_ctx_train:
+            return ()  # the model's training context caps every slot below the request
+        w = cfg.n_ctx_train
     if cfg.kv_unified:
         plan = pool.resolve(n * w, n, True, w, cfg.n_ctx_train)
         flags = ["-c", str(plan.n_ctx), "--kv-unified-per-slot", str(w)]
@@ -885,11 +902,42 @@ def too_long_fixes(cfg: Config, needed: int, memory: MemoryCost | None = None) -
     )
 
 
+def _since(cfg: Config | None, last: Config | None) -> str:
+    """A note when the server restarted with another config after these failures."""
+    if cfg is None or last is None or cfg.line == last.line:
+        return ""
+    same = (cfg.n_slots, cfg.n_ctx_slot, cfg.kv_unified, cfg.pool_cells) == (
+        last.n_slots,
+        last.n_ctx_slot,
+        last.kv_unified,
+        last.pool_cells,
+    )
+    now = "with the same config" if same else f"now: {last.promise}"
+    return (
+        f" (these ran under the startup at line {cfg.line}; the server started again at line "
+        f"{last.line}, {now})"
+    )
+
+
+def _too_long_reason(cfg: Config, needed: int) -> str:
+    if cfg.n_ctx_train is not None and needed >= cfg.n_ctx_train:
+        return (
+            f"; no context setting holds {needed} tokens on this model (trained for "
+            f"{cfg.n_ctx_train}): the client must send less"
+        )
+    return ""
+
+
 def _verdicts(s: _Scanner, memory: MemoryCost | None) -> tuple[Verdict, ...]:
-    cfg = s.config
     out: list[Verdict] = []
     for cls, count in s.by_class.most_common():
-        out.append(_verdict(cls, count, cfg, s, memory))
+        cfg = s.class_config.get(cls)
+        try:
+            v = _verdict(cls, count, cfg, s, memory)
+        except ValueError as e:  # startup values no server prints (a damaged log)
+            v = Verdict(cls, count, f"no fix can be sized from this log's startup values: {e}", ())
+        out.append(dataclasses.replace(v, reason=v.reason + _since(cfg, s.config)))
+    cfg = s.rejection_config
     if s.rejections_total and cfg is not None:
         needed = s.max_rejected or cfg.n_ctx_slot
         cls = FailureClass.FIT_REDUCED if cfg.fit_reduced else FailureClass.TOO_LONG
@@ -898,7 +946,9 @@ def _verdicts(s: _Scanner, memory: MemoryCost | None) -> tuple[Verdict, ...]:
                 cls,
                 s.rejections_total,
                 f"{s.rejections_total} request(s) were refused up front (HTTP 400): the "
-                f"largest needed {needed} tokens, a slot holds {cfg.n_ctx_slot}",
+                f"largest needed {needed} tokens, a slot holds {cfg.n_ctx_slot}"
+                + _too_long_reason(cfg, needed)
+                + _since(cfg, s.config),
                 too_long_fixes(cfg, needed, memory) if cfg.n_slots else (),
             )
         )
@@ -915,8 +965,8 @@ def _verdict(
         )
         return Verdict(cls, count, reason, shared_pool_fixes(cfg, memory) if cfg else ())
     if cls is FailureClass.TOO_LONG:
-        reason = "one slot alone filled the pool"
         needed = max((f.total for f in s.failures if f.cls is cls), default=0)
+        reason = "one slot alone filled the pool" + (_too_long_reason(cfg, needed) if cfg else "")
         return Verdict(cls, count, reason, too_long_fixes(cfg, needed, memory) if cfg else ())
     if cls is FailureClass.FIT_REDUCED and cfg is not None and cfg.fit_reduced is not None:
         wanted, got = cfg.fit_reduced

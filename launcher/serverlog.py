@@ -236,9 +236,13 @@ SLOT_RELEASE = re.compile(
 )
 # server-context.cpp:3096 (SRV_ERR): after every slot was released
 DECODE_FAILED = re.compile(r"update_slots: decode\(\) failed: (?P<error>.*?)(?:\\n)?$")
+# server-context.cpp:3043, :3105: other faults in the same wording (no KV cascade)
+OTHER_DECODE_FAILED = re.compile(r"update_slots: (?:pre|post)_decode\(\) failed: ")
 #: The phrase ``grep -c`` looks for (seed 000's checklist, step 1). It appears on the
 #: decode error line, on one send_error line per request and on the update_slots line.
 CONTEXT_EXCEEDED = "Context size has been exceeded"
+#: The 500 body of such a request, when something logs response bodies (-v, a proxy).
+CONTEXT_EXCEEDED_BODY = '"message":"Context size has been exceeded'
 
 # server-context.cpp:3395-3424: request-time rejections, HTTP 400 exceed_context_size_error.
 REQUEST_TOO_LONG = re.compile(

@@ -261,3 +261,82 @@ def test_a_new_batch_at_the_same_offset_is_the_overflow() -> None:
     assert (r.failures_total, r.requests_failed, f.purges) == (1, 2, 1)
     assert (f.total, f.pool_cells, f.overflow, f.overflow_source) == (1026, 1024, 2, "log")
     assert f.adds_up is True and f.first_view == 441 and f.offsets == 2
+
+
+FIXED_RESTART = b"""\
+0.00.001.000 I srv  llama_server: initializing ...
+0.00.002.000 I srv  llama_server: --kv-unified-per-slot: sizing KV pool to n_parallel * \
+kv_unified_per_slot = 4 * 1024 = 4096
+0.00.003.000 I srv    load_model: initializing, n_slots = 4, n_ctx_slot = 1024, kv_unified = 'true'
+"""
+
+
+def test_the_fix_is_sized_from_the_startup_the_failures_ran_under() -> None:
+    r = diagnose.diagnose(io.BytesIO(SEED + FIXED_RESTART), "seed, then the fix deployed")
+    assert r.config is not None and r.config.pool_cells == 4096  # the last startup
+    (v,) = r.verdicts
+    assert v.fixes[0].command == "llama-launcher set -c 4096 --kv-unified-per-slot 1024"
+    assert v.fixes[0].note.endswith("pool x4")  # from the failing pool of 1024, not 4096
+    assert "these ran under the startup at line 2" in v.reason
+    assert "now: 4 slots x 1024 cells each, one shared pool of 4096 cells" in v.reason
+
+
+def test_a_startup_line_in_a_new_format_is_shown_as_drift() -> None:
+    drifted = SEED.replace(b"kv_unified = 'true'", b"kv_unified = true")
+    r = diagnose.diagnose(io.BytesIO(drifted), "drifted")
+    assert (r.config, r.drift_lines) == (None, 1)
+    assert "n_slots = 4, n_ctx_slot = 1024, kv_unified = true" in r.drift_samples[0]
+
+
+def test_a_request_longer_than_the_training_context_gets_no_impossible_fix() -> None:
+    log = b"""\
+llama_context: n_ctx_seq (1048576) > n_ctx_train (262144) -- possible training context overflow
+srv    load_model: initializing, n_slots = 4, n_ctx_slot = 262144, kv_unified = 'true'
+srv    send_error: task id = 9, error: request (300000 tokens) exceeds the available \
+context size (262144 tokens), try increasing it
+"""
+    (v,) = diagnose.diagnose(io.BytesIO(log), "too long").verdicts
+    assert v.fixes == ()
+    assert "no context setting holds 300000 tokens on this model (trained for 262144)" in (v.reason)
+
+
+def test_other_decode_faults_and_logged_bodies_are_known_and_counted_once() -> None:
+    log = b"""\
+srv    load_model: initializing, n_slots = 4, n_ctx_slot = 1024, kv_unified = 'true'
+srv  update_slots: pre_decode() failed: Invalid input batch.
+srv  update_slots: post_decode() failed: Compute error.
+srv    send_error: task id = 9, error: request (5000 tokens) exceeds the available \
+context size (1024 tokens), try increasing it
+srv  log_server_r: response: {"error":{"code":400,"message":"request (5000 tokens) exceeds \
+the available context size (1024 tokens), try increasing it","type":"exceed_context_size_error",\
+"n_prompt_tokens":5000,"n_ctx":1024}}
+srv  log_server_r: response: {"error":{"code":500,"message":"Context size has been exceeded.",\
+"type":"server_error"}}
+"""
+    r = diagnose.diagnose(io.BytesIO(log), "verbose")
+    assert (r.drift_lines, r.rejections_total, r.failures_total) == (0, 1, 0)
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        b"n_slots = 0, n_ctx_slot = 2",
+        b"n_slots = 300, n_ctx_slot = 256",
+        b"n_slots = 1, n_ctx_slot = 0",
+    ],
+)
+def test_startup_values_no_server_prints_are_drift_not_a_crash(values: bytes) -> None:
+    damaged = SEED.replace(b"n_slots = 4, n_ctx_slot = 1024", values)
+    r = diagnose.diagnose(io.BytesIO(damaged), "damaged")
+    assert (r.config, r.drift_lines, r.failures_total) == (None, 1, 1)
+
+
+def test_a_pool_sized_per_slot_is_padded_like_llama_cpp() -> None:
+    log = b"""\
+srv  llama_server: --kv-unified-per-slot: sizing KV pool to n_parallel * kv_unified_per_slot \
+= 4 * 100000 = 400000
+srv    load_model: initializing, n_slots = 4, n_ctx_slot = 100000, kv_unified = 'true'
+"""
+    r = diagnose.diagnose(io.BytesIO(log), "sized")
+    assert r.pool_cells == 400128 and r.config is not None
+    assert r.config.pool_source == "startup: --kv-unified-per-slot sizing KV pool line"
