@@ -23,8 +23,12 @@ EPILOG = """exit codes:
   1  other error
   2  invalid input: nothing was changed
   3  deploy failed: the previous config was restored and serves again
+     (a failed first install: the unit is left stopped)
   4  rollback failed: both configs failed; nothing was deleted
   5  lock timeout: another deploy holds the state dir
+  78 exec only: the env file or its values are refused (systemd does not restart)
+  128+signal  SIGINT/SIGTERM before anything live changed (130, 143)
+  141 the reader of the output went away (a closed pipe)
 """
 
 Handler = Callable[[argparse.Namespace], int]

@@ -24,7 +24,9 @@ def _settings_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--state-dir", type=Path, help="generations and the transaction record")
     g.add_argument("--base-url", help="probe URL (default: from --host/--port)")
     g.add_argument("--start-timeout", type=float, help="seconds until the startup line")
-    g.add_argument("--health-timeout", type=float, help="seconds until /health 200")
+    g.add_argument(
+        "--health-timeout", type=float, help="seconds from the startup line until /health 200"
+    )
     g.add_argument("--probe-timeout", type=float, help="seconds for the real completion")
     g.add_argument("--lock-timeout", type=float, help="seconds to wait for another deploy")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -69,7 +71,7 @@ def register(sub: Any) -> None:
     flags_note = " LLAMA-SERVER FLAGS follow, in llama-server's own spellings (-c, -np, -ctk...)."
     p = _parser(sub, "render", "print the env file for a config." + flags_note, True)
     _config_options(p)
-    _settings_options(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_render)
 
     p = _parser(
@@ -149,8 +151,8 @@ def register(sub: Any) -> None:
     p = _parser(
         sub,
         "recover",
-        "finish or revert a deploy that was killed half-way "
-        "(every other verb does this first, too)",
+        "revert a deploy that was killed half-way (deploy, check, set, unset, rollback and "
+        "install do this first, too); exit 4 if the restored config fails its gate",
     )
     _settings_options(p)
     p.set_defaults(func=cmd_recover)
@@ -174,8 +176,11 @@ def register(sub: Any) -> None:
         "uninstall",
         "stop, disable and remove the unit and env file (generations are kept unless --purge)",
     )
-    p.add_argument("--instance")
-    p.add_argument("--unit-dir", type=Path)
+    p.add_argument(
+        "--instance",
+        help="uninstall llama-server@INSTANCE.service (the template unit file is kept)",
+    )
+    p.add_argument("--unit-dir", type=Path, help="where the unit file is")
     p.add_argument("--purge", action="store_true", help="also delete the generations")
     _settings_options(p)
     p.set_defaults(func=cmd_uninstall)
