@@ -159,14 +159,14 @@ class Deployer:
         self, cfg: config.ServerConfig, check: bool = False, origin: str = "deploy"
     ) -> Result:
         """Deploy a whole desired config (``check``: validate and diff only)."""
-        with self._locked() as recovered:
+        with self._locked(check) as recovered:
             result = self._deploy_locked(cfg, check, origin)
             result.recovered = recovered
             return result
 
     def set_flags(self, tokens: list[str], check: bool = False) -> Result:
         """Change some flags of the live config."""
-        with self._locked() as recovered:
+        with self._locked(check) as recovered:
             base = self.live_config_data()
             cfg = config.from_flags(tokens, base)
             result = self._deploy_locked(cfg, check, "set " + envfile.join_words(tokens))
@@ -174,7 +174,7 @@ class Deployer:
             return result
 
     def unset_flags(self, names: list[str], check: bool = False) -> Result:
-        with self._locked() as recovered:
+        with self._locked(check) as recovered:
             data = config.remove_flags(self.live_config_data(), names)
             cfg = config.build(data)
             result = self._deploy_locked(cfg, check, "unset " + " ".join(names))
@@ -185,7 +185,7 @@ class Deployer:
         """Go back to generation ``to`` or the last known-good one, through the same gate."""
         with self._locked() as recovered:
             live = self.store.live()
-            text = self.env_file.read_text() if self.env_file.exists() else None
+            text = self._live_text()
             if to is not None:
                 target: store.Generation | None = self.store.get(to)
             elif (
@@ -262,7 +262,12 @@ class Deployer:
         return dict(live.meta["config"])
 
     @contextlib.contextmanager
-    def _locked(self) -> Iterator[dict[str, Any] | None]:
+    def _locked(self, check: bool = False) -> Iterator[dict[str, Any] | None]:
+        """Hold the lock and revert what a killed deployer left first; a check changes
+        nothing, so it neither takes the lock nor recovers (it says what a real run would)."""
+        if check:
+            yield None
+            return
         with self.store.lock(self.settings.lock_timeout), self._signals():
             yield self._recover()
 
@@ -379,16 +384,25 @@ class Deployer:
             return False
         try:
             new_text = self.store.get(int(txn["to"])).env_text
-            live = self.env_file.read_text() if self.env_file.exists() else None
+            live = self._live_text()
         except (StoreError, OSError):
             return False
         return live == new_text and live != old_text
+
+    def _live_text(self) -> str | None:
+        """The live env file as it is on disk: no newline translation (a CR in it is what
+        the launcher refuses); bytes that are not UTF-8 (the launcher refuses them too) read
+        as U+FFFD, so the file differs from any rendering (the swap's .bak keeps the bytes)."""
+        try:
+            return self.env_file.read_bytes().decode("utf-8", "replace")
+        except FileNotFoundError:
+            return None
 
     def _restore_text(self, old_text: str | None) -> None:
         if old_text is None:
             with contextlib.suppress(FileNotFoundError):
                 self.env_file.unlink()
-        elif not self.env_file.exists() or self.env_file.read_text() != old_text:
+        elif self._live_text() != old_text:
             store.swap_env(self.env_file, old_text, backup=False)
 
     def _restart_old(self, number: Any, old_text: str | None) -> dict[str, Any]:
@@ -461,12 +475,24 @@ class Deployer:
             checked = validate.validate(cfg, releasable=releasable, force_memory=self.force_memory)
             running = unit_state()
         timings["validate"] = round(time.monotonic() - t0, 3)
-        live_text = self.env_file.read_text() if self.env_file.exists() else None
+        live_text = self._live_text()
         live_argv = self._argv_of(live_text)
         diff = argv_diff(live_argv, checked.argv)
         planned = plan_dict(checked.plan)
         prev_number = self.store.live_number()
-        if live_text == checked.env_text and not force_restart:
+        down = running is not None and not running.running
+        notes = []
+        if check and self.store.txn():
+            notes.append(
+                "llama-launcher: a deploy was interrupted (txn.json); a real run reverts it "
+                "first, restarting the unit"
+            )
+        if running is not None and down and live_text == checked.env_text:
+            notes.append(
+                f"llama-launcher: {self.systemd.unit} is not running ({running.active}/"
+                f"{running.sub}); the identical config is started again through the gate"
+            )
+        if live_text == checked.env_text and not force_restart and not down and not notes:
             live = self.store.live()
             return Result(
                 "unchanged",
@@ -483,19 +509,22 @@ class Deployer:
         if check:
             return Result(
                 "checked",
-                live_text != checked.env_text,
+                True,
                 None,
                 prev_number,
                 message="valid; nothing was changed (check mode)",
                 planned=planned,
                 diff=diff,
                 timings=timings,
+                warnings=notes,
             )
         assert running is not None
         prev_number = self._adopt_unmanaged(live_text, prev_number)
-        return self._transaction(
-            checked, live_text, prev_number, origin, diff, planned, timings, t0, running
+        result = Result(
+            "deployed", True, None, prev_number, planned=planned, diff=diff, timings=timings
         )
+        result.warnings = notes
+        return self._transaction(checked, live_text, prev_number, origin, result, t0, running)
 
     def _argv_of(self, text: str | None) -> list[str]:
         if text is None:
@@ -525,12 +554,11 @@ class Deployer:
         live_text: str | None,
         prev_number: int | None,
         origin: str,
-        diff: list[str],
-        planned: dict[str, Any],
-        timings: dict[str, float],
+        result: Result,
         t0: float,
         before: UnitState,
     ) -> Result:
+        planned, timings = result.planned, result.timings
         meta = {
             "time": time.time(),
             "user": _user(),
@@ -574,9 +602,7 @@ class Deployer:
                     "nothing live was changed (free space or fix the permissions, then retry)"
                 ) from e
             raise
-        result = Result(
-            "deployed", True, gen.number, prev_number, planned=planned, diff=diff, timings=timings
-        )
+        result.generation = gen.number
         result.memory["before"] = process_memory(before) if before.running else None
         result.memory["estimate"] = checked.memory.to_dict()
         try:
@@ -601,11 +627,8 @@ class Deployer:
             return self._fail(e, gen, live_text, prev_number, result, t0)
         # the gate passed: the bookkeeping is finished before a signal is acted on
         with self._deferred_signals():
-            result.startup, result.probe, result.warnings = (
-                gate.startup,
-                gate.probe,
-                gate.warnings,
-            )
+            result.startup, result.probe = gate.startup, gate.probe
+            result.warnings = [*result.warnings, *gate.warnings]
             result.memory["after"] = process_memory(gate.state)
             result.client_window = self._client_window(checked, gen.number)
             timings["total"] = round(time.monotonic() - t0, 3)
@@ -760,7 +783,7 @@ class Deployer:
             from concurrent.futures import ThreadPoolExecutor
 
             with ThreadPoolExecutor(2) as workers:
-                read = workers.submit(self._startup_line, scan, log, cursor)
+                read = workers.submit(self._startup_line, scan, log, cursor, before.main_pid)
                 shown = workers.submit(self.systemd.state)
                 asked: tuple[dict[str, Any], Any] | BaseException
                 try:
@@ -828,7 +851,10 @@ class Deployer:
         next_state = 0.0
         t_startup: float | None = None
         health_wait = 0.005  # a local llama-server answers /health in about a millisecond
-        with self.systemd.follow(cursor) as journal:
+        # lines of the process the restart replaced are no evidence about the new one (it may
+        # have been starting itself: a deployer killed mid-gate, then recovered)
+        old_pid = before.main_pid
+        with self.systemd.follow(cursor, old_pid) as journal:
             while True:
                 lines = journal.read(0.005)
                 log.extend(lines)
@@ -865,7 +891,7 @@ class Deployer:
                         self.systemd.restart()
                         continue
                     if dead:
-                        raise self._exited(dead, self._last_words(cursor, log))
+                        raise self._exited(dead, self._last_words(cursor, log, old_pid))
                 if started and not gone:
                     status, detail = probe.health(health_wait)
                     if status is None and detail == "TimeoutError" and now - t0 > 1.0:
@@ -879,7 +905,7 @@ class Deployer:
                         if pid <= 0 or not _alive(pid):
                             dead = _dead(self.systemd.state(), before, True)
                             if dead:
-                                raise self._exited(dead, self._last_words(cursor, log))
+                                raise self._exited(dead, self._last_words(cursor, log, old_pid))
                             continue
                         return scan, log, before, pid
                     self._say("loading", now - t0, log[-1] if log else detail)
@@ -906,13 +932,13 @@ class Deployer:
             )
 
     def _startup_line(
-        self, scan: serverlog.StartupScan, log: list[str], cursor: str | None
+        self, scan: serverlog.StartupScan, log: list[str], cursor: str | None, old_pid: int
     ) -> tuple[serverlog.StartupScan, list[str]]:
         """The startup line, once the server is healthy. It is in the journal file already;
         journald only tells followers about new entries every 250 ms, so read the file."""
         deadline = time.monotonic() + 2.0
         while scan.startup is None:
-            log, _ = self.systemd.messages(cursor)
+            log, _ = self.systemd.messages(cursor, skip_pid=old_pid)
             scan = serverlog.StartupScan().feed_all(log)
             if scan.startup is None:
                 if time.monotonic() > deadline:
@@ -927,7 +953,7 @@ class Deployer:
                 time.sleep(0.02)
         return scan, log
 
-    def _last_words(self, cursor: str | None, followed: list[str]) -> list[str]:
+    def _last_words(self, cursor: str | None, followed: list[str], old_pid: int) -> list[str]:
         """The dead process's journal since the restart: the lines followed so far when they
         say why it died, else read until they do. journald may still be storing its last
         lines: for at most half a second."""
@@ -935,7 +961,7 @@ class Deployer:
             return followed
         deadline = time.monotonic() + 0.5
         while True:
-            lines, _ = self.systemd.messages(cursor)
+            lines, _ = self.systemd.messages(cursor, skip_pid=old_pid)
             if serverlog.classify(lines) or time.monotonic() > deadline:
                 return lines or followed
             time.sleep(0.02)

@@ -59,7 +59,8 @@ class EnvFileError(ValueError):
         self.lineno = lineno
         self.line = line
         self.reason = reason
-        super().__init__(f"{path}:{lineno}: {reason}\n    {line}")
+        shown = line if len(line) <= 200 else line[:200] + f"... ({len(line):,} characters)"
+        super().__init__(f"{path}:{lineno}: {reason}\n    {shown}")
 
 
 class _Cursor:
@@ -181,9 +182,10 @@ def _after_value(cur: _Cursor, rest: str) -> None:
             "of the value; put the comment on a line of its own"
         )
     if rest:
+        word = (rest.split() or [rest])[0]  # a space bash splits on but str.strip keeps
         raise cur.fail(
             f"unquoted space: bash would set the variable only for one command and "
-            f"then run {rest.split()[0]!r} as a command (exit 127 if it does not exist); "
+            f"then run {_shorten(word)} as a command (exit 127 if it does not exist); "
             f'quote the whole value: KEY="..."'
         )
 

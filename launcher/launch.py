@@ -12,6 +12,7 @@ This is on the path of every server start. It imports the standard library and
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -125,6 +126,10 @@ def server_environ(environ: Mapping[str, str]) -> dict[str, str]:
     }
 
 
+#: execve errors that a restart cannot cure: the config names a wrong file
+_PERMANENT = frozenset(
+    {errno.ENOENT, errno.EACCES, errno.ENOEXEC, errno.ENOTDIR, errno.ELOOP, errno.EISDIR}
+)
 _USAGE = "usage: llama-launcher exec --env-file PATH [--print-argv]"
 
 
@@ -164,6 +169,11 @@ def main(args: Sequence[str]) -> int:
         try:
             os.execve(argv[0], argv, server_environ(os.environ))
         except OSError as e:
+            if e.errno not in _PERMANENT:
+                # ETXTBSY (the binary is being replaced), ENOMEM, EAGAIN, EIO: may clear
+                # on its own, so not EX_CONFIG - systemd's Restart= retries
+                print(f"llama-launcher: cannot execute {argv[0]!r}: {e.strerror}", file=sys.stderr)
+                return 1
             raise LaunchError(
                 f"cannot execute LLAMA_SERVER={argv[0]!r}: {e.strerror}; "
                 "set LLAMA_SERVER to the llama-server binary"

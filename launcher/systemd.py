@@ -141,9 +141,10 @@ class Systemd:
         return None
 
     def messages(
-        self, after_cursor: str | None, limit: int | None = None
+        self, after_cursor: str | None, limit: int | None = None, skip_pid: int = 0
     ) -> tuple[list[str], str | None]:
-        """The unit's journal messages after ``after_cursor``; returns (lines, new cursor)."""
+        """The unit's journal messages after ``after_cursor``; returns (lines, new cursor).
+        ``skip_pid``: leave out what that process logged (the one a restart replaced)."""
         args = ["-o", "json"]
         if after_cursor:
             args += ["--after-cursor", after_cursor]
@@ -160,6 +161,8 @@ class Systemd:
             except ValueError:
                 continue
             cursor = entry.get("__CURSOR", cursor)
+            if skip_pid and entry.get("_PID") == str(skip_pid):
+                continue
             msg = entry.get("MESSAGE")
             if isinstance(msg, list):  # journald stores non-UTF-8 messages as byte arrays
                 msg = bytes(msg).decode(errors="replace")
@@ -167,11 +170,12 @@ class Systemd:
                 lines.extend(msg.splitlines() or [""])
         return lines, cursor
 
-    def follow(self, after_cursor: str | None) -> JournalFollower:
-        """Follow the unit's journal from ``after_cursor`` (``journalctl -f``)."""
+    def follow(self, after_cursor: str | None, skip_pid: int = 0) -> JournalFollower:
+        """Follow the unit's journal from ``after_cursor`` (``journalctl -f``), without what
+        process ``skip_pid`` logs."""
         args = ["-f", "-o", "json"]
         args += ["--after-cursor", after_cursor] if after_cursor else ["-n", "all"]
-        return JournalFollower(self._journal_argv(*args), self.env)
+        return JournalFollower(self._journal_argv(*args), self.env, skip_pid)
 
     def tail(self, n: int = 30) -> list[str]:
         """The unit's last ``n`` journal messages."""
@@ -182,7 +186,8 @@ class JournalFollower:
     """A running ``journalctl -f -o json``: messages as journald stores them, without
     spawning journalctl on every poll."""
 
-    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+    def __init__(self, argv: list[str], env: dict[str, str], skip_pid: int = 0) -> None:
+        self.skip = str(skip_pid) if skip_pid else None
         self.proc = proc.spawn(argv, env)
         assert self.proc.stdout is not None
         self.fd = self.proc.stdout.fileno()
@@ -203,9 +208,12 @@ class JournalFollower:
         lines: list[str] = []
         for raw in complete:
             try:
-                msg = json.loads(raw).get("MESSAGE")
+                entry = json.loads(raw)
             except ValueError:
                 continue
+            if self.skip is not None and entry.get("_PID") == self.skip:
+                continue
+            msg = entry.get("MESSAGE")
             if isinstance(msg, list):
                 msg = bytes(msg).decode(errors="replace")
             if isinstance(msg, str):

@@ -389,7 +389,7 @@ def test_recovery_does_not_trust_a_recorded_pid_that_is_alive_again(host: Host) 
     txn["pid"] = os.getpid()  # after a reboot the dead deployer's pid is some live process
     txn_path.write_text(json.dumps(txn))
     rc, out = host.cli_json("recover")
-    assert (rc, out["recovered"]["interrupted_phase"]) == (0, "gate")
+    assert (rc, out["recovered"]["interrupted_phase"]) == (0, "gate"), out["message"]
     assert host.env_file.read_text() == good
     assert not txn_path.exists()
 
@@ -445,3 +445,35 @@ def test_unparseable_hand_edit_then_a_failed_deploy_is_rollback_failed(host: Hos
     assert out["outcome"] == "rollback_failed"
     assert host.env_file.read_text() == broken  # the hand edit is back, and kept
     assert not (host.state_dir / "txn.json").exists()
+
+
+def test_check_mode_leaves_an_interrupted_deploy_for_a_real_run(host: Host) -> None:
+    installed(host)
+    p = _popen(host, "set", "-c", "8192", fault="gate:kill")
+    p.communicate(timeout=60)
+    live, pid = host.env_file.read_text(), host.state()["MainPID"]
+    rc, out = host.cli_json("set", "--check", "-c", "4096")
+    assert (rc, out["outcome"], out["changed"], out["recovered"]) == (0, "checked", True, None)
+    assert any("a deploy was interrupted" in w for w in out["warnings"])
+    assert host.env_file.read_text() == live  # nothing reverted, nothing restarted
+    assert host.state()["MainPID"] == pid
+    assert (host.state_dir / "txn.json").exists()
+
+
+def test_identical_config_on_a_stopped_unit_is_started_through_the_gate(host: Host) -> None:
+    installed(host)
+    host.sandbox.systemctl("stop", host.unit)
+    rc, out = host.cli_json("set", "-c", "4096")
+    assert (rc, out["outcome"], out["changed"]) == (0, "deployed", True)
+    assert any("is not running (inactive/dead)" in w for w in out["warnings"])
+    assert host.state()["ActiveState"] == "active"
+    assert host.chat()["usage"]["completion_tokens"] > 0
+
+
+def test_a_live_file_with_crlf_endings_is_not_taken_for_the_rendered_one(host: Host) -> None:
+    installed(host)
+    lf = host.env_file.read_bytes()
+    host.env_file.write_bytes(lf.replace(b"\n", b"\r\n"))  # the launcher refuses a CR
+    rc, out = host.cli_json("set", "-c", "4096")
+    assert (rc, out["outcome"], out["changed"]) == (0, "deployed", True)
+    assert host.env_file.read_bytes() == lf

@@ -105,6 +105,8 @@ REFUSED: list[tuple[str, int, str]] = [
     ('K="\U0010ffff"', 1, "U+10FFFF"),
     ('K="' + "x" * 131_070 + '"', 1, "K: the value 'xxxx"),
     ("A=1\nB=2\nC=$x", 3, "'$'"),
+    ('K="a" \u00a0', 1, "unquoted space: bash would set the variable only for one command"),
+    ("K= \u3000", 1, "then run '\\u3000' as a command"),
 ]
 
 
@@ -115,6 +117,13 @@ def test_parse_refuses(text: str, lineno: int, says: str) -> None:
     assert e.value.lineno == lineno
     assert str(e.value).startswith(f"f.env:{lineno}: ")
     assert says in e.value.reason
+
+
+def test_a_huge_refused_line_is_not_echoed_whole() -> None:
+    line = 'K="a" ' + "b" * 1_000_000
+    with pytest.raises(envfile.EnvFileError) as e:
+        envfile.parse(line, "f.env")
+    assert len(str(e.value)) < 1_000 and "(1,000,006 characters)" in str(e.value)
 
 
 def test_the_seeds_line_is_refused_with_what_bash_did() -> None:

@@ -316,6 +316,17 @@ def test_a_server_that_cannot_be_executed_exits_78(tmp_path: Path) -> None:
     assert "cannot execute LLAMA_SERVER=" in result.stderr
 
 
+def test_a_binary_busy_being_replaced_is_not_a_config_error(tmp_path: Path) -> None:
+    server = tmp_path / "llama-server"
+    server.write_bytes(Path("/bin/true").read_bytes())
+    server.chmod(0o755)
+    env_file = _write(tmp_path, f'LLAMA_SERVER={server}\nEXTRA_ARGS="-c 1"\n')
+    with open(server, "ab"):  # an upgrade writing the binary: execve fails with ETXTBSY
+        result = launcher(env_file, tmp_path, print_argv=False)
+    assert result.returncode == 1  # systemd's Restart= retries; 78 would stop it for good
+    assert "Text file busy" in result.stderr
+
+
 def test_bad_arguments_exit_78(tmp_path: Path) -> None:
     r = subprocess.run(
         [sys.executable, "-m", "launcher", "exec", "--bogus"],
