@@ -227,10 +227,26 @@ def test_invalid_config_stops_at_the_canary_before_anything_changes(fleet: Fleet
     assert {n: (h.env_file.read_text(), h.pid()) for n, h in fleet.hosts.items()} == before
 
 
+def test_fleet_rollback_needs_the_hosts_named(fleet: Fleet) -> None:
+    before = {n: h.env_file.read_text() for n, h in fleet.hosts.items()}
+    p = fleet.playbook("rollback.yml")
+    assert p.returncode != 0
+    assert "name the hosts to roll back with --limit" in p.stdout
+    assert {n: h.env_file.read_text() for n, h in fleet.hosts.items()} == before
+
+
+def test_fleet_rollback_in_check_mode_reports_and_changes_nothing(fleet: Fleet) -> None:
+    pids = {n: h.pid() for n, h in fleet.hosts.items()}
+    p = fleet.playbook("rollback.yml", "--check", "-e", "llama_rollback_all=true")
+    assert p.returncode == 0, p.stdout
+    assert p.stdout.count("checked: generation -") == 3
+    assert {n: h.pid() for n, h in fleet.hosts.items()} == pids
+
+
 def test_fleet_rollback_restores_the_previous_config_everywhere(fleet: Fleet) -> None:
     first = {n: h.env_file.read_text() for n, h in fleet.hosts.items()}
     assert fleet.playbook("rollout.yml", "-e", "llama_ctx_size=8192").returncode == 0
-    p = fleet.playbook("rollback.yml")
+    p = fleet.playbook("rollback.yml", "-e", "llama_rollback_all=true")
     assert p.returncode == 0
     assert all(r["changed"] == 1 and r["failed"] == 0 for r in recap(p.stdout).values())
     for n, h in fleet.hosts.items():
@@ -303,6 +319,7 @@ def test_module_documentation_matches_its_argument_spec() -> None:
         {"model": "/srv/models/m.gguf", "port": 8081, "ctx_size": 8192, "kv_unified": False},
         {"alias": 'a "quoted" name \\ with backslash', "api_key": "k\u00e9y-\t-tab"},
         {"extra_args": ["--temp", "0.7", "--spm-infill"], "flash_attn": "on"},
+        {"alias": "llama \U0001f999 beyond the BMP", "api_key": "del\x7f-and-\x1f"},
     ],
 )
 def test_desired_config_survives_the_toml_file(data: dict[str, Any]) -> None:

@@ -378,7 +378,9 @@ def toml_value(value: Any) -> str:
         return repr(value)
     if isinstance(value, list | tuple):
         return "[" + ", ".join(toml_value(v) for v in value) + "]"
-    return json.dumps(str(value), ensure_ascii=True)
+    # TOML basic strings take any character but the controls (JSON escapes those, DEL aside);
+    # ensure_ascii would write characters beyond the BMP as surrogate pairs, which TOML refuses
+    return json.dumps(str(value), ensure_ascii=False).replace("\x7f", "\\u007f")
 
 
 def desired_config(params: dict[str, Any]) -> dict[str, Any]:
@@ -518,7 +520,12 @@ def with_key_file(after: list[str], before: list[str], launcher_diff: list[str])
 def result_for_ansible(rc: int, data: dict[str, Any]) -> dict[str, Any]:
     ret: dict[str, Any] = {k: data.get(k) for k in PASSTHROUGH if k in data}
     ret["rc"] = rc
-    ret["changed"] = bool(data.get("changed", False))
+    recovered = data.get("recovered") or {}
+    # reverting a killed deploy first restarted the unit: a change even when the desired
+    # config then turned out to be the live one
+    ret["changed"] = bool(data.get("changed", False)) or str(
+        recovered.get("action", "")
+    ).startswith("restored")
     ret["argv_diff"] = list(data.get("diff") or [])
     ret["server_warnings"] = list(data.get("warnings") or [])
     planned = data.get("planned") or {}
@@ -529,7 +536,9 @@ def result_for_ansible(rc: int, data: dict[str, Any]) -> dict[str, Any]:
 
 def finish(module: AnsibleModule, rc: int, ret: dict[str, Any]) -> None:
     for warning in ret["server_warnings"]:
-        module.warn(f"llama-server: {warning}")
+        module.warn(
+            warning if warning.startswith("llama-launcher:") else f"llama-server: {warning}"
+        )
     if rc == 0:
         module.exit_json(**ret)
     meaning = EXIT_MEANING.get(rc, f"llama-launcher exited with status {rc}")
@@ -589,7 +598,7 @@ def rollback(module: AnsibleModule, launcher: Launcher) -> None:
         module.exit_json(
             changed=True,
             outcome="checked",
-            msg="check mode: would roll back (a rollback always restarts the unit)",
+            message="check mode: would roll back (a rollback always restarts the unit)",
             rc=0,
         )
     args = ["rollback", *launcher.settings_args()]
