@@ -245,9 +245,21 @@ class ServerConfig(BaseModel):
             return slots * self.kv_unified_per_slot
         return None
 
+    def fit_off(self) -> bool:
+        """``--fit off`` in extra_args (fit is on by default)."""
+        for name, words in _group(list(self.extra_args)):
+            if name in ("-fit", "--fit"):
+                value = words[0].split("=", 1)[1] if "=" in words[0] else "".join(words[1:2])
+                return value == "off"
+        return False
+
     def pool_plan(self, n_ctx_train: int | None = None) -> pool.PoolPlan:
         """The pool llama-server will build for this config."""
         ctx = self.ctx_size if self.ctx_size is not None else self.derived_ctx_size()
+        if ctx is None and n_ctx_train is not None and self.fit_off():
+            # -c from the model: n_ctx_train per stream with fit on, n_ctx_train in all with
+            # it off (common/fit.cpp:271-279, src/llama-context.cpp:135)
+            ctx = n_ctx_train
         try:
             return pool.resolve(
                 ctx,

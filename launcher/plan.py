@@ -18,7 +18,7 @@ from typing import Any
 
 from launcher import kvmem, pool
 from launcher.errors import ConfigInvalid
-from launcher.memory import mem_available
+from launcher.memory import DEFAULT_CACHE_RAM_MIB, mem_available
 
 MIB = 1024 * 1024
 #: Memory left free for what the estimate leaves out (compute buffers, output buffer, the
@@ -90,7 +90,7 @@ class Option:
     flags: tuple[str, ...]
     pool: pool.PoolPlan
     kv: kvmem.KvEstimate | None
-    free_bytes: int | None  # MemAvailable - weights - KV
+    free_bytes: int | None  # MemAvailable - weights - KV - the default --cache-ram
 
     @property
     def guaranteed_window(self) -> int:
@@ -172,18 +172,23 @@ class Plan:
         }
 
 
-def _flags(c: int, slots: int, unified: bool, per_slot: int, cache: str) -> tuple[str, ...]:
+def _flags(
+    c: int, slots: int, unified: bool, per_slot: int, cache: str, cram: int | None
+) -> tuple[str, ...]:
     flags = ["-c", str(c), "-np", str(slots), "-kvu" if unified else "-no-kvu"]
     if per_slot:
         flags += ["--kv-unified-per-slot", str(per_slot)]
-    return (*flags, "-ctk", cache, "-ctv", cache)
+    flags += ["-ctk", cache, "-ctv", cache]
+    if cram is not None and cram != DEFAULT_CACHE_RAM_MIB:
+        flags += ["--cache-ram", str(cram)]  # what the free memory was counted with
+    return tuple(flags)
 
 
 class _Builder:
     """Builds options for one model and box."""
 
-    def __init__(self, model: ModelSummary | None, available: int) -> None:
-        self.model, self.available = model, available
+    def __init__(self, model: ModelSummary | None, available: int, cram: int | None) -> None:
+        self.model, self.available, self.cram = model, available, cram
         self.info = model.info if model else None
         self.n_ctx_train = model.n_ctx_train if model else None
 
@@ -203,8 +208,12 @@ class _Builder:
         kv = kvmem.estimate(self.info, plan, cache, cache) if self.info else None
         free = None
         if kv is not None and self.model is not None:
-            free = self.available - self.model.weights_bytes - kv.total_bytes
-        return Option(key, summary, cache, _flags(c, slots, unified, cap, cache), plan, kv, free)
+            # what the deploy's memory guard counts too (memory.need), so a recommended line
+            # is not refused there
+            cram = (DEFAULT_CACHE_RAM_MIB if self.cram is None else self.cram) * MIB
+            free = self.available - self.model.weights_bytes - kv.total_bytes - cram
+        flags = _flags(c, slots, unified, cap, cache, self.cram)
+        return Option(key, summary, cache, flags, plan, kv, free)
 
     def per_slot(self, slots: int, window: int, cache: str, key: str = "") -> Option:
         return self.option(
@@ -247,19 +256,21 @@ def make_plan(
     model: ModelSummary | Path | str | None = None,
     available: int | None = None,
     headroom_mib: int = HEADROOM_MIB,
+    cache_ram_mib: int | None = None,
 ) -> Plan:
     """Seed 000's options for ``slots`` clients that each need ``window`` tokens.
 
     ``model`` is a GGUF path (or an already loaded ``ModelSummary``); without one only the
     pool arithmetic is done. ``available`` is the memory to plan for in bytes (default: this
-    machine's MemAvailable). Raises ``ConfigInvalid`` for bad input.
+    machine's MemAvailable). ``cache_ram_mib`` is llama-server's host prompt cache (-cram),
+    counted as used (None: its default). Raises ``ConfigInvalid`` for bad input.
     """
     if isinstance(model, (str, Path)):
         model = load_model(model)
     _check(slots, window, model)
     kvmem.check_cache_types(model.info if model else None, cache, cache, "auto")
     avail = mem_available() if available is None else available
-    b = _Builder(model, avail)
+    b = _Builder(model, avail, cache_ram_mib)
     w, n = window, slots
     opts = [
         b.option(
@@ -273,8 +284,10 @@ def make_plan(
         ),
         b.option("split", f"{w} split into {n} pools of ~{w // n}", n, w, False, False, cache),
     ]
-    per_slot = [b.per_slot(n, w, t) for t in PER_SLOT_TYPES]
-    if cache not in PER_SLOT_TYPES:
+    # only the cache types this model can use (a head size of 80 takes no 32-value blocks)
+    types = [t for t in PER_SLOT_TYPES if _accepts(model, t)]
+    per_slot = [b.per_slot(n, w, t) for t in types]
+    if cache not in types:
         per_slot.append(b.per_slot(n, w, cache))
     opts += per_slot
     notes: list[str] = []
@@ -288,10 +301,12 @@ def make_plan(
     elif model.info is None and model.unsupported:
         notes.append(model.unsupported)
     else:
+        cram = DEFAULT_CACHE_RAM_MIB if cache_ram_mib is None else cache_ram_mib
         notes.append(
-            "free = MemAvailable - weights - KV; it leaves out compute buffers and the host "
-            "prompt cache (--cache-ram, 8192 MiB by default); run plan while llama-server is "
-            "stopped, or its current KV is counted as used"
+            f"free = MemAvailable - weights - KV - the host prompt cache (--cache-ram {cram} "
+            "MiB, as the deploy's memory guard counts it; plan --cache-ram N to change it); "
+            "it leaves out compute buffers; run plan while llama-server is stopped, or its "
+            "current KV is counted as used"
         )
     return Plan(n, w, cache, model, avail, headroom_mib, tuple(opts), key, reason, tuple(notes))
 
@@ -315,6 +330,14 @@ def _alternatives(b: _Builder, n: int, w: int, cache: str, headroom_mib: int) ->
     return out
 
 
+def _accepts(model: ModelSummary | None, cache: str) -> bool:
+    try:
+        kvmem.check_cache_types(model.info if model else None, cache, cache, "auto")
+    except ConfigInvalid:
+        return False
+    return True
+
+
 def _retitle(opt: Option, summary: str) -> Option:
     return Option(opt.key, summary, opt.cache_type, opt.flags, opt.pool, opt.kv, opt.free_bytes)
 
@@ -335,8 +358,8 @@ def _recommend(
             f"caps every slot at {w} and sizes the pool for all {n}: no slot can starve another"
         )
     for t in _same_or_smaller(cache):
-        opt = by_key[f"per-slot-{t}"]
-        if opt.fits(headroom_mib):
+        opt = by_key.get(f"per-slot-{t}")
+        if opt is not None and opt.fits(headroom_mib):
             why = f"guarantees {w} to all {n} slots at {t} and leaves {opt.free_mib:.0f} MiB free"
             if t != cache:
                 why += f" ({cache} does not fit)"
@@ -349,7 +372,14 @@ def _recommend(
             f"no cache type fits {n} x {w}; {best.pool.n_slots} x {best.guaranteed_window} "
             f"is the most guaranteed context that fits at {cache}"
         )
-    return (
-        "split",
-        "nothing else fits: split pools cost no extra memory and fail one slot at a time",
+    split = by_key["split"]
+    if split.fits(headroom_mib):
+        return (
+            "split",
+            "nothing else fits: split pools cost no extra memory and fail one slot at a time",
+        )
+    return "split", (
+        f"nothing fits this box, not even split pools ({split.free_mib:.0f} MiB free, "
+        f"{headroom_mib} MiB headroom wanted): this line is the least memory for {n} x {w}; "
+        "use a smaller model or window, fewer slots, a smaller --cache-ram, or a bigger box"
     )

@@ -282,3 +282,13 @@ def test_template_instance_reads_its_own_env_file(monkeypatch: pytest.MonkeyPatc
     s = config.load_settings(unit="llama-server@big", scope="user")
     assert s.unit_name == "llama-server@big.service"
     assert s.resolved_env_file().name == "big.env"  # the template's %i.env
+
+
+@pytest.mark.parametrize("fit", [["--fit", "off"], ["-fit", "off"], ["--fit=off"]])
+def test_fit_off_without_c_takes_the_training_context_for_all_streams(fit: list[str]) -> None:
+    cfg = config.build({**BASE, "parallel": 4, "kv_unified": False, "extra_args": fit})
+    plan = cfg.pool_plan(32768)
+    assert (plan.n_ctx, plan.n_ctx_slot) == (32768, 8192)  # fit on: 4 x 32768, 32768 each
+    assert config.build({**BASE, "parallel": 4, "kv_unified": False}).pool_plan(32768).n_ctx == (
+        131072
+    )

@@ -14,6 +14,7 @@ from launcher import plan
 from launcher.errors import ConfigInvalid
 
 KIB, MIB, GIB = 1024, 1024**2, 1024**3
+CRAM = 8 * GIB  # the default --cache-ram the deploy's memory guard counts
 SLOTS, WINDOW = 4, 262144  # seed 000: four agents, 262k each
 #: Llama-3.1-8B's attention: 32 layers, 32 heads, 8 KV heads, head dim 128, n_embd 4096.
 LLAMA_8B = tinymodel.Shape(layers=32, n_embd=4096, heads=32, kv_heads=8, ff=14336, ctx_train=262144)
@@ -53,7 +54,7 @@ def test_seed_box_figures(llama8b: Path) -> None:
     assert got == expected
     for o in p.options:
         assert o.kv is not None
-        assert o.free_bytes == box - weights(llama8b) - o.kv.total_bytes
+        assert o.free_bytes == box - weights(llama8b) - o.kv.total_bytes - CRAM
     assert p.option("shared").pool.overcommitted
     assert not p.option("per-slot-q8_0").pool.overcommitted
     assert p.option("per-slot-f16").fits() is False  # 128 GiB of KV on a 120 GiB box
@@ -65,7 +66,8 @@ def test_seed_box_figures(llama8b: Path) -> None:
 
 
 def test_a_smaller_box_gets_fewer_slots_and_a_smaller_window(llama8b: Path) -> None:
-    p = plan.make_plan(SLOTS, WINDOW, "q8_0", llama8b, available=weights(llama8b) + 60 * GIB)
+    box = weights(llama8b) + 60 * GIB + CRAM
+    p = plan.make_plan(SLOTS, WINDOW, "q8_0", llama8b, available=box)
     # 68 GiB of q8_0 KV does not fit 60 GiB; q4_0's 36 GiB does
     assert p.option("per-slot-q8_0").fits() is False
     assert p.recommended == "per-slot-q4_0"
@@ -78,7 +80,8 @@ def test_a_smaller_box_gets_fewer_slots_and_a_smaller_window(llama8b: Path) -> N
 
 
 def test_when_only_alternatives_fit_the_most_guaranteed_context_wins(llama8b: Path) -> None:
-    p = plan.make_plan(SLOTS, WINDOW, "q8_0", llama8b, available=weights(llama8b) + 20 * GIB)
+    box = weights(llama8b) + 20 * GIB + CRAM
+    p = plan.make_plan(SLOTS, WINDOW, "q8_0", llama8b, available=box)
     assert not any(p.option(f"per-slot-{t}").fits() for t in plan.PER_SLOT_TYPES)
     # 1 x 262144 (17 GiB of KV) against 4 x 72704 (18.9 GiB; 19 GiB is free after the headroom)
     assert p.option("fewer-slots").pool.n_slots == 1
@@ -204,3 +207,32 @@ def test_cli_bad_input_exits_2(args: list[str], message: str) -> None:
     assert r.returncode == 2
     assert message in r.stderr
     assert r.stdout == ""
+
+
+def test_cache_types_the_model_cannot_use_are_left_out(tmp_path: Path) -> None:
+    # head size 80 (phi-2, StableLM-3B): no 32-value blocks, so no q8_0/q4_0 rows
+    path = tinymodel.write_layout(
+        tmp_path / "hd80.gguf",
+        tinymodel.Shape(layers=2, n_embd=320, heads=4, kv_heads=4, ff=640, ctx_train=8192),
+        n_vocab=512,
+        merges=0,
+    )
+    p = plan.make_plan(2, 4096, "f16", path, available=64 * GIB)
+    keys = {o.key for o in p.options}
+    assert "per-slot-f16" in keys and not keys & {"per-slot-q8_0", "per-slot-q4_0"}
+    assert p.recommended == "per-slot-f16"
+
+
+def test_when_nothing_fits_the_plan_says_so(llama8b: Path) -> None:
+    p = plan.make_plan(SLOTS, WINDOW, "q8_0", llama8b, available=weights(llama8b))
+    assert p.recommended == "split" and p.option("split").fits() is False
+    assert p.reason.startswith("nothing fits this box, not even split pools")
+
+
+def test_a_smaller_prompt_cache_is_counted_and_carried_into_the_set_line(llama8b: Path) -> None:
+    box = weights(llama8b) + 40 * GIB
+    p = plan.make_plan(SLOTS, WINDOW, "q4_0", llama8b, available=box, cache_ram_mib=0)
+    o = p.option("per-slot-q4_0")
+    assert o.kv is not None and o.free_bytes == box - weights(llama8b) - o.kv.total_bytes
+    assert p.recommended == "per-slot-q4_0"  # 36 GiB of KV fits 40 only without the 8 GiB
+    assert p.recommendation.set_command.endswith("-ctk q4_0 -ctv q4_0 --cache-ram 0")

@@ -11,7 +11,7 @@ import realserver
 from hypothesis import given
 from hypothesis import strategies as st
 
-from launcher import pool, serverlog
+from launcher import config, pool, serverlog
 
 # (ctx_size, parallel, kv_unified, per_slot, n_ctx_train) ->
 # (n_slots, kv_unified, n_ctx, n_ctx_seq, n_ctx_slot, guaranteed_window, overcommitted)
@@ -202,3 +202,27 @@ def test_resolve_matches_the_startup_line(
         assert scan.pool_cells == expected.n_slots * cap
     else:
         assert scan.pool_cells is None
+
+
+@pytest.mark.parametrize("np_", [1, 4])
+def test_fit_off_without_c_matches_the_startup_line(
+    tiny_model: Path, tmp_path: Path, np_: int
+) -> None:
+    cfg = config.build(
+        {
+            "llama_server": "/x",
+            "model": str(tiny_model),
+            "parallel": np_,
+            "kv_unified": False,
+            "extra_args": ["--fit", "off"],
+        }
+    )
+    expected = cfg.pool_plan(4096)
+    args = ["-lv", "4", "-np", str(np_), "-no-kvu", "--fit", "off"]
+    with realserver.run_server(tiny_model, args, tmp_path / "server.log") as s:
+        log = s.log()
+    scan = serverlog.StartupScan().feed_all(log.splitlines())
+    assert scan.startup is not None, log[-2000:]
+    assert (scan.startup.n_slots, scan.startup.n_ctx_slot) == (np_, expected.n_ctx_slot)
+    n_ctx = N_CTX.search(log)
+    assert n_ctx and int(n_ctx[1]) == expected.n_ctx == 4096

@@ -35,6 +35,12 @@ def register(subparsers: Any) -> None:
         metavar="MIB",
         help="memory to plan for in MiB (default: MemAvailable of this machine)",
     )
+    p.add_argument(
+        "--cache-ram",
+        metavar="MIB",
+        help="llama-server's host prompt cache (-cram) in MiB, counted as used "
+        "(default 8192, llama-server's; 0 turns it off and adds --cache-ram 0 to the lines)",
+    )
     p.add_argument("--json", action="store_true", help="one JSON object")
     p.set_defaults(func=handle)
 
@@ -49,6 +55,14 @@ def _count(flag: str, value: str, example: str) -> int:
     return int(m[1]) * (1024 if m[2] else 1)
 
 
+def _whole(flag: str, value: str, example: str) -> int:
+    from launcher.errors import ConfigInvalid
+
+    if not re.fullmatch(r"\s*\d+\s*", value):
+        raise ConfigInvalid(f"{flag} {value!r} is not a whole number of MiB; e.g. {flag} {example}")
+    return int(value)
+
+
 def handle(ns: argparse.Namespace) -> int:
     """Run the plan and print it."""
     from launcher.cli import emit
@@ -59,7 +73,8 @@ def handle(ns: argparse.Namespace) -> int:
     available = None
     if ns.mem_available is not None:
         available = _count("--mem-available", ns.mem_available, "131072") * MIB
-    plan = make_plan(slots, window, ns.cache, ns.model, available)
+    cram = None if ns.cache_ram is None else _whole("--cache-ram", ns.cache_ram, "0")
+    plan = make_plan(slots, window, ns.cache, ns.model, available, cache_ram_mib=cram)
     emit({"ok": True, **plan.to_dict()}, ns.json, lambda: render(plan))
     return 0
 
