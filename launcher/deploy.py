@@ -341,7 +341,10 @@ class Deployer:
         if not txn:
             return None
         with self._deferred_signals():  # a recovery is a rollback: it is not interrupted
-            return self._recover_txn(txn)
+            report = self._recover_txn(txn)
+        if self._pending_signal is not None:  # asked to stop during it: stop now
+            raise Interrupted(self._pending_signal)
+        return report
 
     def _recover_txn(self, txn: dict[str, Any]) -> dict[str, Any]:
         # Under the lock the record's writer is gone (the lock dies with its holder); its pid

@@ -18,7 +18,7 @@
     ├── LockTimeout                    exit 5: another deploy holds the lock
     ├── DeployFailed                   exit 3: the new config failed, the old one serves again
     └── RollbackFailed                 exit 4: the old config failed as well; nothing was deleted
-    Interrupted (a BaseException)      exit 128+signal: SIGINT/SIGTERM before anything live changed
+    Interrupted (a BaseException)      exit 128+signal: SIGINT/SIGTERM before the change went live
 
 Every message names the value at fault and the fix. Causes are chained with ``raise ... from``.
 """

@@ -27,7 +27,7 @@ EPILOG = """exit codes:
   4  rollback failed: both configs failed; nothing was deleted
   5  lock timeout: another deploy holds the state dir
   78 exec only: the env file or its values are refused (systemd does not restart)
-  128+signal  SIGINT/SIGTERM before anything live changed (130, 143)
+  128+signal  SIGINT/SIGTERM before the change went live (130, 143)
   141 the reader of the output went away (a closed pipe)
 """
 
@@ -114,7 +114,7 @@ def main(args: Sequence[str]) -> int:
     except LauncherError as e:
         return fail(e, getattr(ns, "json", False))
     except Interrupted as e:
-        print(f"llama-launcher: {e} before anything live was changed", file=sys.stderr)
+        print(f"llama-launcher: {e} before the change went live", file=sys.stderr)
         return 128 + e.signum
     except KeyboardInterrupt:
         print("llama-launcher: interrupted", file=sys.stderr)
