@@ -566,6 +566,8 @@ async def _stream_chat(
                 await resp.aread()
                 raise _request_failed(client, resp)
             async for line in resp.aiter_lines():
+                if line.startswith("error:"):  # llama-server's in-stream error event
+                    raise _stream_error(client, line[6:].strip())
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()
@@ -578,7 +580,7 @@ async def _stream_chat(
                 if first is None and _has_text(chunk):
                     first = now
                 if chunk.get("usage"):
-                    usage = chunk["usage"]
+                    usage = _usage(client, chunk["usage"])
     except httpx.TimeoutException as e:
         raise ProbeError(
             f"{client.base_url}{CHAT_PATH} did not finish within the timeout ({e!r}); "
@@ -619,6 +621,25 @@ def _parse_chunk(client: httpx.AsyncClient, data: str) -> dict[str, Any]:
     if "error" in chunk:
         raise ProbeError(f"{client.base_url}{CHAT_PATH} streamed an error: {data[:500]}")
     return chunk
+
+
+def _stream_error(client: httpx.AsyncClient, data: str) -> ProbeError:
+    hint = ""
+    if "context" in data:
+        hint = "; the prompt does not fit a slot: lower --prompt-tokens/--long-prompt or raise -c"
+    return ProbeError(f"{client.base_url}{CHAT_PATH} streamed an error: {data[:500]}{hint}")
+
+
+def _usage(client: httpx.AsyncClient, usage: object) -> Mapping[str, Any]:
+    """The stream's usage object, its token counts whole numbers (never estimated)."""
+    if not isinstance(usage, Mapping) or not all(
+        isinstance(usage.get(k, 0), int) for k in ("prompt_tokens", "completion_tokens")
+    ):
+        raise ProbeError(
+            f"{client.base_url}{CHAT_PATH} streamed a usage that is not token counts: "
+            f"{str(usage)[:200]}"
+        )
+    return usage
 
 
 def _request_failed(client: httpx.AsyncClient, resp: httpx.Response) -> ProbeError:

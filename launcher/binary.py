@@ -90,7 +90,18 @@ def inspect(path: str, cache_dir: Path | None = None) -> BinaryInfo:
             "flags": {k: [list(v.spellings), v.value] for k, v in flags.items()},
         }
 
-    data = cache.cached("help-v1", key, read, cache_dir)
+    def valid(d: dict[str, Any]) -> bool:
+        flags = d.get("flags")
+        return (
+            "version" in d
+            and isinstance(flags, dict)
+            and all(
+                isinstance(v, list) and len(v) == 2 and isinstance(v[0], list)
+                for v in flags.values()
+            )
+        )
+
+    data = cache.cached("help-v1", key, read, cache_dir, valid)
     flags = {k: FlagSpec(tuple(v[0]), v[1]) for k, v in data["flags"].items()}
     return BinaryInfo(path, key, str(data["version"]), flags)
 

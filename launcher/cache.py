@@ -28,16 +28,21 @@ def file_key(path: str | Path) -> str:
 
 
 def cached(
-    kind: str, key: str, compute: Callable[[], dict[str, Any]], folder: Path | None = None
+    kind: str,
+    key: str,
+    compute: Callable[[], dict[str, Any]],
+    folder: Path | None = None,
+    valid: Callable[[dict[str, Any]], bool] | None = None,
 ) -> dict[str, Any]:
     """``compute()`` once per ``(kind, key)``; later calls read the JSON it returned.
 
     ``kind`` carries a version (``gguf-meta-v1``): change it when the JSON's shape changes.
+    ``valid`` checks a cached entry's shape; a damaged one is computed again.
     """
     path = (folder or cache_dir() / kind) / f"{key}.json"
     try:
         data = json.loads(path.read_text())
-        if isinstance(data, dict):
+        if isinstance(data, dict) and (valid is None or valid(data)):
             return data
     except (OSError, ValueError):
         pass

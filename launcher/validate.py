@@ -147,7 +147,12 @@ def model_facts(path: Path) -> tuple[dict[str, Any], kvmem.ModelInfo | None, str
         raise ValidationFailed("model", f"the model file {path} does not exist; check -m/model")
     if not os.access(path, os.R_OK):
         raise ValidationFailed("model", f"the model file {path} is not readable; fix its mode")
-    meta = cache.cached("gguf-meta-v1", cache.file_key(path), lambda: _read_meta(path))
+    meta = cache.cached(
+        "gguf-meta-v1",
+        cache.file_key(path),
+        lambda: _read_meta(path),
+        valid=lambda d: isinstance(d.get("metadata"), dict) and isinstance(d.get("weights"), int),
+    )
     md, weights = meta["metadata"], int(meta["weights"])
     arch = str(md.get("general.architecture", ""))
     n_ctx_train = md.get(f"{arch}.context_length")

@@ -260,6 +260,14 @@ def test_bad_input_exits_2(
     assert named in capsys.readouterr().err
 
 
+def test_a_unit_without_a_live_generation_needs_a_url(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("LLAMA_LAUNCHER_STATE_DIR", str(tmp_path / "state"))
+    assert main(["bench", "--unit", "no-such-unit"]) == 2
+    assert "--unit no-such-unit: llama-launcher has no live generation" in capsys.readouterr().err
+
+
 def test_bad_agents_raise_invalid_input() -> None:
     with pytest.raises(InvalidInput, match="--agents 0"):
         bench.run_bench(bench.BenchSettings(agents=(0,)))

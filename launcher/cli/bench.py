@@ -98,6 +98,13 @@ def run(ns: argparse.Namespace, generation: Mapping[str, Any] | None = None) -> 
         if live is not None:
             generation = generation or live
             url = url or str(live["url"])
+        elif not url:
+            from launcher.errors import ConfigInvalid
+
+            raise ConfigInvalid(
+                f"--unit {ns.unit}: llama-launcher has no live generation for it, so its URL "
+                "is unknown; check the unit name, or give --url"
+            )
     settings = bench.BenchSettings(
         url=url or "http://127.0.0.1:8080",
         agents=tuple(ns.agents),
