@@ -119,6 +119,27 @@ def argv_diff(old: list[str], new: list[str]) -> list[str]:
     ]
 
 
+def client_window_path(env_file: Path) -> Path:
+    """Where clients read the guaranteed window: next to the env file, named after it (one
+    per instance: ``llama-server.client-window.json``, ``chat.client-window.json``)."""
+    return env_file.with_name(f"{env_file.stem}.client-window.json")
+
+
+def releasable_memory(state: UnitState) -> int:
+    """What restarting the running server gives back to MemAvailable: its anonymous memory
+    (KV cache, buffers; weights loaded without mmap). The pages of an mmap'd model count in
+    MemAvailable already, as reclaimable page cache, so they are not counted twice."""
+    if not state.running or state.main_pid <= 0:
+        return 0
+    try:
+        for line in Path(f"/proc/{state.main_pid}/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
 def process_memory(state: UnitState) -> int | None:
     """The service's memory: the cgroup's MemoryCurrent, else MainPID's RSS from /proc."""
     if state.memory_current:
@@ -473,7 +494,7 @@ class Deployer:
 
             def releasable() -> int:
                 running = unit_state()
-                return (process_memory(running) or 0) if running and running.running else 0
+                return releasable_memory(running) if running else 0
 
             checked = validate.validate(cfg, releasable=releasable, force_memory=self.force_memory)
             running = unit_state()
@@ -738,7 +759,7 @@ class Deployer:
     def _client_window(self, checked: validate.Validated, number: int) -> dict[str, Any]:
         """Publish the guaranteed per-slot window next to the env file (seed 000)."""
         data = self._window_data(checked, number)
-        path = self.env_file.with_name("client-window.json")
+        path = client_window_path(self.env_file)
         store.atomic_write(path, (json.dumps(data, indent=2) + "\n").encode(), 0o644)
         return data
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path
 from typing import Any
 
 from launcher import config, units
-from launcher.deploy import Deployer, Progress, Result
-from launcher.errors import DeployFailed, LauncherError
+from launcher.deploy import Deployer, Progress, Result, client_window_path
+from launcher.errors import ConfigInvalid, LauncherError
 from launcher.systemd import Systemd
 
 
@@ -22,10 +23,13 @@ def install(
 ) -> Result:
     """Install the unit, create folders with safe modes, enable it, deploy through the gate.
 
-    A failed first deploy leaves the unit stopped (and says why).
+    A failed first deploy leaves the unit stopped (and says why); on a host that already
+    serves a config, a failed deploy leaves that config serving (the deployer rolls back).
     """
     env_file = settings.resolved_env_file()
     unit_dir = settings.resolved_unit_dir()
+    if template:
+        _check_template(settings, env_file, unit_dir)
     env_file.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
     state_dir = settings.resolved_state_dir()
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -46,11 +50,28 @@ def install(
     systemd.enable()
     deployer = Deployer(settings, systemd, progress)
     deployer.force_memory = force_memory
-    try:
-        return deployer.deploy(cfg, origin="install")
-    except DeployFailed:
-        systemd.stop()
-        raise
+    # no stop on failure here: with no previous config the rollback stops the unit itself,
+    # and with one it serves that config again
+    return deployer.deploy(cfg, origin="install")
+
+
+def _check_template(settings: config.ToolSettings, env_file: Path, unit_dir: Path) -> None:
+    """The template unit reads <folder>/%i.env for every instance: the env file must be
+    named after the instance, in the folder the installed template already uses."""
+    instance = settings.instance.split("@", 1)[1] if "@" in settings.instance else ""
+    if env_file.name != f"{instance}.env":
+        raise ConfigInvalid(
+            f"--env-file {env_file}: llama-server@{instance}.service reads "
+            f"{env_file.parent / (instance + '.env')} (the template unit reads %i.env); "
+            "name the file after the instance or leave --env-file out"
+        )
+    unit_file = unit_dir / "llama-server@.service"
+    if unit_file.exists() and f"--env-file {env_file.parent}/%i.env" not in unit_file.read_text():
+        raise ConfigInvalid(
+            f"{unit_file} already reads the env files of its instances from another folder "
+            f"than {env_file.parent}; every instance shares it: put {env_file.name} in that "
+            "folder (leave --env-file out)"
+        )
 
 
 def uninstall(
@@ -72,7 +93,7 @@ def uninstall(
     for f in (
         env_file,
         env_file.with_name(env_file.name + ".bak"),
-        env_file.with_name("client-window.json"),
+        client_window_path(env_file),
     ):
         if f.exists():
             f.unlink()

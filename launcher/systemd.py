@@ -92,7 +92,8 @@ class Systemd:
             n_restarts=_int(p.get("NRestarts")),
             exec_main_status=_int(p.get("ExecMainStatus")),
             main_pid=_int(p.get("MainPID")),
-            memory_current=int(mem) if mem.isdigit() else None,
+            # older systemd prints UINT64_MAX for "not set"
+            memory_current=int(mem) if mem.isdigit() and int(mem) < 2**63 else None,
             invocation_id=p.get("InvocationID", ""),
             load_state=p.get("LoadState", ""),
         )

@@ -297,7 +297,9 @@ def test_status_and_history_report_the_live_generation(host: Host) -> None:
     assert status["client_window"] == 4096
     assert status["startup"]["n_ctx_slot"] == 4096
     assert status["memory"] > 0
-    window = json.loads((host.env_file.parent / "client-window.json").read_text())
+    window = json.loads(
+        host.env_file.with_name(f"{host.env_file.stem}.client-window.json").read_text()
+    )
     assert window["per_slot_window"] == 4096 and window["generation"] == 2
     rc, hist = host.cli_json("history")
     assert [g["outcome"] for g in hist["generations"]] == ["deployed", "deployed"]
@@ -477,3 +479,32 @@ def test_a_live_file_with_crlf_endings_is_not_taken_for_the_rendered_one(host: H
     rc, out = host.cli_json("set", "-c", "4096")
     assert (rc, out["outcome"], out["changed"]) == (0, "deployed", True)
     assert host.env_file.read_bytes() == lf
+
+
+def test_install_again_with_a_failing_config_leaves_the_old_one_serving(
+    host: Host, tmp_path: Path
+) -> None:
+    installed(host)
+    good = host.env_file.read_text()
+    template = tmp_path / "bad.jinja"
+    template.write_text(BAD_TEMPLATE)
+    rc, out = host.install("-c", "4096", "-np", "2", "--chat-template-file", str(template))
+    assert (rc, out["outcome"]) == (3, "rolled_back")
+    assert host.env_file.read_text() == good
+    assert host.state()["ActiveState"] == "active"
+    assert host.chat()["usage"]["completion_tokens"] > 0
+
+
+def test_a_template_instance_needs_its_env_file_named_after_it(host: Host, tmp_path: Path) -> None:
+    p = host.cli(
+        "install",
+        "--instance",
+        "chat",
+        "--env-file",
+        str(tmp_path / "srv.env"),
+        *host.base_flags(),
+        "--json",
+    )
+    assert p.returncode == 2, p.stderr
+    assert "llama-server@chat.service reads" in p.stdout and "%i.env" in p.stdout
+    assert not (tmp_path / "srv.env").exists()

@@ -53,3 +53,18 @@ def test_measured_delta_matches_the_estimated_delta(host: Host, make_model) -> N
     assert abs(measured - estimated) <= 0.10 * estimated, (measured / MiB, estimated / MiB)
     hist = json.loads(host.cli("history", "--json").stdout)
     assert hist["generations"][1]["kv_estimate"]["kv_bytes"] == 64 * MiB + small * 8192
+
+
+def test_what_a_restart_releases_is_the_anonymous_memory_only() -> None:
+    import os
+
+    from launcher.deploy import releasable_memory
+    from launcher.systemd import UnitState
+
+    me = UnitState("active", "running", "success", 0, 0, os.getpid(), None, "x", "loaded")
+    status = Path(f"/proc/{os.getpid()}/status").read_text()
+    kib = {line.split(":")[0]: int(line.split()[1]) for line in status.splitlines() if "kB" in line}
+    anon = releasable_memory(me)
+    assert 0 < anon <= kib["VmRSS"] * 1024
+    assert abs(anon - kib["RssAnon"] * 1024) < 64 << 20  # read moments apart
+    assert releasable_memory(UnitState("inactive", "dead", "", 0, 0, 0, None, "", "")) == 0
