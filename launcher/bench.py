@@ -619,15 +619,20 @@ def _parse_chunk(client: httpx.AsyncClient, data: str) -> dict[str, Any]:
     if not isinstance(chunk, dict):
         raise ProbeError(f"{client.base_url}{CHAT_PATH} streamed {data[:200]!r}, not an object")
     if "error" in chunk:
-        raise ProbeError(f"{client.base_url}{CHAT_PATH} streamed an error: {data[:500]}")
+        raise _stream_error(client, data)
     return chunk
 
 
+def _context_hint(text: str) -> str:
+    if "context" not in text:
+        return ""
+    return "; the prompt does not fit a slot: lower --prompt-tokens/--long-prompt or raise -c"
+
+
 def _stream_error(client: httpx.AsyncClient, data: str) -> ProbeError:
-    hint = ""
-    if "context" in data:
-        hint = "; the prompt does not fit a slot: lower --prompt-tokens/--long-prompt or raise -c"
-    return ProbeError(f"{client.base_url}{CHAT_PATH} streamed an error: {data[:500]}{hint}")
+    return ProbeError(
+        f"{client.base_url}{CHAT_PATH} streamed an error: {data[:500]}{_context_hint(data)}"
+    )
 
 
 def _usage(client: httpx.AsyncClient, usage: object) -> Mapping[str, Any]:
@@ -648,9 +653,7 @@ def _request_failed(client: httpx.AsyncClient, resp: httpx.Response) -> ProbeErr
             f"{client.base_url}{CHAT_PATH} answered 401 Invalid API Key; "
             "pass --api-key-file with the server's key"
         )
-    hint = ""
-    if resp.status_code == 400 and "context" in resp.text:
-        hint = "; the prompt does not fit a slot: lower --prompt-tokens/--long-prompt or raise -c"
+    hint = _context_hint(resp.text) if resp.status_code == 400 else ""
     return ProbeError(
         f"{client.base_url}{CHAT_PATH} answered {resp.status_code}: {_error_text(resp)}{hint}"
     )

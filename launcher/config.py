@@ -515,6 +515,12 @@ class ToolSettings(BaseSettings):
         """The unit name without ``.service``; names the env file and state dir."""
         return self.unit_name.removesuffix(".service")
 
+    @property
+    def env_name(self) -> str:
+        """The env file's stem: the instance of a template unit (``llama-server@X`` reads
+        ``X.env``, its ``%i.env``), else the unit name."""
+        return self.instance.split("@", 1)[1] if "@" in self.instance else self.instance
+
     def resolved_env_file(self) -> Path:
         if self.env_file:
             return self.env_file
@@ -524,8 +530,7 @@ class ToolSettings(BaseSettings):
             else Path.home() / ".config/llama-launcher"
         )
         # the template unit llama-server@X.service reads <dir>/X.env (%i.env)
-        name = self.instance.split("@", 1)[1] if "@" in self.instance else self.instance
-        return base / f"{name}.env"
+        return base / f"{self.env_name}.env"
 
     def resolved_state_dir(self) -> Path:
         if self.state_dir:

@@ -58,7 +58,7 @@ def install(
 def _check_template(settings: config.ToolSettings, env_file: Path, unit_dir: Path) -> None:
     """The template unit reads <folder>/%i.env for every instance: the env file must be
     named after the instance, in the folder the installed template already uses."""
-    instance = settings.instance.split("@", 1)[1] if "@" in settings.instance else ""
+    instance = settings.env_name
     if env_file.name != f"{instance}.env":
         raise ConfigInvalid(
             f"--env-file {env_file}: llama-server@{instance}.service reads "

@@ -172,7 +172,11 @@ def main(args: Sequence[str]) -> int:
             if e.errno not in _PERMANENT:
                 # ETXTBSY (the binary is being replaced), ENOMEM, EAGAIN, EIO: may clear
                 # on its own, so not EX_CONFIG - systemd's Restart= retries
-                print(f"llama-launcher: cannot execute {argv[0]!r}: {e.strerror}", file=sys.stderr)
+                print(
+                    f"llama-launcher: cannot execute {argv[0]!r}: {e.strerror}; "
+                    "exiting 1 so systemd's Restart= tries again",
+                    file=sys.stderr,
+                )
                 return 1
             raise LaunchError(
                 f"cannot execute LLAMA_SERVER={argv[0]!r}: {e.strerror}; "

@@ -90,7 +90,7 @@ class Option:
     flags: tuple[str, ...]
     pool: pool.PoolPlan
     kv: kvmem.KvEstimate | None
-    free_bytes: int | None  # MemAvailable - weights - KV - the default --cache-ram
+    free_bytes: int | None  # MemAvailable - weights - KV - --cache-ram
 
     @property
     def guaranteed_window(self) -> int:
@@ -173,13 +173,13 @@ class Plan:
 
 
 def _flags(
-    c: int, slots: int, unified: bool, per_slot: int, cache: str, cram: int | None
+    c: int, slots: int, unified: bool, per_slot: int, cache: str, cram: int
 ) -> tuple[str, ...]:
     flags = ["-c", str(c), "-np", str(slots), "-kvu" if unified else "-no-kvu"]
     if per_slot:
         flags += ["--kv-unified-per-slot", str(per_slot)]
     flags += ["-ctk", cache, "-ctv", cache]
-    if cram is not None and cram != DEFAULT_CACHE_RAM_MIB:
+    if cram != DEFAULT_CACHE_RAM_MIB:
         flags += ["--cache-ram", str(cram)]  # what the free memory was counted with
     return tuple(flags)
 
@@ -187,7 +187,7 @@ def _flags(
 class _Builder:
     """Builds options for one model and box."""
 
-    def __init__(self, model: ModelSummary | None, available: int, cram: int | None) -> None:
+    def __init__(self, model: ModelSummary | None, available: int, cram: int) -> None:
         self.model, self.available, self.cram = model, available, cram
         self.info = model.info if model else None
         self.n_ctx_train = model.n_ctx_train if model else None
@@ -210,8 +210,7 @@ class _Builder:
         if kv is not None and self.model is not None:
             # what the deploy's memory guard counts too (memory.need), so a recommended line
             # is not refused there
-            cram = (DEFAULT_CACHE_RAM_MIB if self.cram is None else self.cram) * MIB
-            free = self.available - self.model.weights_bytes - kv.total_bytes - cram
+            free = self.available - self.model.weights_bytes - kv.total_bytes - self.cram * MIB
         flags = _flags(c, slots, unified, cap, cache, self.cram)
         return Option(key, summary, cache, flags, plan, kv, free)
 
@@ -270,7 +269,8 @@ def make_plan(
     _check(slots, window, model)
     kvmem.check_cache_types(model.info if model else None, cache, cache, "auto")
     avail = mem_available() if available is None else available
-    b = _Builder(model, avail, cache_ram_mib)
+    cram = DEFAULT_CACHE_RAM_MIB if cache_ram_mib is None else cache_ram_mib
+    b = _Builder(model, avail, cram)
     w, n = window, slots
     opts = [
         b.option(
@@ -301,7 +301,6 @@ def make_plan(
     elif model.info is None and model.unsupported:
         notes.append(model.unsupported)
     else:
-        cram = DEFAULT_CACHE_RAM_MIB if cache_ram_mib is None else cache_ram_mib
         notes.append(
             f"free = MemAvailable - weights - KV - the host prompt cache (--cache-ram {cram} "
             "MiB, as the deploy's memory guard counts it; plan --cache-ram N to change it); "

@@ -162,13 +162,7 @@ class Systemd:
             except ValueError:
                 continue
             cursor = entry.get("__CURSOR", cursor)
-            if skip_pid and entry.get("_PID") == str(skip_pid):
-                continue
-            msg = entry.get("MESSAGE")
-            if isinstance(msg, list):  # journald stores non-UTF-8 messages as byte arrays
-                msg = bytes(msg).decode(errors="replace")
-            if isinstance(msg, str):
-                lines.extend(msg.splitlines() or [""])
+            lines.extend(entry_lines(entry, skip_pid))
         return lines, cursor
 
     def follow(self, after_cursor: str | None, skip_pid: int = 0) -> JournalFollower:
@@ -188,7 +182,7 @@ class JournalFollower:
     spawning journalctl on every poll."""
 
     def __init__(self, argv: list[str], env: dict[str, str], skip_pid: int = 0) -> None:
-        self.skip = str(skip_pid) if skip_pid else None
+        self.skip_pid = skip_pid
         self.proc = proc.spawn(argv, env)
         assert self.proc.stdout is not None
         self.fd = self.proc.stdout.fileno()
@@ -209,16 +203,9 @@ class JournalFollower:
         lines: list[str] = []
         for raw in complete:
             try:
-                entry = json.loads(raw)
+                lines.extend(entry_lines(json.loads(raw), self.skip_pid))
             except ValueError:
                 continue
-            if self.skip is not None and entry.get("_PID") == self.skip:
-                continue
-            msg = entry.get("MESSAGE")
-            if isinstance(msg, list):
-                msg = bytes(msg).decode(errors="replace")
-            if isinstance(msg, str):
-                lines.extend(msg.splitlines() or [""])
         return lines
 
     def close(self) -> None:
@@ -229,6 +216,17 @@ class JournalFollower:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def entry_lines(entry: dict[str, Any], skip_pid: int = 0) -> list[str]:
+    """The message lines of one ``journalctl -o json`` entry; none when process ``skip_pid``
+    logged it. journald stores a message that is not UTF-8 as a byte array."""
+    if skip_pid and entry.get("_PID") == str(skip_pid):
+        return []
+    msg = entry.get("MESSAGE")
+    if isinstance(msg, list):
+        msg = bytes(msg).decode(errors="replace")
+    return (msg.splitlines() or [""]) if isinstance(msg, str) else []
 
 
 def unit_matches(unit: str) -> list[str]:
