@@ -210,7 +210,19 @@ _MS_B = re.compile(serverlog.MEMORY_SLOT.pattern.encode())
 _RT_B = re.compile(serverlog.DECODE_RETRY.pattern.encode())
 assert _MS_B.match(_MS + b"1") and _RT_B.match(_RT + b"1, n_batch = 1, ret = 1")
 #: The numbers of the cascade lines, in order: a memory-slot size, or a retry's off, n_batch.
-_SIZES = re.compile(re.escape(_MS) + rb"(\d+)|" + re.escape(_RT) + rb"(\d+), n_batch = (\d+)")
+_N = rb"(\d{1,%d})(?!\d)" % serverlog.MAX_DIGITS
+_SIZES = re.compile(
+    re.escape(_MS)
+    + _N
+    + b"|"
+    + re.escape(_RT)
+    + _N
+    + b", n_batch = "
+    + _N
+    + rb", ret = -?\d{1,%d}(?!\d)" % serverlog.MAX_DIGITS
+)
+#: One match per line holding a cascade keyword.
+_KW_LINES = re.compile(b"^.*?(?:" + re.escape(_MS_KW) + b"|" + re.escape(_RT_KW) + b")", re.M)
 #: A run of cascade lines longer than this is kept as parsed steps, not as text.
 _RAW_MAX = 1 << 16
 
@@ -463,10 +475,13 @@ class _Scanner:
         their text is stored for the steps. Returns False, changing nothing, when a line does
         not have the usual form; the caller then feeds the lines one by one.
         """
-        found = _SIZES.findall(chunk, lo, hi)  # at most one per keyword line
+        found = _SIZES.findall(chunk, lo, hi)
         n_rt = chunk.count(_RT_KW, lo, hi)
-        if len(found) != chunk.count(_MS_KW, lo, hi) + n_rt:
+        n_kw = chunk.count(_MS_KW, lo, hi) + n_rt
+        if len(found) != n_kw:
             return False  # another ", ret = " line (a decode error) or a changed format
+        if len(_KW_LINES.findall(chunk, lo, hi)) != n_kw:
+            return False  # a line holding two keywords: only its first kind counts (``_dispatch``)
         if self.n_steps < MAX_STEPS:
             self._store(
                 chunk, lo, hi, MAX_STEPS - self.n_steps if n_rt > MAX_STEPS - self.n_steps else 0
@@ -705,39 +720,92 @@ class _Scanner:
             )
         return True
 
-    def report(self, source: str, lines: int, memory: MemoryCost | None) -> Report:
+    def outcome(self) -> _Outcome:
+        """End the input: close the open failure and return what was found."""
         self._close()
         if self.n_steps:
             self.recovered += 1
         self.failures = tuple(
             Failure(steps=_steps(detail, final), **fields) for fields, detail, final in self.kept
         )
-        return Report(
-            source=source,
-            lines=lines,
+        return _Outcome(
             exceeded_lines=self.exceeded_lines,
             failures_total=self.failures_total,
             requests_failed=self.requests_failed,
             rejections_total=self.rejections_total,
             rejections=tuple(self.rejections),
-            max_rejected_prompt=self.max_rejected,
-            recovered_cascades=self.recovered,
+            max_rejected=self.max_rejected,
+            recovered=self.recovered,
             startups=self.startups,
             config=self.config,
-            pool_cells=self.config.pool_cells if self.config else self.pool_hint,
-            pool_source=(
-                self.config.pool_source
-                if self.config
-                else (self.pool_hint_source if self.pool_hint else "unknown: no startup line")
-            ),
             failures=self.failures,
-            by_class={c.value: k for c, k in self.by_class.most_common()},
+            by_class=self.by_class,
+            class_config=self.class_config,
+            rejection_config=self.rejection_config,
             adds_up=self.adds_up,
             checked=self.checked,
-            verdicts=_verdicts(self, memory),
-            drift_lines=self.drift,
+            drift=self.drift,
             drift_samples=tuple(self.drift_samples),
         )
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    """What a reader found (the Python ``_Scanner`` or the native one), before the verdicts."""
+
+    exceeded_lines: int
+    failures_total: int
+    requests_failed: int
+    rejections_total: int
+    rejections: tuple[Rejection, ...]
+    max_rejected: int | None
+    recovered: int
+    startups: int
+    config: Config | None  # the last startup
+    failures: tuple[Failure, ...]  # the last ``keep``
+    by_class: Counter[FailureClass]  # in the order each class was first seen
+    class_config: dict[FailureClass, Config | None]  # the startup of each class's last failure
+    rejection_config: Config | None  # the startup of the last rejection
+    adds_up: int
+    checked: int
+    drift: int
+    drift_samples: tuple[str, ...]
+
+
+def _report(
+    o: _Outcome,
+    source: str,
+    lines: int,
+    pool_hint: int | None,
+    pool_hint_source: str,
+    memory: MemoryCost | None,
+) -> Report:
+    return Report(
+        source=source,
+        lines=lines,
+        exceeded_lines=o.exceeded_lines,
+        failures_total=o.failures_total,
+        requests_failed=o.requests_failed,
+        rejections_total=o.rejections_total,
+        rejections=o.rejections,
+        max_rejected_prompt=o.max_rejected,
+        recovered_cascades=o.recovered,
+        startups=o.startups,
+        config=o.config,
+        pool_cells=o.config.pool_cells if o.config else pool_hint,
+        pool_source=(
+            o.config.pool_source
+            if o.config
+            else (pool_hint_source if pool_hint else "unknown: no startup line")
+        ),
+        failures=o.failures,
+        by_class={c.value: k for c, k in o.by_class.most_common()},
+        adds_up=o.adds_up,
+        checked=o.checked,
+        verdicts=_verdicts(o, memory),
+        drift_lines=o.drift,
+        drift_samples=o.drift_samples,
+    )
 
 
 # ------------------------------------------------------------------------------------------
@@ -928,7 +996,7 @@ def _too_long_reason(cfg: Config, needed: int) -> str:
     return ""
 
 
-def _verdicts(s: _Scanner, memory: MemoryCost | None) -> tuple[Verdict, ...]:
+def _verdicts(s: _Outcome, memory: MemoryCost | None) -> tuple[Verdict, ...]:
     out: list[Verdict] = []
     for cls, count in s.by_class.most_common():
         cfg = s.class_config.get(cls)
@@ -956,7 +1024,7 @@ def _verdicts(s: _Scanner, memory: MemoryCost | None) -> tuple[Verdict, ...]:
 
 
 def _verdict(
-    cls: FailureClass, count: int, cfg: Config | None, s: _Scanner, memory: MemoryCost | None
+    cls: FailureClass, count: int, cfg: Config | None, s: _Outcome, memory: MemoryCost | None
 ) -> Verdict:
     if cls is FailureClass.SHARED_POOL:
         reason = (
@@ -991,6 +1059,24 @@ def _verdict(
 # Entry points
 
 
+#: The readers ``diagnose`` can use: the C one (``launcher._diagscan``, built with the package
+#: when a C compiler was there) and the Python one it mirrors.
+ENGINES = ("native", "python")
+
+
+def native_available() -> bool:
+    """True when the C reader was built and imports."""
+    return _native_module() is not None
+
+
+def _native_module() -> Any:
+    try:
+        from launcher import _diagscan  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    return _diagscan
+
+
 def diagnose(
     stream: IO[bytes],
     source: str,
@@ -1000,23 +1086,195 @@ def diagnose(
     keep: int = KEEP,
     memory: MemoryCost | None = None,
     block: int = BLOCK,
+    engine: str | None = None,
 ) -> Report:
     """Read a binary log stream to its end and return the report.
 
     ``pool_hint`` is the pool size from outside the log (``--pool N``, or the live
     generation's config), used when the startup lines do not state it; ``pool_hint_source``
-    names it in the report. ``memory`` prices each fix (see ``MemoryCost``).
+    names it in the report. ``memory`` prices each fix (see ``MemoryCost``). ``engine`` picks
+    the reader: "native" (the C one; ConfigInvalid when it was not built), "python", or None:
+    the C one when it was built, else Python. Both give the same report.
     """
     if pool_hint is not None and pool_hint <= 0:
         raise ConfigInvalid(
             f"pool size {pool_hint} is not a positive number of cells; "
             "give the -c the server runs with"
         )
-    scanner = _Scanner(pool_hint, pool_hint_source, keep)
-    lines = _Lines(stream, block)
-    for base, chunk in lines:
-        _scan(scanner, base, chunk)
-    return scanner.report(source, lines.count, memory)
+    if engine not in (None, *ENGINES):
+        raise ConfigInvalid(f"engine {engine!r} is not one of {', '.join(ENGINES)}")
+    native = _native_module() if engine != "python" else None
+    if engine == "native" and native is None:
+        raise ConfigInvalid(
+            "the native reader (launcher._diagscan) was not built; reinstall llama-launcher "
+            "with a C compiler present, or use the python engine"
+        )
+    if native is not None:
+        outcome, count = _read_native(native, stream, pool_hint, pool_hint_source, keep, block)
+    else:
+        scanner = _Scanner(pool_hint, pool_hint_source, keep)
+        lines = _Lines(stream, block)
+        for base, chunk in lines:
+            _scan(scanner, base, chunk)
+        outcome, count = scanner.outcome(), lines.count
+    return _report(outcome, source, count, pool_hint, pool_hint_source, memory)
+
+
+#: The native reader's codes, in its order (launcher/_diagscan.c).
+_ERRORS = ("Context size has been exceeded.", "Invalid input batch.", "Compute error.")
+_SOURCES = ("log", "inferred (sum - pool)", "unknown")
+_CLASSES = (
+    FailureClass.SHARED_POOL,
+    FailureClass.TOO_LONG,
+    FailureClass.FIT_REDUCED,
+    FailureClass.UNKNOWN,
+)
+
+
+def _threads() -> int:
+    """Threads the native reader splits a block over: the CPUs this process may use, up to 8."""
+    import os
+
+    try:
+        return max(1, min(8, len(os.sched_getaffinity(0))))
+    except (AttributeError, OSError):
+        return max(1, min(8, os.cpu_count() or 1))
+
+
+def _blocks(stream: IO[bytes], block: int) -> Iterator[memoryview | bytes]:
+    """The stream in blocks. A regular file is mapped a window at a time (no copy; the pages
+    of a window are let go when it is done, so memory stays flat); anything else is read into
+    one reused buffer."""
+    import mmap
+    import os
+    import stat
+
+    try:
+        fd = stream.fileno()
+        st = os.fstat(fd)
+        regular = stat.S_ISREG(st.st_mode) and stream.seekable()
+    except (AttributeError, OSError, ValueError):
+        regular = False
+    if regular:
+        grain = mmap.ALLOCATIONGRANULARITY
+        window = max(grain, block // grain * grain)
+        # where the stream stands is where reading starts (the CLI passes a fresh file)
+        start = stream.tell()
+        base = start // grain * grain
+        skip = start - base
+        size = os.fstat(fd).st_size
+        off = base
+        while off < size:
+            n = min(window, size - off)
+            with mmap.mmap(fd, n, offset=off, access=mmap.ACCESS_READ) as mm:
+                if hasattr(mm, "madvise"):
+                    mm.madvise(mmap.MADV_SEQUENTIAL)
+                with memoryview(mm) as view, view[skip:] as part:
+                    yield part
+            skip = 0
+            off += n
+        stream.seek(size)
+        return
+    buf = bytearray(block)
+    view = memoryview(buf)
+    readinto = getattr(stream, "readinto", None)
+    while True:
+        if readinto is not None:
+            n = readinto(buf)
+            if not n:
+                return
+            yield view[:n]
+        else:
+            data = stream.read(block)
+            if not data:
+                return
+            yield data
+
+
+def _read_native(
+    native: Any,
+    stream: IO[bytes],
+    pool_hint: int | None,
+    pool_hint_source: str,
+    keep: int,
+    block: int,
+) -> tuple[_Outcome, int]:
+    """Read with the C reader and turn its records into what ``_Scanner.outcome`` returns."""
+    scanner = native.Scanner(
+        pool_hint, keep, MAX_STEPS, MAX_SAMPLES, pool.MAX_SLOTS, pool.CELL_PAD, _threads()
+    )
+    for data in _blocks(stream, block):
+        scanner.feed(data)
+    raw = scanner.finish()
+    configs: dict[tuple[Any, ...], Config] = {}
+
+    def config(rec: tuple[Any, ...] | None) -> Config | None:
+        if rec is None:
+            return None
+        if rec not in configs:
+            line, n_slots, n_ctx_slot, unified, *boot = rec
+            configs[rec] = _config(
+                line, n_slots, n_ctx_slot, unified, _Boot(*boot), pool_hint, pool_hint_source
+            )
+        return configs[rec]
+
+    failures = []
+    for f in raw["failures"]:
+        cells = f["pool_cells"]
+        cfg = config(f["config"])
+        failures.append(
+            Failure(
+                number=f["number"],
+                line=f["line"],
+                error=_ERRORS[f["error"]],
+                off=f["off"],
+                steps=tuple(Step(*step) for step in f["steps"]),
+                n_steps=f["n_steps"],
+                offsets=f["offsets"],
+                first_view=f["first_view"],
+                purges=f["purges"],
+                slots=tuple(
+                    SlotShare(slot, task, n, truncated, n / cells if cells else None)
+                    for slot, task, n, truncated in f["slots"]
+                ),
+                requests_failed=f["requests_failed"],
+                total=f["total"],
+                pool_cells=cells,
+                overflow=f["overflow"],
+                overflow_source=_SOURCES[f["overflow_source"]],
+                adds_up=f["adds_up"],
+                cls=_CLASSES[f["cls"]],
+                config_line=cfg.line if cfg else None,
+            )
+        )
+    by_class: Counter[FailureClass] = Counter()
+    class_config: dict[FailureClass, Config | None] = {}
+    for code, count, rec in raw["by_class"]:
+        by_class[_CLASSES[code]] = count
+        class_config[_CLASSES[code]] = config(rec)
+    outcome = _Outcome(
+        exceeded_lines=raw["exceeded_lines"],
+        failures_total=raw["failures_total"],
+        requests_failed=raw["requests_failed"],
+        rejections_total=raw["rejections_total"],
+        rejections=tuple(Rejection(*r) for r in raw["rejections"]),
+        max_rejected=raw["max_rejected"],
+        recovered=raw["recovered"],
+        startups=raw["startups"],
+        config=config(raw["config"]),
+        failures=tuple(failures),
+        by_class=by_class,
+        class_config=class_config,
+        rejection_config=config(raw["rejection_config"]),
+        adds_up=raw["adds_up"],
+        checked=raw["checked"],
+        drift=raw["drift"],
+        drift_samples=tuple(
+            f"{n}: {serverlog.normalize(text.decode('utf-8', 'replace'))}"
+            for n, text in raw["drift_samples"]
+        ),
+    )
+    return outcome, raw["lines"]
 
 
 def journal(unit: str, since: str | None = None) -> contextlib.AbstractContextManager[IO[bytes]]:

@@ -15,44 +15,63 @@ from dataclasses import dataclass, field
 #: The build these patterns were read from and tested against.
 TESTED_BUILD = 11434
 
+#: A number in a named group: ``(?P<name>\d+)`` or ``(?P<name>-?\d+)``.
+_NUMBER_GROUP = re.compile(r"(\(\?P<\w+>(?:-\?)?)\\d\+\)")
+#: The most digits a number may have. llama-server prints 32-bit counts (10 digits); a longer
+#: run is damage, not a number, and the native scanner (``launcher._diagscan``) agrees.
+MAX_DIGITS = 10
+
+
+def _compile(pattern: str, flags: int = 0) -> re.Pattern[str]:
+    """Compile a log pattern: ASCII classes, and every named number at most MAX_DIGITS long.
+
+    A run of more digits does not match, so a damaged line is counted as drift instead of
+    giving a number no server prints. The C scanner in ``launcher._diagscan`` reads lines
+    under the same rules, which keeps its reports identical to the Python reader's.
+    """
+    return re.compile(
+        _NUMBER_GROUP.sub(rf"\1\\d{{1,{MAX_DIGITS}}})(?!\\d)", pattern), flags | re.ASCII
+    )
+
+
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # "%d.%02d.%03d.%03d " timestamp, then a level letter (common/log.cpp:125-155).
 _PREFIX = re.compile(r"^(?:\d+\.\d{2}\.\d{3}\.\d{3} )?(?:[IWED] )?")
 
 # server-context.cpp:1383-1384
-STARTUP = re.compile(
+STARTUP = _compile(
     r"initializing, n_slots = (?P<n_slots>\d+), n_ctx_slot = (?P<n_ctx_slot>\d+), "
     r"kv_unified = '(?P<kv_unified>true|false)'"
 )
 # server.cpp:184
-POOL_SIZING = re.compile(
+POOL_SIZING = _compile(
     r"--kv-unified-per-slot: sizing KV pool to n_parallel \* kv_unified_per_slot = "
     r"(?P<np>\d+) \* (?P<per_slot>\d+) = (?P<n_ctx>\d+)"
 )
 # server.cpp:495-498, :525-526
-MODEL_LOADED = re.compile(r"srv  llama_server: model loaded")
-LISTENING = re.compile(r"llama_server: listening on (?P<address>\S+)")
+MODEL_LOADED = _compile(r"srv  llama_server: model loaded")
+LISTENING = _compile(r"llama_server: listening on (?P<address>\S+)")
 # common/arg.cpp:757
-CONFIG_FILE = re.compile(r"using config file: (?P<path>.+)$")
+CONFIG_FILE = _compile(r"using config file: (?P<path>.+)$")
 
 #: Startup warnings about the context (reported by the deploy gate).
 CONTEXT_WARNINGS = {
     # src/llama-context.cpp:330
-    "ctx_over_train": re.compile(
+    "ctx_over_train": _compile(
         r"n_ctx_seq \((?P<n_ctx_seq>\d+)\) > n_ctx_train \((?P<n_ctx_train>\d+)\)"
     ),
     # src/llama-context.cpp:306
-    "ctx_rounded": re.compile(r"n_ctx is not divisible by n_seq_max - rounding down to (\d+)"),
+    "ctx_rounded": _compile(r"n_ctx is not divisible by n_seq_max - rounding down to (\d+)"),
     # server-context.cpp:1350
-    "slot_capped": re.compile(
+    "slot_capped": _compile(
         r"capping per-slot context \((?P<from>\d+)\) to --kv-unified-per-slot \((?P<to>\d+)\)"
     ),
     # server-context.cpp:1354-1358
-    "cap_no_effect": re.compile(
+    "cap_no_effect": _compile(
         r"--kv-unified-per-slot \((\d+)\) exceeds the per-slot pool capacity \((\d+)\)"
     ),
     # server-context.cpp:1366
-    "slot_over_train": re.compile(
+    "slot_over_train": _compile(
         r"the slot context \((\d+)\) exceeds the training context of the model \((\d+)\)"
     ),
 }
@@ -62,34 +81,32 @@ CONTEXT_WARNINGS = {
 FAILURES: list[tuple[str, re.Pattern[str], str]] = [
     (
         "unknown_argument",
-        re.compile(r"error: invalid argument: (?P<arg>\S+)"),
+        _compile(r"error: invalid argument: (?P<arg>\S+)"),
         "llama-server does not know the flag {arg}",
     ),
     (
         "bad_value",
-        re.compile(r'error while handling argument "(?P<arg>[^"]+)": (?P<what>.*)'),
+        _compile(r'error while handling argument "(?P<arg>[^"]+)": (?P<what>.*)'),
         "llama-server refused the value of {arg}: {what}",
     ),
     (
         "bad_cache_type",
-        re.compile(r"Unsupported cache type: (?P<type>\S+)"),
+        _compile(r"Unsupported cache type: (?P<type>\S+)"),
         "llama-server does not support the cache type {type}",
     ),
     (
         "model_missing",
-        re.compile(r"failed to open GGUF file '(?P<path>[^']*)'"),
+        _compile(r"failed to open GGUF file '(?P<path>[^']*)'"),
         "the model file {path} cannot be opened",
     ),
     (
         "port_in_use",
-        re.compile(
-            r"couldn't bind HTTP server socket, hostname: (?P<host>\S+), port: (?P<port>\d+)"
-        ),
+        _compile(r"couldn't bind HTTP server socket, hostname: (?P<host>\S+), port: (?P<port>\d+)"),
         "the port {port} on {host} is already in use",
     ),
     (
         "out_of_memory",
-        re.compile(
+        _compile(
             r"(?P<what>failed to allocate buffer for kv cache|failed to allocate compute|"
             r"out of memory|cannot allocate memory)",
             re.I,
@@ -98,12 +115,12 @@ FAILURES: list[tuple[str, re.Pattern[str], str]] = [
     ),
     (
         "quantized_v_needs_fa",
-        re.compile(r"quantized V cache requires flash_attn to be enabled"),
+        _compile(r"quantized V cache requires flash_attn to be enabled"),
         "a quantized V cache needs flash attention; drop -fa off",
     ),
     (
         "block_size",
-        re.compile(
+        _compile(
             r"(?P<which>[KV]) cache type (?P<type>\S+) with block size (?P<bs>\d+) does not divide "
             r"n_embd_head_\w+=(?P<hd>\d+)"
         ),
@@ -111,12 +128,12 @@ FAILURES: list[tuple[str, re.Pattern[str], str]] = [
     ),
     (
         "model_load",
-        re.compile(r"failed to load model|error loading model"),
+        _compile(r"failed to load model|error loading model"),
         "llama-server could not load the model",
     ),
     (
         "context_create",
-        re.compile(r"failed to create[_ ]context"),
+        _compile(r"failed to create[_ ]context"),
         "llama-server could not create the context",
     ),
 ]
@@ -211,33 +228,33 @@ def classify(lines: Iterable[str]) -> tuple[str, str] | None:
 # ---------------------------------------------------------------------------------------------
 
 # src/llama-context.cpp:1843 (WARN, libllama; ``llama_context::decode`` then returns 1)
-MEMORY_SLOT = re.compile(r"decode: failed to find a memory slot for batch of size (?P<size>\d+)")
+MEMORY_SLOT = _compile(r"decode: failed to find a memory slot for batch of size (?P<size>\d+)")
 # tools/server/server-context.cpp:4061 (SRV_WRN). n_batch is the size of the NEXT try: it is
 # halved, or kept when try_clear_idle_slots purged an idle slot (unified pools only).
-DECODE_RETRY = re.compile(
+DECODE_RETRY = _compile(
     r"failed to find free space in the KV cache, retrying with smaller batch size, "
     r"off = (?P<off>\d+), n_batch = (?P<n_batch>\d+), ret = (?P<ret>-?\d+)"
 )
 # server-context.cpp:1813 (SRV_WRN, try_clear_idle_slots; the function name prints as
 # ``try_clear_id``)
-PURGE = re.compile(r"purging slot (?P<slot>\d+) with (?P<tokens>\d+) tokens")
+PURGE = _compile(r"purging slot (?P<slot>\d+) with (?P<tokens>\d+) tokens")
 # server-context.cpp:4019-4038 (SRV_ERR): the error that ends a cascade. Only
 # "Context size has been exceeded." is KV exhaustion; the other two are other faults.
-DECODE_ERROR = re.compile(
+DECODE_ERROR = _compile(
     r"(?P<error>Context size has been exceeded\.|Invalid input batch\.|Compute error\.) "
     r"off = (?P<off>\d+), n_batch = (?P<n_batch>\d+), ret = (?P<ret>-?\d+)"
 )
 # server-context.cpp:2163 (SRV_ERR), once per request that gets an error
-SEND_ERROR = re.compile(r"send_error: task id = (?P<task>-?\d+), error: (?P<error>.*?)(?:\\n)?$")
+SEND_ERROR = _compile(r"send_error: task id = (?P<task>-?\d+), error: (?P<error>.*?)(?:\\n)?$")
 # server-context.cpp:586 (SLT_INF): ``slot      release: id  0 | task 12 | stop processing: ...``
-SLOT_RELEASE = re.compile(
+SLOT_RELEASE = _compile(
     r"release: id +(?P<slot>\d+) \| task (?P<task>-?\d+) \| stop processing: "
     r"n_tokens = (?P<n_tokens>\d+), truncated = (?P<truncated>\d+)"
 )
 # server-context.cpp:3096 (SRV_ERR): after every slot was released
-DECODE_FAILED = re.compile(r"update_slots: decode\(\) failed: (?P<error>.*?)(?:\\n)?$")
+DECODE_FAILED = _compile(r"update_slots: decode\(\) failed: (?P<error>.*?)(?:\\n)?$")
 # server-context.cpp:3043, :3105: other faults in the same wording (no KV cascade)
-OTHER_DECODE_FAILED = re.compile(r"update_slots: (?:pre|post)_decode\(\) failed: ")
+OTHER_DECODE_FAILED = _compile(r"update_slots: (?:pre|post)_decode\(\) failed: ")
 #: The phrase ``grep -c`` looks for (seed 000's checklist, step 1). It appears on the
 #: decode error line, on one send_error line per request and on the update_slots line.
 CONTEXT_EXCEEDED = "Context size has been exceeded"
@@ -245,11 +262,11 @@ CONTEXT_EXCEEDED = "Context size has been exceeded"
 CONTEXT_EXCEEDED_BODY = '"message":"Context size has been exceeded'
 
 # server-context.cpp:3395-3424: request-time rejections, HTTP 400 exceed_context_size_error.
-REQUEST_TOO_LONG = re.compile(
+REQUEST_TOO_LONG = _compile(
     r"request \((?P<n_prompt>\d+) tokens\) exceeds the available context size "
     r"\((?P<n_ctx>\d+) tokens\)"
 )
-INPUT_TOO_LARGE = re.compile(
+INPUT_TOO_LARGE = _compile(
     r"input \((?P<n_prompt>\d+) tokens\) is larger than the max context size "
     r"\((?P<n_ctx>\d+) tokens\)"
 )
@@ -259,16 +276,16 @@ EXCEED_CONTEXT_TYPE = "exceed_context_size_error"
 
 # Pool size, when the log states it. src/llama-context.cpp:311 (INFO, only at -lv 4); the
 # field name is padded with spaces so the '=' signs line up.
-LLAMA_CONTEXT_N_CTX = re.compile(r"llama_context: n_ctx +=\s*(?P<n_ctx>\d+)")
+LLAMA_CONTEXT_N_CTX = _compile(r"llama_context: n_ctx +=\s*(?P<n_ctx>\d+)")
 # src/llama-kv-cache.cpp:301 (INFO, -lv 4): ``llama_kv_cache: size = ... (  1024 cells, ...``
-KV_CACHE_CELLS = re.compile(
+KV_CACHE_CELLS = _compile(
     r"llama_kv_cache: size = +[\d.]+ MiB \( *(?P<cells>\d+) cells, +(?P<layers>\d+) layers, "
     r"+(?P<seqs>\d+)/(?P<streams>\d+) seqs\)"
 )
 # common/fit.cpp:434,443 (TRACE, -lv 4): ``common_fit_params...: context size reduced from A to B``
-FIT_REDUCED = re.compile(r"context size reduced from (?P<from>\d+) to (?P<to>\d+)")
+FIT_REDUCED = _compile(r"context size reduced from (?P<from>\d+) to (?P<to>\d+)")
 # server.cpp:116: the first line of every server start; a new generation of the log begins.
-SERVER_INIT = re.compile(r"srv  llama_server: initializing \.\.\.")
+SERVER_INIT = _compile(r"srv  llama_server: initializing \.\.\.")
 
 # journald ``-o short`` / ``-o short-iso`` / ``-o short-precise`` prefixes.
 _JOURNAL_PREFIX = re.compile(

@@ -25,6 +25,36 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="session")
+def logs(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[str, Any]:
+    """Logs the real llama-server writes in this run (scripts/repro.py): the seed's shared-pool
+    overflow (as text, and as --log-jsonl at -lv 4), a single request too long for its slot,
+    and a healthy run. Values are ``repro.Run``."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import repro
+
+    d = tmp_path_factory.mktemp("repro")
+    return {
+        "overflow": repro.overflow(tiny_model, d / "overflow.log"),
+        "jsonl": repro.overflow(tiny_model, d / "jsonl.log", ("--log-jsonl", "-lv", "4")),
+        "too_long": repro.too_long(tiny_model, d / "too_long.log"),
+        "healthy": repro.healthy(tiny_model, d / "healthy.log"),
+    }
+
+
+@pytest.fixture(params=["native", "python"])
+def engine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a diagnose test with each reader: the C one, and the Python one as a machine
+    without a C compiler gets it (the native module treated as not built)."""
+    from launcher import diagnose
+
+    if request.param == "python":
+        monkeypatch.setattr(diagnose, "_native_module", lambda: None)
+    elif not diagnose.native_available():
+        pytest.fail("launcher._diagscan was not built (scripts/setup builds it with the package)")
+    return str(request.param)
+
+
+@pytest.fixture(scope="session")
 def llama_server_bin() -> str:
     path = realserver.server_binary()
     if not os.access(path, os.X_OK):

@@ -6,11 +6,14 @@ Counting and grouping are tested on real server logs in tests/test_diagnose_real
 from __future__ import annotations
 
 import io
+from typing import Any
 
 import pytest
 
 from launcher import diagnose, pool, systemd
 from launcher.errors import ConfigInvalid
+
+pytestmark = pytest.mark.usefixtures("engine")  # every test with the C and the Python reader
 
 
 def config(n: int, slot: int, cells: int, unified: bool = True) -> diagnose.Config:
@@ -230,12 +233,15 @@ VARIANTS = {
 def test_cascade_runs_give_what_line_by_line_gives(
     name: str, block: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The run-at-once path (``_Scanner.cascade``) changes nothing in the report."""
+    """The run-at-once path (``_Scanner.cascade``) changes nothing in the report, and the C
+    reader gives the same report as both."""
     data = VARIANTS[name]
-    fast = diagnose.diagnose(io.BytesIO(data), "x", block=block, keep=3, pool_hint=1024)
+    kw: dict[str, Any] = dict(block=block, keep=3, pool_hint=1024)
+    fast = diagnose.diagnose(io.BytesIO(data), "x", engine="python", **kw)
+    native = diagnose.diagnose(io.BytesIO(data), "x", **kw)  # the engine fixture's reader
     monkeypatch.setattr(diagnose._Scanner, "cascade", lambda *a: False)
-    slow = diagnose.diagnose(io.BytesIO(data), "x", block=block, keep=3, pool_hint=1024)
-    assert fast == slow
+    slow = diagnose.diagnose(io.BytesIO(data), "x", engine="python", **kw)
+    assert fast == slow == native
     assert fast.lines == len(data.splitlines())
     assert fast.exceeded_lines == sum(
         b"Context size has been exceeded" in line for line in data.splitlines()

@@ -24,18 +24,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 import realserver  # noqa: E402
 import repro  # noqa: E402
 
-pytestmark = pytest.mark.real
-
-
-@pytest.fixture(scope="module")
-def logs(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[str, repro.Run]:
-    d = tmp_path_factory.mktemp("repro")
-    return {
-        "overflow": repro.overflow(tiny_model, d / "overflow.log"),
-        "jsonl": repro.overflow(tiny_model, d / "jsonl.log", ("--log-jsonl", "-lv", "4")),
-        "too_long": repro.too_long(tiny_model, d / "too_long.log"),
-        "healthy": repro.healthy(tiny_model, d / "healthy.log"),
-    }
+pytestmark = [pytest.mark.real, pytest.mark.usefixtures("engine")]
 
 
 def run_cli(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
