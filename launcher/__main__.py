@@ -19,7 +19,6 @@ def main() -> None:
         from launcher import launch
 
         raise SystemExit(launch.main(args[1:]))
-    from launcher import proc
     from launcher.cli import main as cli_main
 
     try:
@@ -28,7 +27,11 @@ def main() -> None:
         sys.stderr.flush()
     except BrokenPipeError:  # `llama-launcher ... | head`: the reader has what it wanted
         code = 128 + 13  # as if killed by SIGPIPE, like the tools it is piped with
-    proc.reap()
+    # the readers proc.end killed, if a command ran any (a verb that ran none, such as
+    # `diagnose --log`, never imports the subprocess chokepoint)
+    proc = sys.modules.get("launcher.proc")
+    if proc is not None:
+        proc.reap()
     os._exit(code)
 
 

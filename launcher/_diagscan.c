@@ -1,19 +1,23 @@
 /* launcher._diagscan: the native reader behind `llama-launcher diagnose`.
  *
- * The same state machine as launcher/diagnose.py's _Scanner (the reference: every rule here
- * has its Python twin there, and tests/test_diagnose_native.py checks that both give the same
- * report on real server logs and on damaged ones), reading a log at memory speed:
+ * The state machine of launcher/diagnose.py's _Scanner, rule for rule (that file is the
+ * reference; tests/test_diagnose_native.py holds both readers to the same report on the real
+ * server's logs, on damaged logs and across threads), reading a log at memory speed:
  *
- *  - one pass per block finds the newlines and a few anchor bytes (x y , g _ ( ) 16 bytes at a
- *    time; an anchor is checked against the keywords that hold it (launcher/serverlog.py
- *    KEYWORDS), so a line is looked at only when it holds a keyword;
- *  - a keyword line is parsed by hand-written matchers with the semantics of the Python
- *    patterns (leftmost match, ASCII classes, numbers of 1..MAX_DIGITS digits);
- *  - the failures, their cascades and the startups are kept as plain records; Python turns
- *    them into the report (launcher.diagnose._native).
+ *  - a line a failing server prints most (a cascade's memory-slot and retry lines, a slot
+ *    release, a send_error, the decode error) is recognised in its exact b11434 form and
+ *    read directly (hot_line);
+ *  - any other line is scanned 16 bytes at a time (SSE2) for newlines and a few anchor bytes;
+ *    an anchor is checked against the keywords that hold it (serverlog.KEYWORDS), and a line
+ *    holding one is parsed by matchers with the Python patterns' semantics (leftmost match,
+ *    ASCII classes, numbers of 1..MAX_DIGITS digits);
+ *  - reading a line does not depend on the state, so a block is read in parts by one thread
+ *    per CPU into events, which are applied in order while the next block is read;
+ *  - failures, cascades and startups are kept as plain records; Python turns them into the
+ *    report (diagnose._read_native).
  *
- * Plain C99 + the CPython API, no dependency. SSE2 when the compiler has it (every x86-64),
- * a byte loop otherwise.
+ * C with the CPython API and pthreads, for GCC or Clang; no library. Without SSE2 the scan
+ * is a byte loop.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -185,7 +189,7 @@ static int match_at(const char *s, const char *e, const char *pat, int64_t *vals
 }
 
 /* leftmost match of pat in t starting at or after `from`; *at = its start. A caller passes
- * as `from` the earliest place a match can start (see kw_from), or t.p. */
+ * as `from` the earliest place a match can start (see kw_start), or t.p. */
 static int search_from(Span t, const char *from, const char *pat, int64_t *vals, const char **at,
                        const char **end) {
     size_t lit = strcspn(pat, "%");
@@ -263,6 +267,11 @@ typedef struct {
     size_t n, cap;
     int64_t lines;     /* lines read */
     int oom;
+    /* the text of the first drift lines (a drift sample may be taken from them after the
+     * block they were read from is gone) */
+    char *txt;
+    size_t txt_n, txt_cap;
+    Py_ssize_t kept_texts, max_texts;
 } Tok;
 
 typedef struct {
@@ -270,7 +279,17 @@ typedef struct {
     const char *buf;
     size_t n;
     int64_t max_slots;
+    int done;          /* read already (one part, read in place) */
+    int started;       /* read by its own thread */
+    pthread_t th;
 } Part;
+
+/* The parts of one block, read together; their events wait to be applied until the next
+ * block's parts are being read (or the input ends). */
+typedef struct {
+    Part part[MAX_PARTS];
+    int n;
+} Set;
 
 typedef struct {
     PyObject_HEAD
@@ -279,7 +298,9 @@ typedef struct {
     Py_ssize_t keep, max_steps, max_samples;
     int64_t max_slots, cell_pad;
     int threads;
-    Part parts[MAX_PARTS];
+    Set sets[2];
+    int pend;          /* the set whose events are not applied yet, or -1 */
+    Tok one;           /* the line carried across blocks */
     /* reading */
     char *carry; size_t carry_n, carry_cap;
     int64_t lines;
@@ -733,7 +754,15 @@ static int dispatch(Tok *tk, int64_t line, Span t, uint32_t flags, const char **
 static void read_line(Tok *tk, int64_t line, Span t, uint32_t flags, const char **kw_at,
                       int64_t max_slots) {
     if (!dispatch(tk, line, t, flags, kw_at, max_slots)) {
-        emit(tk, EV_DRIFT, line, (flags >> K_CTX) & 1, (int64_t)(intptr_t)t.p, (int64_t)t.n, 0, 0);
+        int64_t at = -1;
+        if (tk->kept_texts < tk->max_texts &&
+            !grow((void **)&tk->txt, &tk->txt_cap, tk->txt_n + t.n + 1, 1)) {
+            memcpy(tk->txt + tk->txt_n, t.p, t.n);
+            at = (int64_t)tk->txt_n;
+            tk->txt_n += t.n;
+            tk->kept_texts++;
+        }
+        emit(tk, EV_DRIFT, line, (flags >> K_CTX) & 1, at, (int64_t)t.n, 0, 0);
     }
 }
 
@@ -801,7 +830,7 @@ static int apply(Scanner *s, const Tok *tk, int64_t base) {
         case EV_NONE: break;
         case EV_DRIFT:
             s->drift++;
-            if (add_sample(s, line, (const char *)(intptr_t)v[0], (size_t)v[1]) < 0) return -1;
+            if (v[0] >= 0 && add_sample(s, line, tk->txt + v[0], (size_t)v[1]) < 0) return -1;
             break;
         case EV_MS: memory_slot(s, v[0]); break;
         case EV_RT: retry(s, v[0], v[1]); break;
@@ -1060,6 +1089,7 @@ static int Scanner_init(Scanner *s, PyObject *args, PyObject *kw) {
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OnnnLL|i", names, &hint, &s->keep, &s->max_steps,
                                      &s->max_samples, &max_slots, &cell_pad, &s->threads))
         return -1;
+    s->pend = -1;
     if (s->threads < 1) s->threads = 1;
     if (s->threads > MAX_PARTS) s->threads = MAX_PARTS;
     if (hint != Py_None) {
@@ -1087,7 +1117,13 @@ static int Scanner_init(Scanner *s, PyObject *args, PyObject *kw) {
 }
 
 static void Scanner_dealloc(Scanner *s) {
-    for (int i = 0; i < MAX_PARTS; i++) free(s->parts[i].tok.v);
+    for (int j = 0; j < 2; j++)
+        for (int i = 0; i < MAX_PARTS; i++) {
+            free(s->sets[j].part[i].tok.v);
+            free(s->sets[j].part[i].tok.txt);
+        }
+    free(s->one.v);
+    free(s->one.txt);
     free(s->carry);
     free(s->steps.v);
     free(s->pending.steps.v);
@@ -1104,17 +1140,24 @@ static void Scanner_dealloc(Scanner *s) {
     Py_TYPE(s)->tp_free((PyObject *)s);
 }
 
+static void tok_reset(Tok *tk, Py_ssize_t max_texts) {
+    tk->n = 0;
+    tk->lines = 0;
+    tk->txt_n = 0;
+    tk->kept_texts = 0;
+    tk->max_texts = max_texts;
+}
+
 static void *part_run(void *arg) {
     Part *part = arg;
-    part->tok.n = 0;
-    part->tok.lines = 0;
     if (part->n) scan_lines(&part->tok, part->buf, part->n, part->max_slots);
+    part->done = 1;
     return NULL;
 }
 
-/* buf[0:n]: whole lines, at most PART_MAX bytes. Read in `threads` parts at once, then act
- * on them in order. */
-static int read_chunk(Scanner *s, const char *buf, size_t n) {
+/* Start reading buf[0:n] (whole lines, at most PART_MAX bytes) into `set`: in `threads`
+ * parts, each on its own thread, when the block is large enough; else here and now. */
+static void set_start(Scanner *s, Set *set, const char *buf, size_t n) {
     int parts = n >= PART_MIN ? s->threads : 1;
     size_t at = 0;
     for (int i = 0; i < parts; i++) {
@@ -1125,56 +1168,61 @@ static int read_chunk(Scanner *s, const char *buf, size_t n) {
             const char *nl = memchr(buf + target, '\n', n - target);
             cut = nl ? (size_t)(nl - buf) + 1 : n;
         }
-        s->parts[i].buf = buf + at;
-        s->parts[i].n = cut - at;
-        s->parts[i].max_slots = s->max_slots;
+        Part *part = &set->part[i];
+        tok_reset(&part->tok, s->max_samples);
+        part->buf = buf + at;
+        part->n = cut - at;
+        part->max_slots = s->max_slots;
+        part->done = part->started = 0;
         at = cut;
     }
+    set->n = parts;
     if (parts == 1) {
-        part_run(&s->parts[0]);
-    } else {
-        pthread_t th[MAX_PARTS];
-        int started[MAX_PARTS] = {0};
-        Py_BEGIN_ALLOW_THREADS
-        for (int i = 1; i < parts; i++)
-            started[i] = pthread_create(&th[i], NULL, part_run, &s->parts[i]) == 0;
-        part_run(&s->parts[0]);
-        for (int i = 1; i < parts; i++) {
-            if (started[i])
-                pthread_join(th[i], NULL);
-            else
-                part_run(&s->parts[i]); /* no thread to be had: read it here */
-        }
-        Py_END_ALLOW_THREADS
+        part_run(&set->part[0]);
+        return;
     }
-    for (int i = 0; i < parts; i++) {
-        Tok *tk = &s->parts[i].tok;
-        if (tk->oom) return -1;
-        if (apply(s, tk, s->lines) < 0) return -2;
-        s->lines += tk->lines;
+    for (int i = 0; i < parts; i++)
+        set->part[i].started =
+            pthread_create(&set->part[i].th, NULL, part_run, &set->part[i]) == 0;
+}
+
+/* Wait for the set's threads (a part no thread could be had for is read here). */
+static int set_join(Scanner *s, Set *set) {
+    (void)s;
+    Py_BEGIN_ALLOW_THREADS
+    for (int i = 0; i < set->n; i++) {
+        Part *part = &set->part[i];
+        if (part->started)
+            pthread_join(part->th, NULL);
+        else if (!part->done)
+            part_run(part);
+        part->started = 0;
     }
+    Py_END_ALLOW_THREADS
+    for (int i = 0; i < set->n; i++)
+        if (set->part[i].tok.oom) return -1;
     return 0;
 }
 
-/* buf[0:n]: whole lines */
-static int read_lines(Scanner *s, const char *buf, size_t n) {
-    while (n > PART_MAX) {
-        const char *nl = memchr(buf + PART_MAX, '\n', n - PART_MAX);
-        size_t cut = nl ? (size_t)(nl - buf) + 1 : n;
-        int r = read_chunk(s, buf, cut);
-        if (r < 0) return r;
-        buf += cut;
-        n -= cut;
+/* Act on the events of the set waiting to be applied, in order. */
+static int apply_pending(Scanner *s) {
+    if (s->pend < 0) return 0;
+    Set *set = &s->sets[s->pend];
+    s->pend = -1;
+    for (int i = 0; i < set->n; i++) {
+        Tok *tk = &set->part[i].tok;
+        if (apply(s, tk, s->lines) < 0) return -2;
+        s->lines += tk->lines;
     }
-    return read_chunk(s, buf, n);
+    set->n = 0;
+    return 0;
 }
 
 /* the line carried over from the blocks before, now whole: buf[0:n] without its newline */
 static int read_one(Scanner *s, const char *buf, size_t n) {
-    Tok *tk = &s->parts[0].tok;
+    Tok *tk = &s->one;
     const char *kw_at[K_COUNT];
-    tk->n = 0;
-    tk->lines = 0;
+    tok_reset(tk, s->max_samples);
     uint32_t f = line_flags(buf, n, kw_at);
     if (f) {
         Span t = {buf, n};
@@ -1186,6 +1234,9 @@ static int read_one(Scanner *s, const char *buf, size_t n) {
     return 0;
 }
 
+/* Read one block of the input. Its whole lines are read (by threads when it is large) while
+ * the events of the block before are applied and the line carried across them is read; their
+ * events are applied with the next block, or by finish(). */
 static int feed_buffer(Scanner *s, const char *p, size_t n) {
     const char *first = memchr(p, '\n', n);
     if (!first) {
@@ -1195,26 +1246,47 @@ static int feed_buffer(Scanner *s, const char *p, size_t n) {
         return 0;
     }
     size_t head = (size_t)(first - p) + 1;
-    if (s->carry_n) {
-        if (grow((void **)&s->carry, &s->carry_cap, s->carry_n + head, 1)) return -1;
-        memcpy(s->carry + s->carry_n, p, head);
-        size_t len = s->carry_n + head - 1;
-        s->carry_n = 0;
-        int r = read_one(s, s->carry, len);
+    int carried = s->carry_n > 0;
+    const char *q = carried ? p + head : p;
+    size_t m = carried ? n - head : n;
+    const char *last = m ? memrchr(q, '\n', m) : NULL;
+    size_t whole = last ? (size_t)(last - q) + 1 : 0;
+    size_t done = 0;
+    do {
+        size_t cut = whole;
+        if (whole - done > PART_MAX) {
+            const char *nl = memchr(q + done + PART_MAX, '\n', whole - done - PART_MAX);
+            cut = nl ? (size_t)(nl - q) + 1 : whole;
+        }
+        int next = -1;
+        if (cut > done) {
+            next = s->pend == 0 ? 1 : 0;
+            set_start(s, &s->sets[next], q + done, cut - done);
+        }
+        int r = apply_pending(s);
+        if (r == 0 && carried) {
+            carried = 0;
+            if (grow((void **)&s->carry, &s->carry_cap, s->carry_n + head, 1)) {
+                r = -1;
+            } else {
+                memcpy(s->carry + s->carry_n, p, head);
+                size_t len = s->carry_n + head - 1;
+                s->carry_n = 0;
+                r = read_one(s, s->carry, len);
+            }
+        }
+        if (next >= 0) {
+            int j = set_join(s, &s->sets[next]);
+            if (r == 0) r = j;
+            s->pend = next;
+        }
         if (r < 0) return r;
-        p += head;
-        n -= head;
-    }
-    const char *last = memrchr(p, '\n', n);
-    size_t whole = last ? (size_t)(last - p) + 1 : 0;
-    if (whole) {
-        int r = read_lines(s, p, whole);
-        if (r < 0) return r;
-    }
-    if (n > whole) {
-        if (grow((void **)&s->carry, &s->carry_cap, n - whole, 1)) return -1;
-        memcpy(s->carry, p + whole, n - whole);
-        s->carry_n = n - whole;
+        done = cut;
+    } while (done < whole);
+    if (m > whole) {
+        if (grow((void **)&s->carry, &s->carry_cap, m - whole, 1)) return -1;
+        memcpy(s->carry, q + whole, m - whole);
+        s->carry_n = m - whole;
     }
     return 0;
 }
@@ -1295,13 +1367,14 @@ static PyObject *failure_tuple(const FailRec *f) {
 
 static PyObject *Scanner_finish(Scanner *s, PyObject *unused) {
     (void)unused;
-    if (s->carry_n) {
+    int r = apply_pending(s);
+    if (r == 0 && s->carry_n) {
         size_t len = s->carry_n;
         s->carry_n = 0;
-        int r = read_one(s, s->carry, len);
-        if (r == -1) return PyErr_NoMemory();
-        if (r < 0) return NULL;
+        r = read_one(s, s->carry, len);
     }
+    if (r == -1) return PyErr_NoMemory();
+    if (r < 0) return NULL;
     close_failure(s);
     if (s->n_steps) s->recovered++;
     if (s->oom) return PyErr_NoMemory();

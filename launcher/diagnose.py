@@ -23,13 +23,19 @@ What the real server (b11434) taught, beyond LLAMA_SERVER_FACTS §2:
   first view at that offset); a memory-slot line of another size starts a new batch, whose
   first view is the one that counts.
 
-Streams in constant memory: the input is read in binary blocks of whole lines. Lines holding
-an event keyword (``serverlog.KEYWORDS``: startup, release, send_error, decode errors...) are
-found with C-level searches over the block and parsed one by one; the batch-halving cascade
-lines between two such lines (most of a failing server's log) are taken at once from counts
-and a few searches (``_Scanner.cascade``), falling back to line by line when a line does not
-have the usual form. Only the last ``keep`` failures are kept in detail (every failure is
-counted), and their steps are made from the stored text of the first MAX_STEPS tries.
+Two readers give the same report. The native one (``launcher._diagscan``, C, built with the
+package) is used when it was built: it reads a 1 GiB log in well under a second. The Python
+one below (``_Scanner``) is its reference and the fallback; ``diagnose(engine=...)`` picks
+one. Both read numbers as 1..10 ASCII digits (``serverlog._compile``).
+
+Both stream in constant memory. The Python reader reads binary blocks of whole lines; lines
+holding an event keyword (``serverlog.KEYWORDS``: startup, release, send_error, decode
+errors...) are found with C-level searches over the block and parsed one by one; the
+batch-halving cascade lines between two such lines (most of a failing server's log) are taken
+at once from counts and a few searches (``_Scanner.cascade``), falling back to line by line
+when a line does not have the usual form. Only the last ``keep`` failures are kept in detail
+(every failure is counted), and their steps are made from the stored text of the first
+MAX_STEPS tries.
 """
 
 from __future__ import annotations
