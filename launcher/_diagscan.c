@@ -21,7 +21,9 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
 #include <pthread.h>
+#include <unistd.h>
 #include <stdint.h>
 #include <string.h>
 #if defined(__SSE2__)
@@ -276,12 +278,22 @@ typedef struct {
 
 typedef struct {
     Tok tok;
-    const char *buf;
+    const char *buf;   /* in memory: buf[0:n], whole lines */
     size_t n;
     int64_t max_slots;
     int done;          /* read already (one part, read in place) */
     int started;       /* read by its own thread */
     pthread_t th;
+    /* from a file (fd >= 0): the lines that start in [a, b), read with pread in chunks of
+     * `chunk` bytes; the file's reading began at `first` and it had `end` bytes then */
+    int fd;
+    int64_t a, b, first, end;
+    size_t chunk;
+    char *rbuf;
+    size_t rcap;
+    size_t tail_at, tail_n; /* an unterminated last line of the file, in rbuf */
+    int err;           /* errno of a failed read; -1: the file ended at err_at, early */
+    int64_t err_at;
 } Part;
 
 /* The parts of one block, read together; their events wait to be applied until the next
@@ -298,8 +310,12 @@ typedef struct {
     Py_ssize_t keep, max_steps, max_samples;
     int64_t max_slots, cell_pad;
     int threads;
+    int64_t part_min;  /* the smallest block (or file round) split over threads */
     Set sets[2];
     int pend;          /* the set whose events are not applied yet, or -1 */
+    int running;       /* the set whose threads may still be reading, or -1 */
+    Py_buffer held;    /* the block they read (holding: 1) */
+    int holding;
     Tok one;           /* the line carried across blocks */
     /* reading */
     char *carry; size_t carry_n, carry_cap;
@@ -1080,16 +1096,34 @@ static void scan_lines(Tok *tk, const char *buf, size_t n, int64_t max_slots) {
 /* ------------------------------------------------------------------------------------------
  * The Python type */
 
+static int settle(Scanner *s);
+
+static PyObject *Scanner_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    (void)args;
+    (void)kw;
+    Scanner *s = (Scanner *)type->tp_alloc(type, 0);
+    if (s) {
+        s->threads = 1;
+        s->part_min = PART_MIN;
+        s->pend = s->running = -1;
+    }
+    return (PyObject *)s;
+}
+
 static int Scanner_init(Scanner *s, PyObject *args, PyObject *kw) {
     static char *names[] = {"pool_hint", "keep", "max_steps", "max_samples", "max_slots",
-                            "cell_pad", "threads", NULL};
+                            "cell_pad", "threads", "part_min", NULL};
     PyObject *hint;
     long long max_slots, cell_pad;
     s->threads = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OnnnLL|i", names, &hint, &s->keep, &s->max_steps,
-                                     &s->max_samples, &max_slots, &cell_pad, &s->threads))
+    long long part_min = PART_MIN;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OnnnLL|iL", names, &hint, &s->keep, &s->max_steps,
+                                     &s->max_samples, &max_slots, &cell_pad, &s->threads,
+                                     &part_min))
         return -1;
+    s->part_min = part_min > 1 ? part_min : 1;
     s->pend = -1;
+    s->running = -1;
     if (s->threads < 1) s->threads = 1;
     if (s->threads > MAX_PARTS) s->threads = MAX_PARTS;
     if (hint != Py_None) {
@@ -1117,10 +1151,12 @@ static int Scanner_init(Scanner *s, PyObject *args, PyObject *kw) {
 }
 
 static void Scanner_dealloc(Scanner *s) {
+    settle(s); /* threads still reading a block: wait for them, let the block go */
     for (int j = 0; j < 2; j++)
         for (int i = 0; i < MAX_PARTS; i++) {
             free(s->sets[j].part[i].tok.v);
             free(s->sets[j].part[i].tok.txt);
+            free(s->sets[j].part[i].rbuf);
         }
     free(s->one.v);
     free(s->one.txt);
@@ -1148,9 +1184,75 @@ static void tok_reset(Tok *tk, Py_ssize_t max_texts) {
     tk->max_texts = max_texts;
 }
 
+/* The lines of a file that start in [a, b): a line running into a belongs to the part
+ * before, which reads on past b to finish its own last line. */
+static void file_part(Part *p) {
+    Tok *tk = &p->tok;
+    int skipping = p->a > p->first;
+    int64_t pos = skipping ? p->a - 1 : p->a; /* from the byte before a: is a a line start? */
+    size_t keep = 0;                          /* an unfinished line at rbuf[0] */
+    p->tail_n = 0;
+    for (;;) {
+        if (grow((void **)&p->rbuf, &p->rcap, keep + p->chunk, 1)) {
+            tk->oom = 1;
+            return;
+        }
+        int64_t want = p->end - pos < (int64_t)p->chunk ? p->end - pos : (int64_t)p->chunk;
+        if (want <= 0) {
+            /* the file's end: what is left is its last line, without a newline */
+            if (!skipping && keep) {
+                p->tail_at = 0;
+                p->tail_n = keep;
+            }
+            return;
+        }
+        ssize_t got = pread(p->fd, p->rbuf + keep, (size_t)want, pos);
+        if (got < 0) {
+            if (errno == EINTR) continue;
+            p->err = errno;
+            return;
+        }
+        if (got == 0) {
+            p->err = -1;
+            p->err_at = pos;
+            return;
+        }
+        int64_t base = pos - (int64_t)keep; /* the file offset of rbuf[0] */
+        pos += got;
+        char *d = p->rbuf;
+        size_t len = keep + (size_t)got, from = 0;
+        keep = 0;
+        if (skipping) {
+            char *nl = memchr(d, '\n', len);
+            if (!nl) continue; /* still inside the line before a */
+            skipping = 0;
+            from = (size_t)(nl - d) + 1;
+        }
+        if (base + (int64_t)from >= p->b) return; /* no (more) lines start before b */
+        /* the part ends with the line holding byte b - 1: read through it when it is here */
+        if (p->b - base <= (int64_t)len) {
+            size_t last = (size_t)(p->b - base) - 1;
+            char *nl = memchr(d + last, '\n', len - last);
+            if (nl) {
+                scan_lines(tk, d + from, (size_t)(nl - d) + 1 - from, p->max_slots);
+                return;
+            }
+        }
+        /* else the whole lines here, and the unfinished one kept for the next chunk */
+        char *nl = memrchr(d + from, '\n', len - from);
+        size_t whole = nl ? (size_t)(nl - d) + 1 : from;
+        if (whole > from) scan_lines(tk, d + from, whole - from, p->max_slots);
+        keep = len - whole;
+        memmove(d, d + whole, keep);
+    }
+}
+
 static void *part_run(void *arg) {
     Part *part = arg;
-    if (part->n) scan_lines(&part->tok, part->buf, part->n, part->max_slots);
+    if (part->fd >= 0)
+        file_part(part);
+    else if (part->n)
+        scan_lines(&part->tok, part->buf, part->n, part->max_slots);
     part->done = 1;
     return NULL;
 }
@@ -1158,7 +1260,7 @@ static void *part_run(void *arg) {
 /* Start reading buf[0:n] (whole lines, at most PART_MAX bytes) into `set`: in `threads`
  * parts, each on its own thread, when the block is large enough; else here and now. */
 static void set_start(Scanner *s, Set *set, const char *buf, size_t n) {
-    int parts = n >= PART_MIN ? s->threads : 1;
+    int parts = (int64_t)n >= s->part_min ? s->threads : 1;
     size_t at = 0;
     for (int i = 0; i < parts; i++) {
         size_t cut = n;
@@ -1174,6 +1276,7 @@ static void set_start(Scanner *s, Set *set, const char *buf, size_t n) {
         part->n = cut - at;
         part->max_slots = s->max_slots;
         part->done = part->started = 0;
+        part->fd = -1;
         at = cut;
     }
     set->n = parts;
@@ -1234,10 +1337,30 @@ static int read_one(Scanner *s, const char *buf, size_t n) {
     return 0;
 }
 
-/* Read one block of the input. Its whole lines are read (by threads when it is large) while
- * the events of the block before are applied and the line carried across them is read; their
- * events are applied with the next block, or by finish(). */
-static int feed_buffer(Scanner *s, const char *p, size_t n) {
+/* Wait for the set the last feed() left its threads reading, and let its block go: its
+ * events become the pending ones. */
+static int settle(Scanner *s) {
+    if (s->running < 0) return 0;
+    int i = s->running;
+    s->running = -1;
+    int r = set_join(s, &s->sets[i]);
+    s->pend = i;
+    if (s->holding) {
+        PyBuffer_Release(&s->held);
+        s->holding = 0;
+    }
+    return r;
+}
+
+/* Read one block of the input: while its whole lines are read (by one thread per CPU when
+ * it is large), the events of the block before are applied and the line carried across the
+ * two is read. The threads may still be reading when this returns (the caller reads the next
+ * block meanwhile): *left_running says so, and the block must stay unchanged until the next
+ * feed or finish. */
+static int feed_buffer(Scanner *s, const char *p, size_t n, int *left_running) {
+    *left_running = 0;
+    int r = settle(s);
+    if (r < 0) return r;
     const char *first = memchr(p, '\n', n);
     if (!first) {
         if (grow((void **)&s->carry, &s->carry_cap, s->carry_n + n, 1)) return -1;
@@ -1262,8 +1385,9 @@ static int feed_buffer(Scanner *s, const char *p, size_t n) {
         if (cut > done) {
             next = s->pend == 0 ? 1 : 0;
             set_start(s, &s->sets[next], q + done, cut - done);
+            s->running = next;
         }
-        int r = apply_pending(s);
+        r = apply_pending(s);
         if (r == 0 && carried) {
             carried = 0;
             if (grow((void **)&s->carry, &s->carry_cap, s->carry_n + head, 1)) {
@@ -1275,29 +1399,112 @@ static int feed_buffer(Scanner *s, const char *p, size_t n) {
                 r = read_one(s, s->carry, len);
             }
         }
-        if (next >= 0) {
-            int j = set_join(s, &s->sets[next]);
-            if (r == 0) r = j;
-            s->pend = next;
-        }
-        if (r < 0) return r;
         done = cut;
+        if (r == 0 && done < whole) r = settle(s); /* a block over PART_MAX: one part at a time */
+        if (r < 0) {
+            int j = settle(s);
+            (void)j;
+            return r;
+        }
     } while (done < whole);
     if (m > whole) {
-        if (grow((void **)&s->carry, &s->carry_cap, m - whole, 1)) return -1;
+        if (grow((void **)&s->carry, &s->carry_cap, m - whole, 1)) {
+            settle(s);
+            return -1;
+        }
         memcpy(s->carry, q + whole, m - whole);
         s->carry_n = m - whole;
     }
+    *left_running = s->running >= 0;
     return 0;
 }
 
 static PyObject *Scanner_feed(Scanner *s, PyObject *arg) {
     Py_buffer view;
     if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return NULL;
-    int r = feed_buffer(s, view.buf, (size_t)view.len);
-    PyBuffer_Release(&view);
+    int running;
+    int r = feed_buffer(s, view.buf, (size_t)view.len, &running);
+    if (running) {
+        s->held = view; /* released by settle() */
+        s->holding = 1;
+    } else {
+        PyBuffer_Release(&view);
+    }
     if (r == -1 || s->oom) return PyErr_NoMemory();
     if (r < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* feed_file(fd, start, end, part): read the file's bytes [start, end) with pread, `threads`
+ * parts of `part` bytes at a time, each part on its own thread reading and scanning its own
+ * chunks (the bytes are scanned while they are still in the CPU's cache); a round's events
+ * are applied while the next round is read. An unterminated last line waits for finish(). */
+static PyObject *Scanner_feed_file(Scanner *s, PyObject *args) {
+    int fd;
+    long long start, end, part_size;
+    if (!PyArg_ParseTuple(args, "iLLL", &fd, &start, &end, &part_size)) return NULL;
+    if (fd < 0 || start < 0 || end < start || part_size <= 0) {
+        PyErr_SetString(PyExc_ValueError, "feed_file(fd >= 0, 0 <= start <= end, part > 0)");
+        return NULL;
+    }
+    int r = settle(s);
+    if (r == 0) r = apply_pending(s);
+    if (r < 0) return r == -1 ? PyErr_NoMemory() : NULL;
+    if (s->carry_n) {
+        PyErr_SetString(PyExc_ValueError, "feed_file after feed left a line unfinished");
+        return NULL;
+    }
+    size_t chunk = part_size < (1 << 20) ? (size_t)part_size : (size_t)1 << 20;
+    int64_t at = start;
+    while (at < end) {
+        int parts = (end - at) >= s->part_min ? s->threads : 1;
+        int64_t round_end = at + part_size * parts < end ? at + part_size * parts : end;
+        int next = s->pend == 0 ? 1 : 0;
+        Set *set = &s->sets[next];
+        for (int i = 0; i < parts; i++) {
+            Part *p = &set->part[i];
+            tok_reset(&p->tok, s->max_samples);
+            p->fd = fd;
+            p->a = at + (round_end - at) * i / parts;
+            p->b = i == parts - 1 ? round_end : at + (round_end - at) * (i + 1) / parts;
+            p->first = start;
+            p->end = end;
+            p->chunk = chunk;
+            p->err = 0;
+            p->tail_n = 0;
+            p->n = 0;
+            p->max_slots = s->max_slots;
+            p->done = p->started = 0;
+        }
+        set->n = parts;
+        if (parts > 1)
+            for (int i = 0; i < parts; i++)
+                set->part[i].started =
+                    pthread_create(&set->part[i].th, NULL, part_run, &set->part[i]) == 0;
+        s->running = next;
+        r = apply_pending(s);   /* the round before, while this one is read */
+        int j = settle(s);      /* (reads the parts no thread was had for) */
+        if (r == 0) r = j;
+        if (r < 0) return r == -1 ? PyErr_NoMemory() : NULL;
+        for (int i = 0; i < parts; i++) {
+            Part *p = &set->part[i];
+            if (p->err > 0) {
+                errno = p->err;
+                return PyErr_SetFromErrno(PyExc_OSError);
+            }
+            if (p->err < 0)
+                return PyErr_Format(PyExc_EOFError,
+                                    "the file ended at byte %lld, before the %lld bytes it had "
+                                    "when reading began",
+                                    (long long)p->err_at, (long long)end);
+            if (p->tail_n) {
+                if (grow((void **)&s->carry, &s->carry_cap, p->tail_n, 1)) return PyErr_NoMemory();
+                memcpy(s->carry, p->rbuf + p->tail_at, p->tail_n);
+                s->carry_n = p->tail_n;
+            }
+        }
+        at = round_end;
+    }
     Py_RETURN_NONE;
 }
 
@@ -1367,7 +1574,8 @@ static PyObject *failure_tuple(const FailRec *f) {
 
 static PyObject *Scanner_finish(Scanner *s, PyObject *unused) {
     (void)unused;
-    int r = apply_pending(s);
+    int r = settle(s);
+    if (r == 0) r = apply_pending(s);
     if (r == 0 && s->carry_n) {
         size_t len = s->carry_n;
         s->carry_n = 0;
@@ -1419,7 +1627,11 @@ static PyObject *Scanner_finish(Scanner *s, PyObject *unused) {
 
 static PyMethodDef Scanner_methods[] = {
     {"feed", (PyCFunction)Scanner_feed, METH_O,
-     "feed(data): read a block of the log (any bytes-like object; lines may span blocks)"},
+     "feed(data): read a block of the log (a bytes-like object; lines may span blocks). The "
+     "block is read on after feed returns: leave it unchanged until the next feed or finish"},
+    {"feed_file", (PyCFunction)Scanner_feed_file, METH_VARARGS,
+     "feed_file(fd, start, end, part): read the file's bytes [start, end) (pread; the file "
+     "position is not used), in parts of `part` bytes, one thread per part"},
     {"finish", (PyCFunction)Scanner_finish, METH_NOARGS,
      "finish() -> dict: end the input and return the raw results"},
     {NULL, NULL, 0, NULL},
@@ -1430,7 +1642,7 @@ static PyTypeObject ScannerType = {
     .tp_basicsize = sizeof(Scanner),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "Scanner(pool_hint, keep, max_steps, max_samples, max_slots, cell_pad, threads=1)",
-    .tp_new = PyType_GenericNew,
+    .tp_new = Scanner_new,
     .tp_init = (initproc)Scanner_init,
     .tp_dealloc = (destructor)Scanner_dealloc,
     .tp_methods = Scanner_methods,

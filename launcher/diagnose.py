@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import re
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
@@ -1147,54 +1148,45 @@ def _threads() -> int:
         return max(1, min(8, os.cpu_count() or 1))
 
 
-def _blocks(stream: IO[bytes], block: int) -> Iterator[memoryview | bytes]:
-    """The stream in blocks. A regular file is mapped a window at a time (no copy; the pages
-    of a window are let go when it is done, so memory stays flat); anything else is read into
-    one reused buffer."""
-    import mmap
+#: The smallest block (or round of a file) the native reader splits over threads.
+PART_MIN = 1 << 20
+
+
+def _file_span(stream: IO[bytes]) -> tuple[int, int, int] | None:
+    """(fd, where the stream stands, the file's size) when the stream is a regular file."""
     import os
     import stat
 
     try:
         fd = stream.fileno()
         st = os.fstat(fd)
-        regular = stat.S_ISREG(st.st_mode) and stream.seekable()
-    except (AttributeError, OSError, ValueError):
-        regular = False
-    if regular:
-        grain = mmap.ALLOCATIONGRANULARITY
-        window = max(grain, block // grain * grain)
-        # where the stream stands is where reading starts (the CLI passes a fresh file)
-        start = stream.tell()
-        base = start // grain * grain
-        skip = start - base
-        size = os.fstat(fd).st_size
-        off = base
-        while off < size:
-            n = min(window, size - off)
-            with mmap.mmap(fd, n, offset=off, access=mmap.ACCESS_READ) as mm:
-                if hasattr(mm, "madvise"):
-                    mm.madvise(mmap.MADV_SEQUENTIAL)
-                with memoryview(mm) as view, view[skip:] as part:
-                    yield part
-            skip = 0
-            off += n
-        stream.seek(size)
-        return
-    buf = bytearray(block)
-    view = memoryview(buf)
+        if not (stat.S_ISREG(st.st_mode) and stream.seekable()):
+            return None
+        return fd, stream.tell(), st.st_size
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        return None
+
+
+def _blocks(stream: IO[bytes], block: int) -> Iterator[memoryview | bytes]:
+    """The stream in blocks, read into two buffers in turn: the native reader goes on reading
+    a block after ``feed`` returns, while the next one is read into the other buffer."""
+    bufs = (bytearray(block), bytearray(block))
+    turn = 0
     readinto = getattr(stream, "readinto", None)
     while True:
-        if readinto is not None:
-            n = readinto(buf)
-            if not n:
-                return
-            yield view[:n]
-        else:
+        if readinto is None:
             data = stream.read(block)
             if not data:
                 return
             yield data
+            continue
+        buf = bufs[turn]
+        turn ^= 1
+        n = readinto(buf)
+        if not n:
+            return
+        with memoryview(buf) as view:
+            yield view[:n]
 
 
 def _read_native(
@@ -1207,10 +1199,25 @@ def _read_native(
 ) -> tuple[_Outcome, int]:
     """Read with the C reader and turn its records into what ``_Scanner.outcome`` returns."""
     scanner = native.Scanner(
-        pool_hint, keep, MAX_STEPS, MAX_SAMPLES, pool.MAX_SLOTS, pool.CELL_PAD, _threads()
+        pool_hint, keep, MAX_STEPS, MAX_SAMPLES, pool.MAX_SLOTS, pool.CELL_PAD, _threads(), PART_MIN
     )
-    for data in _blocks(stream, block):
-        scanner.feed(data)
+    span = _file_span(stream)
+    if span is None:
+        for data in _blocks(stream, block):
+            scanner.feed(data)
+    else:
+        # a file: the C reader's threads read their own parts of it (pread), from where the
+        # stream stands to the size it has now
+        fd, start, end = span
+        try:
+            scanner.feed_file(fd, start, end, block)
+        except EOFError as e:
+            raise ConfigInvalid(
+                f"the log shrank while it was read ({e}): was it rotated? read it again"
+            ) from e
+        except OSError as e:
+            raise ConfigInvalid(f"cannot read the log: {e.strerror or e}") from e
+        stream.seek(end)
     raw = scanner.finish()
     configs: dict[tuple[Any, ...], Config] = {}
 

@@ -9,7 +9,9 @@ The Python reader is the reference (``launcher/diagnose.py``), the C one is what
 from __future__ import annotations
 
 import io
+import os
 import re
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -60,20 +62,64 @@ def test_same_report_keeping_few_failures(logs: dict[str, Any], keep: int) -> No
     assert len(native.failures) == min(keep, native.failures_total)
 
 
-def test_a_file_is_read_from_where_it_stands(logs: dict[str, Any], tmp_path: Path) -> None:
-    """A regular file is mapped a window at a time; reading starts at the file's position."""
+@pytest.mark.parametrize(
+    ("threads", "block", "copies"), [(1, 65536, 40), (2, 7, 5), (3, 777, 40), (8, 65536, 40)]
+)
+def test_a_file_is_read_from_where_it_stands(
+    logs: dict[str, Any],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    threads: int,
+    block: int,
+    copies: int,
+) -> None:
+    """A regular file is read by the C reader's threads, each its own part (pread); a line
+    belongs to the part it starts in. Reading starts where the stream stands."""
     one = logs["overflow"].log.read_bytes()
-    data = one * 40
+    data = one * copies + b"an unterminated last line with stop processing"
     path = tmp_path / "big.log"
     path.write_bytes(data)
+    monkeypatch.setattr(diagnose, "PART_MIN", 1)  # split even a small file over the threads
+    monkeypatch.setattr(diagnose, "_threads", lambda: threads)
     start = len(one) * 3 + one.index(b"\n", 5000) + 1  # inside the 4th copy, at a line start
     with open(path, "rb") as f:
         f.seek(start)
-        mapped = diagnose.diagnose(f, "x", engine="native", block=65536)
+        read = diagnose.diagnose(f, "x", engine="native", block=block)
         assert f.tell() == len(data)
     streamed = diagnose.diagnose(io.BytesIO(data[start:]), "x", engine="python", block=65536)
-    assert mapped == streamed
-    assert mapped.lines == len(data[start:].splitlines())
+    assert read == streamed
+    assert read.lines == len(data[start:].splitlines()) and read.drift_lines == 1
+
+
+def test_a_log_that_shrinks_while_it_is_read_is_a_clear_error(
+    logs: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rotated (truncated) file ends before the size it had: an error that says so, not a
+    report on part of it. (Fake: the size is reported larger than the file, as if it shrank
+    between the fstat and the reads.)"""
+    real = diagnose._file_span
+
+    def grown(stream: Any) -> tuple[int, int, int] | None:
+        span = real(stream)
+        assert span is not None
+        return span[0], span[1], span[2] + 4096
+
+    monkeypatch.setattr(diagnose, "_file_span", grown)
+    with (
+        open(logs["overflow"].log, "rb") as f,
+        pytest.raises(ConfigInvalid, match=r"shrank while it was read.*rotated"),
+    ):
+        diagnose.diagnose(f, "x", engine="native")
+
+
+def test_an_unreadable_file_is_a_clear_error(tmp_path: Path) -> None:
+    path = tmp_path / "w.log"
+    path.write_bytes(b"a\n")
+    with (
+        os.fdopen(os.open(path, os.O_WRONLY), "wb") as f,  # a file opened only for writing
+        pytest.raises(ConfigInvalid, match="cannot read the log: Bad file descriptor"),
+    ):
+        diagnose.diagnose(f, "x", engine="native")
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 8])
@@ -195,3 +241,17 @@ def test_same_report_on_damaged_logs(logs: dict[str, Any], data: st.DataObject) 
     )
     native, python = both(log, **kw)
     assert native == python
+    # and from a file, in small parts over 1 to 4 threads (a thread per part and round)
+    threads = data.draw(st.integers(1, 4))
+    kw["block"] = data.draw(st.sampled_from([333, 1500, 4096, 1 << 20]))
+    with tempfile.NamedTemporaryFile() as f:
+        f.write(log)
+        f.flush()
+        with open(f.name, "rb") as g:
+            saved = diagnose.PART_MIN, diagnose._threads
+            diagnose.PART_MIN, diagnose._threads = 1, lambda: threads
+            try:
+                from_file = diagnose.diagnose(g, "x", engine="native", **kw)
+            finally:
+                diagnose.PART_MIN, diagnose._threads = saved
+    assert from_file == python
