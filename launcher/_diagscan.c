@@ -316,6 +316,7 @@ typedef struct {
     int running;       /* the set whose threads may still be reading, or -1 */
     Py_buffer held;    /* the block they read (holding: 1) */
     int holding;
+    int busy;          /* a call is in progress (it lets the GIL go while threads read) */
     Tok one;           /* the line carried across blocks */
     /* reading */
     char *carry; size_t carry_n, carry_cap;
@@ -466,6 +467,15 @@ static void purge(Scanner *s, int64_t slot, int64_t tokens) {
     }
 }
 
+/* The slot for a new entry of a ring of `keep` (> 0) holding *n from *head; the oldest
+ * entry gives way when it is full (Python: deque(maxlen=keep)). */
+static Py_ssize_t ring_slot(Py_ssize_t *n, Py_ssize_t *head, Py_ssize_t keep) {
+    if (*n < keep) return (*head + (*n)++) % keep;
+    Py_ssize_t at = *head;
+    *head = (*head + 1) % keep;
+    return at;
+}
+
 static int classify(const FailRec *p) {
     if (p->error != 0 || p->slots.n == 0) return C_UNKNOWN;
     if (p->config.present && p->config.boot.has_fit) return C_FIT;
@@ -514,14 +524,7 @@ static void close_failure(Scanner *s) {
     s->class_config[p->cls] = p->config;
     /* into the ring; the slot's old buffers are reused for the next pending failure */
     if (s->keep <= 0) return;
-    Py_ssize_t at;
-    if (s->kept_n < s->keep) {
-        at = (s->kept_head + s->kept_n) % s->keep;
-        s->kept_n++;
-    } else {
-        at = s->kept_head;
-        s->kept_head = (s->kept_head + 1) % s->keep;
-    }
+    Py_ssize_t at = ring_slot(&s->kept_n, &s->kept_head, s->keep);
     FailRec old = s->kept[at];
     s->kept[at] = *p;
     p->steps = old.steps;
@@ -803,14 +806,7 @@ static void reject(Scanner *s, int64_t line, int64_t n_prompt, int64_t n_ctx) {
     s->rejections_total++;
     s->rejection_config = s->config;
     if (s->keep > 0) {
-        Py_ssize_t at;
-        if (s->rej_n < s->keep) {
-            at = (s->rej_head + s->rej_n) % s->keep;
-            s->rej_n++;
-        } else {
-            at = s->rej_head;
-            s->rej_head = (s->rej_head + 1) % s->keep;
-        }
+        Py_ssize_t at = ring_slot(&s->rej_n, &s->rej_head, s->keep);
         s->rej[at * 3] = line;
         s->rej[at * 3 + 1] = n_prompt;
         s->rej[at * 3 + 2] = n_ctx;
@@ -1111,6 +1107,10 @@ static PyObject *Scanner_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
 }
 
 static int Scanner_init(Scanner *s, PyObject *args, PyObject *kw) {
+    if (s->samples) {
+        PyErr_SetString(PyExc_RuntimeError, "a Scanner is set up once; make a new one");
+        return -1;
+    }
     static char *names[] = {"pool_hint", "keep", "max_steps", "max_samples", "max_slots",
                             "cell_pad", "threads", "part_min", NULL};
     PyObject *hint;
@@ -1419,7 +1419,31 @@ static int feed_buffer(Scanner *s, const char *p, size_t n, int *left_running) {
     return 0;
 }
 
+static PyObject *Scanner_feed_(Scanner *s, PyObject *arg);
+
+/* One call at a time: each lets the GIL go while its threads read, and another Python
+ * thread must not use the scanner meanwhile. */
+static int enter(Scanner *s) {
+    if (!s->samples) {
+        PyErr_SetString(PyExc_RuntimeError, "the Scanner was not set up");
+        return -1;
+    }
+    if (s->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "the Scanner is in use by another thread");
+        return -1;
+    }
+    s->busy = 1;
+    return 0;
+}
+
 static PyObject *Scanner_feed(Scanner *s, PyObject *arg) {
+    if (enter(s) < 0) return NULL;
+    PyObject *out = Scanner_feed_(s, arg);
+    s->busy = 0;
+    return out;
+}
+
+static PyObject *Scanner_feed_(Scanner *s, PyObject *arg) {
     Py_buffer view;
     if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return NULL;
     int running;
@@ -1439,7 +1463,16 @@ static PyObject *Scanner_feed(Scanner *s, PyObject *arg) {
  * parts of `part` bytes at a time, each part on its own thread reading and scanning its own
  * chunks (the bytes are scanned while they are still in the CPU's cache); a round's events
  * are applied while the next round is read. An unterminated last line waits for finish(). */
+static PyObject *Scanner_feed_file_(Scanner *s, PyObject *args);
+
 static PyObject *Scanner_feed_file(Scanner *s, PyObject *args) {
+    if (enter(s) < 0) return NULL;
+    PyObject *out = Scanner_feed_file_(s, args);
+    s->busy = 0;
+    return out;
+}
+
+static PyObject *Scanner_feed_file_(Scanner *s, PyObject *args) {
     int fd;
     long long start, end, part_size;
     if (!PyArg_ParseTuple(args, "iLLL", &fd, &start, &end, &part_size)) return NULL;
@@ -1454,6 +1487,7 @@ static PyObject *Scanner_feed_file(Scanner *s, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "feed_file after feed left a line unfinished");
         return NULL;
     }
+    if (part_size > (long long)PART_MAX) part_size = (long long)PART_MAX; /* 32-bit line numbers */
     size_t chunk = part_size < (1 << 20) ? (size_t)part_size : (size_t)1 << 20;
     int64_t at = start;
     while (at < end) {
@@ -1572,8 +1606,17 @@ static PyObject *failure_tuple(const FailRec *f) {
                          config_tuple(&f->config), "steps", steps);
 }
 
+static PyObject *Scanner_finish_(Scanner *s);
+
 static PyObject *Scanner_finish(Scanner *s, PyObject *unused) {
     (void)unused;
+    if (enter(s) < 0) return NULL;
+    PyObject *out = Scanner_finish_(s);
+    s->busy = 0;
+    return out;
+}
+
+static PyObject *Scanner_finish_(Scanner *s) {
     int r = settle(s);
     if (r == 0) r = apply_pending(s);
     if (r == 0 && s->carry_n) {

@@ -1108,6 +1108,8 @@ def diagnose(
             f"pool size {pool_hint} is not a positive number of cells; "
             "give the -c the server runs with"
         )
+    if block < 1:
+        raise ConfigInvalid(f"block {block} is not a positive number of bytes")
     if engine not in (None, *ENGINES):
         raise ConfigInvalid(f"engine {engine!r} is not one of {', '.join(ENGINES)}")
     native = _native_module() if engine != "python" else None
@@ -1153,40 +1155,51 @@ PART_MIN = 1 << 20
 
 
 def _file_span(stream: IO[bytes]) -> tuple[int, int, int] | None:
-    """(fd, where the stream stands, the file's size) when the stream is a regular file."""
+    """(fd, where the stream stands, the file's size) when the stream reads a regular file's
+    bytes as they are (not through gzip, bz2...), and there is something left to read."""
     import os
     import stat
 
+    raw = stream.raw if isinstance(stream, io.BufferedReader) else stream
+    if not isinstance(raw, io.FileIO):
+        return None
     try:
         fd = stream.fileno()
         st = os.fstat(fd)
         if not (stat.S_ISREG(st.st_mode) and stream.seekable()):
             return None
-        return fd, stream.tell(), st.st_size
-    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        start = stream.tell()
+    except (OSError, ValueError):
         return None
+    # a size of 0 may not be the truth (/proc files); a position past the end reads nothing
+    return (fd, start, st.st_size) if start < st.st_size else None
 
 
 def _blocks(stream: IO[bytes], block: int) -> Iterator[memoryview | bytes]:
     """The stream in blocks, read into two buffers in turn: the native reader goes on reading
-    a block after ``feed`` returns, while the next one is read into the other buffer."""
+    a block after ``feed`` returns, while the next one is read into the other buffer. A stream
+    that cannot ``readinto`` is read with ``read``."""
     bufs = (bytearray(block), bytearray(block))
     turn = 0
     readinto = getattr(stream, "readinto", None)
     while True:
-        if readinto is None:
-            data = stream.read(block)
-            if not data:
-                return
-            yield data
-            continue
-        buf = bufs[turn]
-        turn ^= 1
-        n = readinto(buf)
-        if not n:
+        if readinto is not None:
+            buf = bufs[turn]
+            try:
+                n = readinto(buf)
+            except (NotImplementedError, io.UnsupportedOperation):
+                readinto = None  # a raw stream that implements read() only
+            else:
+                if not n:
+                    return
+                turn ^= 1
+                with memoryview(buf) as view:
+                    yield view[:n]
+                continue
+        data = stream.read(block)
+        if not data:
             return
-        with memoryview(buf) as view:
-            yield view[:n]
+        yield data
 
 
 def _read_native(
@@ -1217,7 +1230,11 @@ def _read_native(
             ) from e
         except OSError as e:
             raise ConfigInvalid(f"cannot read the log: {e.strerror or e}") from e
+        # what a live log gained meanwhile, read on as a stream (its first line may finish
+        # the last one read)
         stream.seek(end)
+        for data in _blocks(stream, block):
+            scanner.feed(data)
     raw = scanner.finish()
     configs: dict[tuple[Any, ...], Config] = {}
 

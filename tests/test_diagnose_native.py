@@ -8,6 +8,7 @@ The Python reader is the reference (``launcher/diagnose.py``), the C one is what
 
 from __future__ import annotations
 
+import gzip
 import io
 import os
 import re
@@ -116,7 +117,7 @@ def test_an_unreadable_file_is_a_clear_error(tmp_path: Path) -> None:
     path = tmp_path / "w.log"
     path.write_bytes(b"a\n")
     with (
-        os.fdopen(os.open(path, os.O_WRONLY), "wb") as f,  # a file opened only for writing
+        os.fdopen(os.open(path, os.O_WRONLY), "rb") as f,  # its descriptor is write-only
         pytest.raises(ConfigInvalid, match="cannot read the log: Bad file descriptor"),
     ):
         diagnose.diagnose(f, "x", engine="native")
@@ -255,3 +256,83 @@ def test_same_report_on_damaged_logs(logs: dict[str, Any], data: st.DataObject) 
             finally:
                 diagnose.PART_MIN, diagnose._threads = saved
     assert from_file == python
+
+
+# ---------------------------------------------------------------------------------------------
+# What reaches the native reader: only a plain file's own bytes are read with pread
+
+
+def test_a_compressed_log_is_read_through_its_decompressor(
+    logs: dict[str, Any], tmp_path: Path
+) -> None:
+    """gzip/bz2/lzma file objects have the compressed file's descriptor: not a plain file."""
+    data = logs["overflow"].log.read_bytes()
+    path = tmp_path / "log.gz"
+    with gzip.open(path, "wb") as f:
+        f.write(data)
+    with gzip.open(path, "rb") as f:
+        native = diagnose.diagnose(f, "x", engine="native")
+    assert native == diagnose.diagnose(io.BytesIO(data), "x", engine="python")
+
+
+def test_a_file_whose_size_says_zero_is_read_to_its_end() -> None:
+    with open("/proc/self/status", "rb") as f:  # st_size 0, content all the same
+        r = diagnose.diagnose(f, "x", engine="native")
+    assert r.lines > 10
+
+
+def test_a_file_read_past_its_end_is_an_empty_report(logs: dict[str, Any]) -> None:
+    with open(logs["healthy"].log, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        f.seek(f.tell() + 10)
+        assert diagnose.diagnose(f, "x", engine="native").lines == 0
+
+
+def test_a_stream_that_only_reads_is_read(logs: dict[str, Any]) -> None:
+    data = logs["overflow"].log.read_bytes()
+
+    class Raw(io.RawIOBase):  # read() only: the readinto it inherits raises
+        def __init__(self) -> None:
+            self.data = io.BytesIO(data)
+
+        def readable(self) -> bool:
+            return True
+
+        def read(self, size: int = -1) -> bytes:
+            return self.data.read(size)
+
+    native = diagnose.diagnose(Raw(), "x", engine="native")  # type: ignore[arg-type]
+    assert native == diagnose.diagnose(io.BytesIO(data), "x", engine="python")
+
+
+def test_what_a_live_log_gains_while_it_is_read_is_read_too(
+    logs: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The file is read in parts up to the size it had; what was written after is read on as
+    a stream, its first line finishing the last one. (Fake: the size reported is cut inside a
+    line, as if the writer was in the middle of it.)"""
+    path = logs["overflow"].log
+    data = path.read_bytes()
+    real = diagnose._file_span
+
+    def earlier(stream: Any) -> tuple[int, int, int] | None:
+        span = real(stream)
+        assert span is not None
+        return span[0], span[1], data.index(b"stop processing")
+
+    monkeypatch.setattr(diagnose, "_file_span", earlier)
+    with open(path, "rb") as f:
+        native = diagnose.diagnose(f, "x", engine="native")
+    assert native == diagnose.diagnose(io.BytesIO(data), "x", engine="python")
+
+
+def test_a_block_must_be_positive() -> None:
+    with pytest.raises(ConfigInvalid, match="block 0 is not a positive number of bytes"):
+        diagnose.diagnose(io.BytesIO(b"a\n"), "x", block=0)
+
+
+def test_a_native_scanner_is_set_up_once() -> None:
+    native = diagnose._native_module()
+    s = native.Scanner(None, 1, 64, 5, 256, 256)
+    with pytest.raises(RuntimeError, match="set up once"):
+        s.__init__(None, 1, 64, 5, 256, 256)
