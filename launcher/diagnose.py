@@ -1211,6 +1211,8 @@ def _read_native(
     block: int,
 ) -> tuple[_Outcome, int]:
     """Read with the C reader and turn its records into what ``_Scanner.outcome`` returns."""
+    import os
+
     scanner = native.Scanner(
         pool_hint, keep, MAX_STEPS, MAX_SAMPLES, pool.MAX_SLOTS, pool.CELL_PAD, _threads(), PART_MIN
     )
@@ -1233,8 +1235,9 @@ def _read_native(
         # what a live log gained meanwhile, read on as a stream (its first line may finish
         # the last one read)
         stream.seek(end)
-        for data in _blocks(stream, block):
-            scanner.feed(data)
+        if os.fstat(fd).st_size > end:
+            for data in _blocks(stream, block):
+                scanner.feed(data)
     raw = scanner.finish()
     configs: dict[tuple[Any, ...], Config] = {}
 
