@@ -1419,8 +1419,6 @@ static int feed_buffer(Scanner *s, const char *p, size_t n, int *left_running) {
     return 0;
 }
 
-static PyObject *Scanner_feed_(Scanner *s, PyObject *arg);
-
 /* One call at a time: each lets the GIL go while its threads read, and another Python
  * thread must not use the scanner meanwhile. */
 static int enter(Scanner *s) {
@@ -1436,12 +1434,17 @@ static int enter(Scanner *s) {
     return 0;
 }
 
-static PyObject *Scanner_feed(Scanner *s, PyObject *arg) {
-    if (enter(s) < 0) return NULL;
-    PyObject *out = Scanner_feed_(s, arg);
-    s->busy = 0;
-    return out;
-}
+/* The method `name`: `impl` (defined below it) with the scanner held by this call. */
+#define ONE_AT_A_TIME(name, impl)                                                              \
+    static PyObject *impl(Scanner *s, PyObject *arg);                                          \
+    static PyObject *name(Scanner *s, PyObject *arg) {                                         \
+        if (enter(s) < 0) return NULL;                                                         \
+        PyObject *out = impl(s, arg);                                                          \
+        s->busy = 0;                                                                           \
+        return out;                                                                            \
+    }
+
+ONE_AT_A_TIME(Scanner_feed, Scanner_feed_)
 
 static PyObject *Scanner_feed_(Scanner *s, PyObject *arg) {
     Py_buffer view;
@@ -1463,14 +1466,7 @@ static PyObject *Scanner_feed_(Scanner *s, PyObject *arg) {
  * parts of `part` bytes at a time, each part on its own thread reading and scanning its own
  * chunks (the bytes are scanned while they are still in the CPU's cache); a round's events
  * are applied while the next round is read. An unterminated last line waits for finish(). */
-static PyObject *Scanner_feed_file_(Scanner *s, PyObject *args);
-
-static PyObject *Scanner_feed_file(Scanner *s, PyObject *args) {
-    if (enter(s) < 0) return NULL;
-    PyObject *out = Scanner_feed_file_(s, args);
-    s->busy = 0;
-    return out;
-}
+ONE_AT_A_TIME(Scanner_feed_file, Scanner_feed_file_)
 
 static PyObject *Scanner_feed_file_(Scanner *s, PyObject *args) {
     int fd;
@@ -1606,17 +1602,10 @@ static PyObject *failure_tuple(const FailRec *f) {
                          config_tuple(&f->config), "steps", steps);
 }
 
-static PyObject *Scanner_finish_(Scanner *s);
+ONE_AT_A_TIME(Scanner_finish, Scanner_finish_)
 
-static PyObject *Scanner_finish(Scanner *s, PyObject *unused) {
+static PyObject *Scanner_finish_(Scanner *s, PyObject *unused) {
     (void)unused;
-    if (enter(s) < 0) return NULL;
-    PyObject *out = Scanner_finish_(s);
-    s->busy = 0;
-    return out;
-}
-
-static PyObject *Scanner_finish_(Scanner *s) {
     int r = settle(s);
     if (r == 0) r = apply_pending(s);
     if (r == 0 && s->carry_n) {
@@ -1708,6 +1697,25 @@ PyMODINIT_FUNC PyInit__diagscan(void) {
     if (PyType_Ready(&ScannerType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
+    PyObject *kws = PyTuple_New(K_COUNT);
+    if (!kws) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    for (int k = 0; k < K_COUNT; k++) {
+        PyObject *b = PyBytes_FromString(KW[k]);
+        if (!b) {
+            Py_DECREF(kws);
+            Py_DECREF(m);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(kws, k, b);
+    }
+    if (PyModule_AddObject(m, "KEYWORDS", kws) < 0) { /* steals kws on success */
+        Py_DECREF(kws);
+        Py_DECREF(m);
+        return NULL;
+    }
     if (PyModule_AddIntConstant(m, "MAX_DIGITS", MAX_DIGITS) < 0 ||
         PyModule_AddObjectRef(m, "Scanner", (PyObject *)&ScannerType) < 0) {
         Py_DECREF(m);

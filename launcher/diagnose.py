@@ -43,7 +43,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import os
 import re
+import stat
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -1109,7 +1111,7 @@ def diagnose(
             "give the -c the server runs with"
         )
     if block < 1:
-        raise ConfigInvalid(f"block {block} is not a positive number of bytes")
+        raise ConfigInvalid(f"block {block} is not a positive number of bytes; give 1 or more")
     if engine not in (None, *ENGINES):
         raise ConfigInvalid(f"engine {engine!r} is not one of {', '.join(ENGINES)}")
     native = _native_module() if engine != "python" else None
@@ -1119,7 +1121,9 @@ def diagnose(
             "with a C compiler present, or use the python engine"
         )
     if native is not None:
-        outcome, count = _read_native(native, stream, pool_hint, pool_hint_source, keep, block)
+        outcome, count = _read_native(
+            native, stream, source, pool_hint, pool_hint_source, keep, block
+        )
     else:
         scanner = _Scanner(pool_hint, pool_hint_source, keep)
         lines = _Lines(stream, block)
@@ -1142,8 +1146,6 @@ _CLASSES = (
 
 def _threads() -> int:
     """Threads the native reader splits a block over: the CPUs this process may use, up to 8."""
-    import os
-
     try:
         return max(1, min(8, len(os.sched_getaffinity(0))))
     except (AttributeError, OSError):
@@ -1157,9 +1159,6 @@ PART_MIN = 1 << 20
 def _file_span(stream: IO[bytes]) -> tuple[int, int, int] | None:
     """(fd, where the stream stands, the file's size) when the stream reads a regular file's
     bytes as they are (not through gzip, bz2...), and there is something left to read."""
-    import os
-    import stat
-
     raw = stream.raw if isinstance(stream, io.BufferedReader) else stream
     if not isinstance(raw, io.FileIO):
         return None
@@ -1205,14 +1204,13 @@ def _blocks(stream: IO[bytes], block: int) -> Iterator[memoryview | bytes]:
 def _read_native(
     native: Any,
     stream: IO[bytes],
+    source: str,
     pool_hint: int | None,
     pool_hint_source: str,
     keep: int,
     block: int,
 ) -> tuple[_Outcome, int]:
     """Read with the C reader and turn its records into what ``_Scanner.outcome`` returns."""
-    import os
-
     scanner = native.Scanner(
         pool_hint, keep, MAX_STEPS, MAX_SAMPLES, pool.MAX_SLOTS, pool.CELL_PAD, _threads(), PART_MIN
     )
@@ -1228,10 +1226,14 @@ def _read_native(
             scanner.feed_file(fd, start, end, block)
         except EOFError as e:
             raise ConfigInvalid(
-                f"the log shrank while it was read ({e}): was it rotated? read it again"
+                f"the log {source} shrank while it was read ({e}): was it rotated? "
+                "read it again, or the rotated file"
             ) from e
         except OSError as e:
-            raise ConfigInvalid(f"cannot read the log: {e.strerror or e}") from e
+            raise ConfigInvalid(
+                f"cannot read the log: {e.strerror or e} ({source}); "
+                "give a readable file, '-' or --unit"
+            ) from e
         # what a live log gained meanwhile, read on as a stream (its first line may finish
         # the last one read)
         stream.seek(end)

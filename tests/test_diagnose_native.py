@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from launcher import diagnose
+from launcher import diagnose, serverlog
 from launcher.errors import ConfigInvalid
 
 pytestmark = pytest.mark.real
@@ -34,6 +34,14 @@ def both(data: bytes, **kw: Any) -> tuple[diagnose.Report, diagnose.Report]:
 
 def test_the_native_reader_is_built() -> None:
     assert diagnose.native_available(), "scripts/setup builds launcher._diagscan with the package"
+
+
+def test_the_native_reader_knows_the_keywords_and_digits_serverlog_does() -> None:
+    """The C reader cannot import launcher.serverlog: its copies must not drift apart."""
+    native = diagnose._native_module()
+    python = {kw for kws in serverlog.KEYWORDS.values() for kw in kws}
+    assert set(native.KEYWORDS) == python and len(native.KEYWORDS) == len(python)
+    assert native.MAX_DIGITS == serverlog.MAX_DIGITS
 
 
 def test_an_unknown_or_missing_engine_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
