@@ -1,7 +1,7 @@
 """The installed llama-server binary: its flags (parsed from ``--help``), version and identity.
 
 ``--help`` is the flag schema of the binary the unit really runs (peers: llserve, mdl doctor).
-The parse is cached per binary identity (path, size, mtime, inode) by ``launcher.cache``.
+The parse is cached per binary identity (path, size, mtime, inode) by ``launcher.filefacts``.
 Help format of b11434 (common/arg.cpp:180-215): option lines start at column 0 with the
 spellings joined by ", ", then a value hint, padded to column 40; continuation lines are
 indented.
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from launcher import cache, proc
+from launcher import filefacts, proc
 from launcher.errors import CommandError, ValidationFailed
 
 _COL = 40
@@ -72,7 +72,7 @@ def inspect(path: str, cache_dir: Path | None = None) -> BinaryInfo:
             f"{path!r} is not an executable file; set llama_server to the "
             "llama-server binary (e.g. --llama-server /usr/local/bin/llama-server)",
         )
-    key = cache.file_key(path)
+    key = filefacts.file_key(path)
 
     def read() -> dict[str, Any]:
         try:
@@ -101,7 +101,7 @@ def inspect(path: str, cache_dir: Path | None = None) -> BinaryInfo:
             )
         )
 
-    data = cache.cached("help-v1", key, read, cache_dir, valid)
+    data = filefacts.cached("help-v1", key, read, cache_dir, valid)
     flags = {k: FlagSpec(tuple(v[0]), v[1]) for k, v in data["flags"].items()}
     return BinaryInfo(path, key, str(data["version"]), flags)
 

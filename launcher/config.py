@@ -20,7 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from launcher import envfile, pool
+from launcher import envfile, kvlayout
 from launcher.errors import ConfigInvalid, OvercommitError
 
 
@@ -166,9 +166,9 @@ class ServerConfig(BaseModel):
     @field_validator("parallel")
     @classmethod
     def _parallel(cls, v: int | None) -> int | None:
-        if v is not None and (v == 0 or v < -1 or v > pool.MAX_SLOTS):
+        if v is not None and (v == 0 or v < -1 or v > kvlayout.MAX_SLOTS):
             raise ValueError(
-                f"-np {v} is out of range; use 1..{pool.MAX_SLOTS}, or -1 for auto "
+                f"-np {v} is out of range; use 1..{kvlayout.MAX_SLOTS}, or -1 for auto "
                 "(llama-server does not accept 'auto' here)"
             )
         return v
@@ -241,7 +241,7 @@ class ServerConfig(BaseModel):
     def derived_ctx_size(self) -> int | None:
         """-c is always passed when a per-slot cap is set: slots x per-slot (seed 000)."""
         if self.kv_unified_per_slot and self.ctx_size is None:
-            slots = pool.AUTO_SLOTS if self.parallel in (None, -1) else self.parallel
+            slots = kvlayout.AUTO_SLOTS if self.parallel in (None, -1) else self.parallel
             return slots * self.kv_unified_per_slot
         return None
 
@@ -253,7 +253,7 @@ class ServerConfig(BaseModel):
                 return value == "off"
         return False
 
-    def pool_plan(self, n_ctx_train: int | None = None) -> pool.PoolPlan:
+    def pool_plan(self, n_ctx_train: int | None = None) -> kvlayout.PoolPlan:
         """The pool llama-server will build for this config."""
         ctx = self.ctx_size if self.ctx_size is not None else self.derived_ctx_size()
         if ctx is None and n_ctx_train is not None and self.fit_off():
@@ -261,7 +261,7 @@ class ServerConfig(BaseModel):
             # it off (common/fit.cpp:271-279, src/llama-context.cpp:135)
             ctx = n_ctx_train
         try:
-            return pool.resolve(
+            return kvlayout.resolve(
                 ctx,
                 -1 if self.parallel is None else self.parallel,
                 self.kv_unified,
@@ -271,7 +271,7 @@ class ServerConfig(BaseModel):
         except ValueError as e:
             raise ConfigInvalid(str(e)) from None
 
-    def check_overcommit(self, n_ctx_train: int | None) -> pool.PoolPlan:
+    def check_overcommit(self, n_ctx_train: int | None) -> kvlayout.PoolPlan:
         """Refuse a shared pool whose slots can exhaust it, unless allow_overcommit."""
         plan = self.pool_plan(n_ctx_train)
         if plan.overcommitted and not self.allow_overcommit:
@@ -286,7 +286,7 @@ class ServerConfig(BaseModel):
         return data
 
 
-def overcommit_message(plan: pool.PoolPlan, config: ServerConfig | None = None) -> str:
+def overcommit_message(plan: kvlayout.PoolPlan, config: ServerConfig | None = None) -> str:
     """Seed 000's diagnosis and its three fixes, with the numbers of this config."""
     w, n = plan.n_ctx_slot, plan.n_slots
     return (
@@ -298,7 +298,7 @@ def overcommit_message(plan: pool.PoolPlan, config: ServerConfig | None = None) 
         f"llama-launcher set --kv-unified-per-slot {w} -c {n * w}\n"
         f"  2. the same at 8-bit, about half the KV memory: "
         f"llama-launcher set --kv-unified-per-slot {w} -c {n * w} -ctk q8_0 -ctv q8_0\n"
-        f"  3. split the pool instead (each slot gets {pool.pad(plan.n_ctx // n)}): "
+        f"  3. split the pool instead (each slot gets {kvlayout.pad(plan.n_ctx // n)}): "
         f"llama-launcher set -np {n} -no-kvu\n"
         f"or accept the risk with allow_overcommit = true (--allow-overcommit)."
     )

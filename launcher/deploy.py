@@ -33,7 +33,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from launcher import config, envfile, launch, pool, serverlog, store, validate
+from launcher import config, envfile, kvlayout, launch, serverlog, store, validate
 from launcher.errors import (
     ConfigInvalid,
     DeployFailed,
@@ -89,7 +89,7 @@ class Result:
         return {"ok": self.ok, **self.__dict__}
 
 
-def plan_dict(plan: pool.PoolPlan) -> dict[str, Any]:
+def plan_dict(plan: kvlayout.PoolPlan) -> dict[str, Any]:
     return {
         "n_slots": plan.n_slots,
         "n_ctx_slot": plan.n_ctx_slot,
@@ -788,7 +788,7 @@ class Deployer:
 
     def gate(
         self,
-        plan: pool.PoolPlan | None,
+        plan: kvlayout.PoolPlan | None,
         cursor: str | None,
         before: UnitState,
         api_key: str | None,
@@ -996,7 +996,7 @@ class Deployer:
         msg = reason + (f": {sentence}" if sentence else "")
         return GateFailure("startup", kind, msg, log[-30:])
 
-    def _compare(self, plan: pool.PoolPlan, startup: dict[str, Any], log: list[str]) -> None:
+    def _compare(self, plan: kvlayout.PoolPlan, startup: dict[str, Any], log: list[str]) -> None:
         want = {
             "n_slots": plan.n_slots,
             "n_ctx_slot": plan.n_ctx_slot,
@@ -1023,7 +1023,7 @@ class Deployer:
             )
 
     def _compare_props(
-        self, plan: pool.PoolPlan | None, props: dict[str, Any], log: list[str]
+        self, plan: kvlayout.PoolPlan | None, props: dict[str, Any], log: list[str]
     ) -> None:
         if plan is None:
             return

@@ -1,7 +1,7 @@
 """Read a llama-server log and say why requests failed with "Context size has been exceeded".
 
 Seed 000's troubleshooting checklist as code: count the error, read the last startup line as a
-promise (n_slots x n_ctx_slot against the pool, via ``launcher.pool``), group each
+promise (n_slots x n_ctx_slot against the pool, via ``launcher.kvlayout``), group each
 batch-halving cascade with the failure it ends in, add up the ``slot release`` lines that
 follow it, classify the failure and name the exact ``llama-launcher set`` line that fixes it.
 
@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import IO, Any
 
-from launcher import pool, serverlog
+from launcher import kvlayout, serverlog
 from launcher.errors import ConfigInvalid
 
 #: Bytes read per block. Large blocks keep the per-block overhead of the fast path small.
@@ -65,8 +65,8 @@ MAX_STEPS = 64
 MAX_SAMPLES = 5
 
 #: Memory hook: (plan, type_k, type_v) -> bytes of KV cache, or None when unknown.
-#: ``launcher.kvmem`` will supply one; until then the fixes carry ``memory_bytes=None``.
-MemoryCost = Callable[[pool.PoolPlan, str, str], int | None]
+#: ``launcher.kvbytes`` will supply one; until then the fixes carry ``memory_bytes=None``.
+MemoryCost = Callable[[kvlayout.PoolPlan, str, str], int | None]
 
 
 class FailureClass(StrEnum):
@@ -83,7 +83,7 @@ class Fix:
     command: str
     guaranteed_window: int  # cells every slot can rely on while all are busy
     pool_cells: int
-    memory_bytes: int | None  # None: no model known, or no memory hook yet (launcher.kvmem)
+    memory_bytes: int | None  # None: no model known, or no memory hook yet (launcher.kvbytes)
     note: str
 
 
@@ -108,7 +108,7 @@ class Config:
     per_slot_cap: int  # --kv-unified-per-slot, 0 when not seen
     fit_reduced: tuple[int, int] | None  # (from, to) when fit shrank the context
     n_ctx_train: int | None
-    plan: pool.PoolPlan | None
+    plan: kvlayout.PoolPlan | None
     promise: str  # the startup line read as a sentence
 
 
@@ -698,7 +698,7 @@ class _Scanner:
     def _startup_line(self, n: int, t: str) -> bool:
         if m := serverlog.STARTUP.search(t):
             n_slots, n_ctx_slot = int(m["n_slots"]), int(m["n_ctx_slot"])
-            if not (1 <= n_slots <= pool.MAX_SLOTS and n_ctx_slot >= 1):
+            if not (1 <= n_slots <= kvlayout.MAX_SLOTS and n_ctx_slot >= 1):
                 return False  # values no server prints: a damaged line, shown as drift
             self._startup(n, n_slots, n_ctx_slot, m["kv_unified"] == "true")
         elif m := serverlog.POOL_SIZING.search(t):
@@ -836,7 +836,7 @@ def _config(
     plan = None
     if cells is not None:
         n_ctx_seq = cells if unified else cells // n_slots
-        plan = pool.PoolPlan(
+        plan = kvlayout.PoolPlan(
             n_slots=n_slots,
             kv_unified=unified,
             n_ctx=cells,
@@ -881,8 +881,8 @@ def _pool_cells(
     if boot.pool_sizing:
         # the line prints n_parallel * N; llama.cpp pads the pool to 256 cells (per stream
         # when split)
-        c = pool.pad(boot.pool_sizing[2])
-        cells = c if unified else pool.pad(c // n_slots) * n_slots
+        c = kvlayout.pad(boot.pool_sizing[2])
+        cells = c if unified else kvlayout.pad(c // n_slots) * n_slots
         return cells, "startup: --kv-unified-per-slot sizing KV pool line"
     if boot.n_ctx is not None:
         return boot.n_ctx, "startup: llama_context: n_ctx (-lv 4)"
@@ -913,7 +913,7 @@ def _classify(p: _Pending, slots: tuple[SlotShare, ...]) -> FailureClass:
 
 
 def _fix(
-    plan: pool.PoolPlan,
+    plan: kvlayout.PoolPlan,
     flags: list[str],
     note: str,
     memory: MemoryCost | None,
@@ -929,11 +929,11 @@ def shared_pool_fixes(cfg: Config, memory: MemoryCost | None = None) -> tuple[Fi
     """Seed 000's options A-C and 'no -kvu', sized for this config."""
     n, w = cfg.n_slots, cfg.n_ctx_slot
     cells = cfg.pool_cells or w
-    keep = pool.resolve(n * w, n, True, w, cfg.n_ctx_train)
+    keep = kvlayout.resolve(n * w, n, True, w, cfg.n_ctx_train)
     c_keep = ["-c", str(keep.n_ctx), "--kv-unified-per-slot", str(w)]
-    share = max(pool.CELL_PAD, cells // n // pool.CELL_PAD * pool.CELL_PAD)
-    same = pool.resolve(cells, n, True, share, cfg.n_ctx_train)
-    split = pool.resolve(cells, n, False, 0, cfg.n_ctx_train)
+    share = max(kvlayout.CELL_PAD, cells // n // kvlayout.CELL_PAD * kvlayout.CELL_PAD)
+    same = kvlayout.resolve(cells, n, True, share, cfg.n_ctx_train)
+    split = kvlayout.resolve(cells, n, False, 0, cfg.n_ctx_train)
     grow = f"pool x{keep.n_ctx / cells:.3g}" if cells else "larger pool"
     return (
         _fix(keep, c_keep, f"keeps the promised {w}; {grow}", memory),
@@ -962,16 +962,16 @@ def shared_pool_fixes(cfg: Config, memory: MemoryCost | None = None) -> tuple[Fi
 def too_long_fixes(cfg: Config, needed: int, memory: MemoryCost | None = None) -> tuple[Fix, ...]:
     """A per-slot window that holds a prompt of ``needed`` tokens (the server rejects >=)."""
     n = cfg.n_slots
-    w = pool.pad(needed + 1)
+    w = kvlayout.pad(needed + 1)
     if cfg.n_ctx_train is not None and w > cfg.n_ctx_train:
         if needed >= cfg.n_ctx_train:
             return ()  # the model's training context caps every slot below the request
         w = cfg.n_ctx_train
     if cfg.kv_unified:
-        plan = pool.resolve(n * w, n, True, w, cfg.n_ctx_train)
+        plan = kvlayout.resolve(n * w, n, True, w, cfg.n_ctx_train)
         flags = ["-c", str(plan.n_ctx), "--kv-unified-per-slot", str(w)]
     else:
-        plan = pool.resolve(n * w, n, False, 0, cfg.n_ctx_train)
+        plan = kvlayout.resolve(n * w, n, False, 0, cfg.n_ctx_train)
         flags = ["-c", str(plan.n_ctx)]
     return (
         _fix(plan, flags, f"every slot holds {needed} tokens", memory),
@@ -1051,7 +1051,9 @@ def _verdict(
             f"--fit shrank the context from {wanted} to {got} to fit free memory; "
             "an explicit -c stops that (the server then fails to start if it does not fit)"
         )
-        plan = pool.resolve(wanted, cfg.n_slots, cfg.kv_unified, cfg.per_slot_cap, cfg.n_ctx_train)
+        plan = kvlayout.resolve(
+            wanted, cfg.n_slots, cfg.kv_unified, cfg.per_slot_cap, cfg.n_ctx_train
+        )
         return Verdict(
             cls, count, reason, (_fix(plan, ["-c", str(wanted)], "pins the pool", memory),)
         )
@@ -1212,7 +1214,14 @@ def _read_native(
 ) -> tuple[_Outcome, int]:
     """Read with the C reader and turn its records into what ``_Scanner.outcome`` returns."""
     scanner = native.Scanner(
-        pool_hint, keep, MAX_STEPS, MAX_SAMPLES, pool.MAX_SLOTS, pool.CELL_PAD, _threads(), PART_MIN
+        pool_hint,
+        keep,
+        MAX_STEPS,
+        MAX_SAMPLES,
+        kvlayout.MAX_SLOTS,
+        kvlayout.CELL_PAD,
+        _threads(),
+        PART_MIN,
     )
     span = _file_span(stream)
     if span is None:

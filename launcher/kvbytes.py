@@ -2,7 +2,7 @@
 
 ``ModelInfo.from_gguf(path)`` reads the attention layout (layers, per-layer K/V widths,
 sliding-window and recurrent layers, MLA, n_ctx_train) and the weights' file size;
-``estimate(info, plan, ctk, ctv)`` turns it and a ``pool.PoolPlan`` into bytes, the way
+``estimate(info, plan, ctk, ctv)`` turns it and a ``kvlayout.PoolPlan`` into bytes, the way
 ``llama_kv_cache`` allocates them (src/llama-kv-cache.cpp:65-305,
 src/llama-kv-cache-iswa.cpp:34-103, src/llama-memory-hybrid.cpp, src/llama-memory-recurrent.cpp;
 ../shared/LLAMA_SERVER_FACTS.md §5).
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from launcher.errors import ConfigInvalid, LauncherError
-from launcher.pool import PoolPlan, pad
+from launcher.kvlayout import PoolPlan, pad
 
 MIB = 1024 * 1024
 

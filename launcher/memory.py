@@ -1,7 +1,7 @@
 """The memory guard: does KV + weights + prompt cache fit what the box can give?
 
 Seed 000's author sized a box from a per-token figure that was off by a factor of two; the
-estimate here follows llama.cpp's allocation (``launcher.kvmem``), and the deploy measures
+estimate here follows llama.cpp's allocation (``launcher.kvbytes``), and the deploy measures
 the service before and after so the two can be compared.
 """
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from launcher import config, kvmem, pool
+from launcher import config, kvbytes, kvlayout
 from launcher.errors import ConfigInvalid, MemoryGuardError
 
 MiB = 1 << 20
@@ -59,8 +59,8 @@ class Need:
 
 def need(
     cfg: config.ServerConfig,
-    plan: pool.PoolPlan,
-    layout: kvmem.ModelInfo | None,
+    plan: kvlayout.PoolPlan,
+    layout: kvbytes.ModelInfo | None,
     weights: int,
     unsupported: str | None,
 ) -> Need:
@@ -69,15 +69,15 @@ def need(
     if layout is None:
         return Need(None, weights, cram * MiB, None, unsupported)
     try:
-        est = kvmem.estimate(
+        est = kvbytes.estimate(
             layout,
             plan,
             str(cfg.cache_type_k or "f16"),
             str(cfg.cache_type_v or "f16"),
             cfg.flash_attn or "auto",
-            cfg.ubatch_size or kvmem.DEFAULT_UBATCH,
+            cfg.ubatch_size or kvbytes.DEFAULT_UBATCH,
             "--swa-full" in cfg.extra_args,
-            cfg.batch_size or kvmem.DEFAULT_BATCH,
+            cfg.batch_size or kvbytes.DEFAULT_BATCH,
         )
     except ConfigInvalid as e:
         from launcher.errors import ValidationFailed

@@ -4,7 +4,7 @@ For a wanted slot count and per-slot window, ``make_plan`` lays out what each wa
 llama-server guarantees and costs: the over-committed shared pool (``-c W -np N -kvu``), the
 split pool (``-c W -np N``), the per-slot cap (``--kv-unified-per-slot W``, pool N x W) at
 f16 / q8_0 / q4_0, fewer slots and a smaller window. With a model it estimates the KV memory
-(``launcher.kvmem``) and what is left of ``MemAvailable`` after the weights and the KV; it
+(``launcher.kvbytes``) and what is left of ``MemAvailable`` after the weights and the KV; it
 recommends one option as a ``llama-launcher set ...`` line. Pure apart from reading the GGUF
 and /proc/meminfo; returns frozen results and never prints.
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from launcher import kvmem, pool
+from launcher import kvbytes, kvlayout
 from launcher.errors import ConfigInvalid
 from launcher.memory import DEFAULT_CACHE_RAM_MIB, mem_available
 
@@ -39,7 +39,7 @@ class ModelSummary:
     arch: str
     n_ctx_train: int
     weights_bytes: int
-    info: kvmem.ModelInfo | None  # None: the estimator does not cover this model
+    info: kvbytes.ModelInfo | None  # None: the estimator does not cover this model
     unsupported: str | None = None  # why, when info is None
 
     def to_dict(self) -> dict[str, Any]:
@@ -63,19 +63,19 @@ def load_model(path: Path | str) -> ModelSummary:
     """Read the GGUF once; a model the estimator refuses still gives n_ctx_train and weights."""
     p = Path(path)
     try:
-        md = kvmem.read_metadata(p)
+        md = kvbytes.read_metadata(p)
     except FileNotFoundError as e:
         raise ConfigInvalid(f"--model {p} does not exist; give the GGUF file") from e
     except (OSError, ValueError, KeyError) as e:
         raise ConfigInvalid(f"--model {p} is not a readable GGUF file ({e})") from e
-    weights = kvmem.weights_size(p, md)
+    weights = kvbytes.weights_size(p, md)
     arch = str(md.get("general.architecture", ""))
     n_ctx_train = md.get(f"{arch}.context_length")
     if not arch or not isinstance(n_ctx_train, int):
         raise ConfigInvalid(f"--model {p} has no architecture/context_length; is it a model?")
     try:
-        info = kvmem.ModelInfo.from_metadata(md, str(p), weights)
-    except kvmem.EstimateUnsupported as e:
+        info = kvbytes.ModelInfo.from_metadata(md, str(p), weights)
+    except kvbytes.EstimateUnsupported as e:
         return ModelSummary(str(p), arch, n_ctx_train, weights, None, str(e))
     return ModelSummary(str(p), arch, info.n_ctx_train, weights, info)
 
@@ -88,8 +88,8 @@ class Option:
     summary: str
     cache_type: str
     flags: tuple[str, ...]
-    pool: pool.PoolPlan
-    kv: kvmem.KvEstimate | None
+    pool: kvlayout.PoolPlan
+    kv: kvbytes.KvEstimate | None
     free_bytes: int | None  # MemAvailable - weights - KV - --cache-ram
 
     @property
@@ -204,8 +204,8 @@ class _Builder:
     ) -> Option:
         c = slots * window if per_slot else window
         cap = window if per_slot else 0
-        plan = pool.resolve(c, slots, unified, cap, self.n_ctx_train)
-        kv = kvmem.estimate(self.info, plan, cache, cache) if self.info else None
+        plan = kvlayout.resolve(c, slots, unified, cap, self.n_ctx_train)
+        kv = kvbytes.estimate(self.info, plan, cache, cache) if self.info else None
         free = None
         if kv is not None and self.model is not None:
             # what the deploy's memory guard counts too (memory.need), so a recommended line
@@ -236,8 +236,8 @@ class _Builder:
 
 
 def _check(slots: int, window: int, model: ModelSummary | None) -> None:
-    if not 1 <= slots <= pool.MAX_SLOTS:
-        raise ConfigInvalid(f"--slots {slots} is out of range; use 1..{pool.MAX_SLOTS}")
+    if not 1 <= slots <= kvlayout.MAX_SLOTS:
+        raise ConfigInvalid(f"--slots {slots} is out of range; use 1..{kvlayout.MAX_SLOTS}")
     if window < 1:
         raise ConfigInvalid(f"--window {window} must be at least 1 token; e.g. --window 32768")
     if model is not None and window > model.n_ctx_train:
@@ -267,7 +267,7 @@ def make_plan(
     if isinstance(model, (str, Path)):
         model = load_model(model)
     _check(slots, window, model)
-    kvmem.check_cache_types(model.info if model else None, cache, cache, "auto")
+    kvbytes.check_cache_types(model.info if model else None, cache, cache, "auto")
     avail = mem_available() if available is None else available
     cram = DEFAULT_CACHE_RAM_MIB if cache_ram_mib is None else cache_ram_mib
     b = _Builder(model, avail, cram)
@@ -331,7 +331,7 @@ def _alternatives(b: _Builder, n: int, w: int, cache: str, headroom_mib: int) ->
 
 def _accepts(model: ModelSummary | None, cache: str) -> bool:
     try:
-        kvmem.check_cache_types(model.info if model else None, cache, cache, "auto")
+        kvbytes.check_cache_types(model.info if model else None, cache, cache, "auto")
     except ConfigInvalid:
         return False
     return True
@@ -343,9 +343,9 @@ def _retitle(opt: Option, summary: str) -> Option:
 
 def _same_or_smaller(cache: str) -> list[str]:
     """``cache``, then the per-slot types that store fewer bytes per element, largest first."""
-    size = kvmem.bytes_per_element(cache)
-    smaller = [t for t in PER_SLOT_TYPES if kvmem.bytes_per_element(t) < size]
-    return [cache, *sorted(smaller, key=kvmem.bytes_per_element, reverse=True)]
+    size = kvbytes.bytes_per_element(cache)
+    smaller = [t for t in PER_SLOT_TYPES if kvbytes.bytes_per_element(t) < size]
+    return [cache, *sorted(smaller, key=kvbytes.bytes_per_element, reverse=True)]
 
 
 def _recommend(

@@ -23,7 +23,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from launcher import binary, cache, config, envfile, kvmem, launch, memory, pool, proc, units
+from launcher import (
+    binary,
+    config,
+    envfile,
+    filefacts,
+    kvbytes,
+    kvlayout,
+    launch,
+    memory,
+    proc,
+    units,
+)
 from launcher.errors import CommandError, ConfigInvalid, ValidationFailed
 
 STEPS = ("lint", "bash -n", "subshell", "argv", "flags", "model", "pool", "memory")
@@ -37,7 +48,7 @@ class Validated:
     env_text: str
     values: dict[str, str]
     argv: list[str]
-    plan: pool.PoolPlan
+    plan: kvlayout.PoolPlan
     model: dict[str, Any]
     server: binary.BinaryInfo
     memory: memory.Need
@@ -140,16 +151,16 @@ def check_flags(info: binary.BinaryInfo, args: list[str]) -> None:
         )
 
 
-def model_facts(path: Path) -> tuple[dict[str, Any], kvmem.ModelInfo | None, str | None]:
+def model_facts(path: Path) -> tuple[dict[str, Any], kvbytes.ModelInfo | None, str | None]:
     """Identity and metadata of the GGUF at ``path``, its KV layout (None with the reason
     when the estimator does not cover it); raises ValidationFailed('model')."""
     if not path.exists():
         raise ValidationFailed("model", f"the model file {path} does not exist; check -m/model")
     if not os.access(path, os.R_OK):
         raise ValidationFailed("model", f"the model file {path} is not readable; fix its mode")
-    meta = cache.cached(
+    meta = filefacts.cached(
         "gguf-meta-v1",
-        cache.file_key(path),
+        filefacts.file_key(path),
         lambda: _read_meta(path),
         valid=lambda d: isinstance(d.get("metadata"), dict) and isinstance(d.get("weights"), int),
     )
@@ -167,8 +178,8 @@ def model_facts(path: Path) -> tuple[dict[str, Any], kvmem.ModelInfo | None, str
         "n_ctx_train": n_ctx_train if isinstance(n_ctx_train, int) else None,
     }
     try:
-        return facts, kvmem.ModelInfo.from_metadata(md, str(path), weights), None
-    except kvmem.EstimateUnsupported as e:
+        return facts, kvbytes.ModelInfo.from_metadata(md, str(path), weights), None
+    except kvbytes.EstimateUnsupported as e:
         return facts, None, str(e)
     except ConfigInvalid as e:
         raise ValidationFailed("model", str(e)) from None
@@ -177,8 +188,8 @@ def model_facts(path: Path) -> tuple[dict[str, Any], kvmem.ModelInfo | None, str
 def _read_meta(path: Path) -> dict[str, Any]:
     """The GGUF metadata, read with the gguf package (llama.cpp's reader); JSON-able."""
     try:
-        md = kvmem.read_metadata(path)
-        weights = kvmem.weights_size(path, md)
+        md = kvbytes.read_metadata(path)
+        weights = kvbytes.weights_size(path, md)
     except ConfigInvalid as e:
         raise ValidationFailed("model", str(e)) from None
     except Exception as e:

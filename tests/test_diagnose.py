@@ -10,14 +10,16 @@ from typing import Any
 
 import pytest
 
-from launcher import diagnose, pool, systemd
+from launcher import diagnose, kvlayout, systemd
 from launcher.errors import ConfigInvalid
 
 pytestmark = pytest.mark.usefixtures("engine")  # every test with the C and the Python reader
 
 
 def config(n: int, slot: int, cells: int, unified: bool = True) -> diagnose.Config:
-    plan = pool.PoolPlan(n, unified, cells, cells if unified else cells // n, slot, 0, False, None)
+    plan = kvlayout.PoolPlan(
+        n, unified, cells, cells if unified else cells // n, slot, 0, False, None
+    )
     return diagnose.Config(1, n, slot, unified, cells, "test", 0, None, None, plan, plan.describe())
 
 
@@ -42,13 +44,13 @@ def test_every_fix_removes_the_overcommit() -> None:
             if ("--kv-unified-per-slot" in flags)
             else 0
         )
-        plan = pool.resolve(int(flags[1]), 4, "-no-kvu" not in flags, per_slot)
+        plan = kvlayout.resolve(int(flags[1]), 4, "-no-kvu" not in flags, per_slot)
         assert not plan.overcommitted
         assert plan.guaranteed_window == fix.guaranteed_window
 
 
 def test_memory_hook_prices_each_fix() -> None:
-    def cost(plan: pool.PoolPlan, k: str, v: str) -> int:
+    def cost(plan: kvlayout.PoolPlan, k: str, v: str) -> int:
         return plan.n_ctx * (1 if k == "q8_0" else 2)
 
     keep, q8, *_ = diagnose.shared_pool_fixes(config(4, 1024, 1024), cost)

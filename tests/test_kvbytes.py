@@ -1,4 +1,4 @@
-"""launcher.kvmem without a server: the formula's parts, the GGUF reading, and the refusals."""
+"""launcher.kvbytes without a server: the formula's parts, the GGUF reading, and the refusals."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import gguf
 import pytest
 import tinymodel
 
-from launcher import kvmem, pool
+from launcher import kvbytes, kvlayout
 from launcher.errors import ConfigInvalid, LauncherError
 
 KIB, MIB, GIB = 1024, 1024**2, 1024**3
@@ -33,8 +33,8 @@ def llama31_8b(**extra: Any) -> dict[str, Any]:
     return md("llama", **{**keys, **extra})
 
 
-def info_of(data: dict[str, Any]) -> kvmem.ModelInfo:
-    return kvmem.ModelInfo.from_metadata(data, "model.gguf", 0)
+def info_of(data: dict[str, Any]) -> kvbytes.ModelInfo:
+    return kvbytes.ModelInfo.from_metadata(data, "model.gguf", 0)
 
 
 @pytest.mark.parametrize(
@@ -52,7 +52,7 @@ def info_of(data: dict[str, Any]) -> kvmem.ModelInfo:
     ],
 )
 def test_cache_type_sizes_are_ggmls(name: str, block: int, size: int) -> None:
-    assert kvmem.CACHE_TYPES[name] == (block, size)
+    assert kvbytes.CACHE_TYPES[name] == (block, size)
     quant = gguf.GGMLQuantizationType[name.upper()]
     assert gguf.GGML_QUANT_SIZES[quant] == (block, size)
 
@@ -61,15 +61,15 @@ def test_llama31_8b_costs_128_kib_per_cell_at_f16_and_68_at_q8_0() -> None:
     info = info_of(llama31_8b())
     assert info.bytes_per_cell("f16", "f16") == 128 * KIB
     assert info.bytes_per_cell("q8_0", "q8_0") == 68 * KIB
-    est = kvmem.estimate(info, pool.resolve(131072, 1, None, 0, 131072), "f16", "f16")
+    est = kvbytes.estimate(info, kvlayout.resolve(131072, 1, None, 0, 131072), "f16", "f16")
     assert est.total_bytes == 16 * GIB
     assert (est.k_bytes, est.v_bytes) == (8 * GIB, 8 * GIB)
 
 
 def test_unified_and_split_cost_the_same_cells() -> None:
     info = info_of(llama31_8b())
-    unified = kvmem.estimate(info, pool.resolve(65536, 4, True, 0, 131072))
-    split = kvmem.estimate(info, pool.resolve(65536, 4, False, 0, 131072))
+    unified = kvbytes.estimate(info, kvlayout.resolve(65536, 4, True, 0, 131072))
+    split = kvbytes.estimate(info, kvlayout.resolve(65536, 4, False, 0, 131072))
     assert unified.total_bytes == split.total_bytes == 65536 * 128 * KIB
     assert (unified.caches[0].streams, split.caches[0].streams) == (1, 4)
     assert (unified.caches[0].cells, split.caches[0].cells) == (65536, 16384)
@@ -93,9 +93,9 @@ def test_per_layer_head_count_kv_array() -> None:
         )
     )
     assert [info.k_width(il) for il in range(3)] == [1024, 0, 256]
-    plan = pool.resolve(1024, 1, None, 0, 4096)
-    with_fa = kvmem.estimate(info, plan, "f16", "f16", "auto")
-    without = kvmem.estimate(info, plan, "f16", "f16", "off")
+    plan = kvlayout.resolve(1024, 1, None, 0, 4096)
+    with_fa = kvbytes.estimate(info, plan, "f16", "f16", "auto")
+    without = kvbytes.estimate(info, plan, "f16", "f16", "off")
     assert with_fa.v_bytes == (1024 + 0 + 256) * 2 * 1024
     # v_trans: every layer's V row is as wide as the widest layer's (TAG_V_CACHE_VARIABLE)
     assert without.v_bytes == 3 * 1024 * 2 * 1024
@@ -103,7 +103,7 @@ def test_per_layer_head_count_kv_array() -> None:
 
 
 def test_head_count_kv_array_must_cover_every_layer() -> None:
-    with pytest.raises(kvmem.EstimateUnsupported, match="has 2 values, block_count is 3"):
+    with pytest.raises(kvbytes.EstimateUnsupported, match="has 2 values, block_count is 3"):
         info_of(
             md(
                 "deci",
@@ -118,7 +118,7 @@ def test_head_count_kv_array_must_cover_every_layer() -> None:
 
 def test_pool_cells_are_padded_to_256() -> None:
     info = info_of(llama31_8b())
-    est = kvmem.estimate(info, pool.resolve(1000, 3, False, 0, 131072))
+    est = kvbytes.estimate(info, kvlayout.resolve(1000, 3, False, 0, 131072))
     assert est.caches[0].cells == 512 and est.caches[0].streams == 3
 
 
@@ -139,14 +139,14 @@ def gemma2(**extra: Any) -> dict[str, Any]:
 def test_sliding_window_layers_hold_window_times_seqs_plus_ubatch() -> None:
     info = info_of(gemma2(attention__sliding_window=4096))
     assert info.is_swa == (True, False, True, False) and info.n_swa == 4096
-    unified = kvmem.estimate(info, pool.resolve(32768, 4, True, 0, 8192), n_ubatch=512)
+    unified = kvbytes.estimate(info, kvlayout.resolve(32768, 4, True, 0, 8192), n_ubatch=512)
     base, swa = unified.caches
     assert (base.label, base.cells, base.layers) == ("non-SWA", 32768, 2)
     # min(32768, 4096 * 4 seqs + 512) padded to 256
     assert (swa.label, swa.cells, swa.layers) == ("SWA", 16896, 2)
-    split = kvmem.estimate(info, pool.resolve(32768, 4, False, 0, 8192))
+    split = kvbytes.estimate(info, kvlayout.resolve(32768, 4, False, 0, 8192))
     assert split.caches[1].cells == 4608 and split.caches[1].streams == 4  # 4096 + 512
-    full = kvmem.estimate(info, pool.resolve(32768, 4, True, 0, 8192), swa_full=True)
+    full = kvbytes.estimate(info, kvlayout.resolve(32768, 4, True, 0, 8192), swa_full=True)
     assert full.caches[1].cells == 32768
 
 
@@ -195,11 +195,11 @@ def test_mla_has_no_v_cache_and_needs_equal_types() -> None:
     )
     info = info_of(deepseek)
     assert info.mla
-    est = kvmem.estimate(info, pool.resolve(4096, 1, None, 0, 163840), "q8_0", "q8_0")
+    est = kvbytes.estimate(info, kvlayout.resolve(4096, 1, None, 0, 163840), "q8_0", "q8_0")
     assert est.v_bytes == 0
     assert est.k_bytes == 4 * (576 // 32 * 34) * 4096
     with pytest.raises(ConfigInvalid, match="MLA and needs the same K and V cache types"):
-        kvmem.estimate(info, pool.resolve(4096, 1, None, 0, 163840), "q8_0", "f16")
+        kvbytes.estimate(info, kvlayout.resolve(4096, 1, None, 0, 163840), "q8_0", "f16")
 
 
 def test_nextn_layers_hold_no_kv_in_the_main_context() -> None:
@@ -232,14 +232,14 @@ def test_hybrid_kv_only_every_interval_and_state_scales_with_slots() -> None:
     info = info_of(qwen3next())
     assert info.kv_layers == tuple(range(3, 48, 4))
     assert info.n_recurrent_layers == 36
-    one = kvmem.estimate(info, pool.resolve(262144, 1, None, 0, 262144))
-    four = kvmem.estimate(info, pool.resolve(262144, 4, True, 0, 262144))
+    one = kvbytes.estimate(info, kvlayout.resolve(262144, 1, None, 0, 262144))
+    four = kvbytes.estimate(info, kvlayout.resolve(262144, 4, True, 0, 262144))
     assert one.k_bytes + one.v_bytes == four.k_bytes + four.v_bytes == 12 * 2 * 512 * 2 * 262144
     # (d_conv-1)(d_inner + 2 n_group d_state) + d_state d_inner, F32, per layer and sequence
     row = 3 * (4096 + 2 * 16 * 128) + 128 * 4096
     assert one.recurrent_bytes == 36 * row * 4
     assert four.recurrent_bytes == 4 * one.recurrent_bytes
-    split = kvmem.estimate(info, pool.resolve(262144, 4, False, 0, 262144))
+    split = kvbytes.estimate(info, kvlayout.resolve(262144, 4, False, 0, 262144))
     assert split.recurrent_bytes == four.recurrent_bytes  # -kvu does not matter
 
 
@@ -260,7 +260,7 @@ def test_pure_recurrent_model_has_only_state() -> None:
         ssm__state_size=16,
     )
     info = info_of(mamba)
-    est = kvmem.estimate(info, pool.resolve(4096, 2, None, 0, 1048576))
+    est = kvbytes.estimate(info, kvlayout.resolve(4096, 2, None, 0, 1048576))
     assert est.caches == ()
     assert est.recurrent_bytes == 64 * (3 * 5120 + 16 * 5120) * 4 * 2
 
@@ -269,7 +269,7 @@ def test_embedding_models_have_no_cache() -> None:
     bert = md(
         "bert", context_length=512, block_count=12, embedding_length=768, attention__head_count=12
     )
-    est = kvmem.estimate(info_of(bert), pool.resolve(512, 1, None, 0, 512))
+    est = kvbytes.estimate(info_of(bert), kvlayout.resolve(512, 1, None, 0, 512))
     assert est.total_bytes == 0
 
 
@@ -285,7 +285,7 @@ def test_embedding_models_have_no_cache() -> None:
     ],
 )
 def test_refuses_caches_it_does_not_model(arch: str, reason: str) -> None:
-    with pytest.raises(kvmem.EstimateUnsupported, match=reason) as e:
+    with pytest.raises(kvbytes.EstimateUnsupported, match=reason) as e:
         info_of(md(arch, context_length=4096, block_count=2, embedding_length=128))
     assert isinstance(e.value, LauncherError)
     assert repr(arch) in str(e.value) and "-lv 4" in str(e.value)
@@ -310,7 +310,7 @@ def test_refuses_cache_types_the_server_refuses(ctk: str, ctv: str, fa: str, mes
         )
     )
     with pytest.raises(ConfigInvalid, match=message):
-        kvmem.estimate(info, pool.resolve(4096, 1, None, 0, 4096), ctk, ctv, fa)
+        kvbytes.estimate(info, kvlayout.resolve(4096, 1, None, 0, 4096), ctk, ctv, fa)
 
 
 def test_fast_reader_agrees_with_ggufreader(tmp_path: Path) -> None:
@@ -326,7 +326,7 @@ def test_fast_reader_agrees_with_ggufreader(tmp_path: Path) -> None:
             },
         ),
     )
-    ours = kvmem.read_metadata(path)
+    ours = kvbytes.read_metadata(path)
     upstream = gguf.GGUFReader(str(path))
     array = gguf.GGUFValueType.ARRAY
     expected = {
@@ -341,7 +341,7 @@ def test_fast_reader_agrees_with_ggufreader(tmp_path: Path) -> None:
 
 
 def test_model_info_from_a_real_file(tiny_model: Path) -> None:
-    info = kvmem.ModelInfo.from_gguf(tiny_model)
+    info = kvbytes.ModelInfo.from_gguf(tiny_model)
     assert (info.arch, info.n_ctx_train, info.n_layer_all) == ("llama", 4096, 2)
     assert info.head_count_kv == (2, 2) and info.head_dim_k == (32, 32)
     assert info.file_size == tiny_model.stat().st_size
@@ -352,15 +352,15 @@ def test_not_a_gguf_names_the_file(tmp_path: Path) -> None:
     bad = tmp_path / "notes.txt"
     bad.write_text("hello")
     with pytest.raises(ConfigInvalid, match=r"notes.txt is not a readable GGUF file"):
-        kvmem.ModelInfo.from_gguf(bad)
+        kvbytes.ModelInfo.from_gguf(bad)
     with pytest.raises(ConfigInvalid, match="does not exist"):
-        kvmem.ModelInfo.from_gguf(tmp_path / "missing.gguf")
+        kvbytes.ModelInfo.from_gguf(tmp_path / "missing.gguf")
 
 
 def test_split_models_count_every_part(tmp_path: Path) -> None:
     for i, size in enumerate((100, 200, 300), start=1):
         (tmp_path / f"m-{i:05d}-of-00003.gguf").write_bytes(b"\0" * size)
     split = {"split.count": 3, "split.no": 0}
-    assert kvmem.weights_size(tmp_path / "m-00001-of-00003.gguf", split) == 600
+    assert kvbytes.weights_size(tmp_path / "m-00001-of-00003.gguf", split) == 600
     with pytest.raises(ConfigInvalid, match="give the first file"):
-        kvmem.weights_size(tmp_path / "m-00002-of-00003.gguf", {**split, "split.no": 1})
+        kvbytes.weights_size(tmp_path / "m-00002-of-00003.gguf", {**split, "split.no": 1})

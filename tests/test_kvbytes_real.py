@@ -2,7 +2,7 @@
 
 Each case starts llama-server b11434 with ``-lv 4`` on a generated tiny model and compares
 every ``llama_kv_cache: size = ...`` line (one per cache: two for an iSWA model, non-SWA
-first) with ``kvmem.estimate``: cells, layers, streams, and K, V and total MiB to the two
+first) with ``kvbytes.estimate``: cells, layers, streams, and K, V and total MiB to the two
 decimals the server prints.
 """
 
@@ -17,7 +17,7 @@ import pytest
 import realserver
 import tinymodel
 
-from launcher import kvmem, pool
+from launcher import kvbytes, kvlayout
 
 # src/llama-kv-cache.cpp:289-293 (INFO: hidden at the default verbosity 3, shown with -lv 4)
 KV_SIZE = re.compile(
@@ -153,10 +153,10 @@ def test_the_matrix_is_big_enough() -> None:
 def test_estimate_equals_the_servers_kv_cache_lines(
     models: dict[str, Path], tmp_path: Path, case: Case
 ) -> None:
-    info = kvmem.ModelInfo.from_gguf(models[case.model])
+    info = kvbytes.ModelInfo.from_gguf(models[case.model])
     p = POOLS[case.pool]
-    plan = pool.resolve(p.c, p.np, p.kvu, p.cap, info.n_ctx_train)
-    est = kvmem.estimate(
+    plan = kvlayout.resolve(p.c, p.np, p.kvu, p.cap, info.n_ctx_train)
+    est = kvbytes.estimate(
         info, plan, case.ctk, case.ctv, case.flash_attn, case.ubatch, swa_full=case.swa_full
     )
     args = ["-lv", "4", *case.args()]
@@ -171,8 +171,8 @@ def test_estimate_equals_the_servers_kv_cache_lines(
             cache.streams,
         )
         assert (printed["tk"], printed["tv"]) == (case.ctk, case.ctv)
-        assert abs(float(printed["k"]) - cache.k_bytes / kvmem.MIB) <= PRINTED
-        assert abs(float(printed["v"]) - cache.v_bytes / kvmem.MIB) <= PRINTED
+        assert abs(float(printed["k"]) - cache.k_bytes / kvbytes.MIB) <= PRINTED
+        assert abs(float(printed["v"]) - cache.v_bytes / kvbytes.MIB) <= PRINTED
         assert abs(float(printed["mib"]) - cache.mib) <= PRINTED
     total = sum(float(line["mib"]) for line in lines)
     assert abs(total - est.total_mib) <= PRINTED * len(lines)

@@ -1,4 +1,4 @@
-"""launcher.pool: case tables, properties of the arithmetic, and the real server's startup line."""
+"""launcher.kvlayout: case tables, properties of the arithmetic, the real startup line."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import realserver
 from hypothesis import given
 from hypothesis import strategies as st
 
-from launcher import config, pool, serverlog
+from launcher import config, kvlayout, serverlog
 
 # (ctx_size, parallel, kv_unified, per_slot, n_ctx_train) ->
 # (n_slots, kv_unified, n_ctx, n_ctx_seq, n_ctx_slot, guaranteed_window, overcommitted)
@@ -68,7 +68,7 @@ CASES = [
 def test_resolve_cases(
     args: tuple[int | None, int, bool | None, int, int], expected: tuple[object, ...]
 ) -> None:
-    p = pool.resolve(*args)
+    p = kvlayout.resolve(*args)
     got = (
         p.n_slots,
         p.kv_unified,
@@ -82,13 +82,13 @@ def test_resolve_cases(
 
 
 def test_seed_fix_guarantees_every_slot_its_window() -> None:
-    p = pool.resolve(1048576, 4, True, 262144, 262144)
+    p = kvlayout.resolve(1048576, 4, True, 262144, 262144)
     assert (p.n_slots, p.guaranteed_window, p.promised, p.n_ctx) == (4, 262144, 1048576, 1048576)
     assert not p.overcommitted
 
 
 def test_seed_overcommit_promises_four_times_the_pool() -> None:
-    p = pool.resolve(262144, 4, True, 0, 262144)
+    p = kvlayout.resolve(262144, 4, True, 0, 262144)
     assert p.overcommitted
     assert p.promised == 4 * 262144
     assert "over-committed by 786432 cells" in p.describe()
@@ -97,15 +97,15 @@ def test_seed_overcommit_promises_four_times_the_pool() -> None:
 @pytest.mark.parametrize("parallel", [0, -2, 257])
 def test_resolve_refuses_slot_counts_out_of_range(parallel: int) -> None:
     with pytest.raises(ValueError, match=rf"-np {parallel} is out of range"):
-        pool.resolve(4096, parallel)
+        kvlayout.resolve(4096, parallel)
 
 
 def test_resolve_needs_the_model_when_c_is_unset() -> None:
     with pytest.raises(ValueError, match="give the model"):
-        pool.resolve(None, 2, True, 0, None)
+        kvlayout.resolve(None, 2, True, 0, None)
 
 
-slots = st.integers(min_value=1, max_value=pool.MAX_SLOTS)
+slots = st.integers(min_value=1, max_value=kvlayout.MAX_SLOTS)
 cells = st.integers(min_value=1, max_value=1 << 21)
 trains = st.one_of(st.none(), st.integers(min_value=256, max_value=1 << 20))
 
@@ -114,7 +114,7 @@ trains = st.one_of(st.none(), st.integers(min_value=256, max_value=1 << 20))
 def test_per_slot_cap_with_an_unsized_pool_never_overcommits(
     n: int, cap: int, unified: bool, train: int | None
 ) -> None:
-    p = pool.resolve(None, n, unified, cap, train)
+    p = kvlayout.resolve(None, n, unified, cap, train)
     assert not p.overcommitted
     assert p.n_ctx >= p.promised
     assert p.guaranteed_window == p.n_ctx_slot <= cap
@@ -124,14 +124,14 @@ def test_per_slot_cap_with_an_unsized_pool_never_overcommits(
 def test_split_pools_never_overcommit(n: int, c: int | None, cap: int, train: int | None) -> None:
     if c is None and train is None:
         train = 4096
-    p = pool.resolve(c, n, False, cap, train)
+    p = kvlayout.resolve(c, n, False, cap, train)
     assert not p.overcommitted
     assert p.n_ctx == p.n_slots * p.n_ctx_seq
     assert p.guaranteed_window == p.n_ctx_slot <= p.n_ctx_seq
 
 
 @given(
-    st.integers(-1, pool.MAX_SLOTS).filter(bool),
+    st.integers(-1, kvlayout.MAX_SLOTS).filter(bool),
     st.one_of(st.none(), cells),
     st.one_of(st.none(), st.booleans()),
     st.integers(0, 1 << 20),
@@ -142,8 +142,8 @@ def test_guaranteed_windows_fit_the_pool_together(
 ) -> None:
     if c is None and train is None:
         train = 4096
-    p = pool.resolve(c, n, kvu, cap, train)
-    assert p.n_ctx % pool.CELL_PAD == 0 and p.n_ctx_seq % pool.CELL_PAD == 0
+    p = kvlayout.resolve(c, n, kvu, cap, train)
+    assert p.n_ctx % kvlayout.CELL_PAD == 0 and p.n_ctx_seq % kvlayout.CELL_PAD == 0
     assert p.guaranteed_window <= p.n_ctx_slot
     assert p.guaranteed_window * p.n_slots <= p.n_ctx
     if train:
@@ -188,7 +188,7 @@ def _args(c: int | None, np_: int, kvu: bool | None, cap: int) -> list[str]:
 def test_resolve_matches_the_startup_line(
     tiny_model: Path, tmp_path: Path, c: int | None, np_: int, kvu: bool | None, cap: int
 ) -> None:
-    expected = pool.resolve(c, np_, kvu, cap, n_ctx_train=4096)
+    expected = kvlayout.resolve(c, np_, kvu, cap, n_ctx_train=4096)
     with realserver.run_server(tiny_model, _args(c, np_, kvu, cap), tmp_path / "server.log") as s:
         log = s.log()
     scan = serverlog.StartupScan().feed_all(log.splitlines())

@@ -391,18 +391,18 @@ def cmd_recover(ns: argparse.Namespace) -> int:
 
 
 def cmd_status(ns: argparse.Namespace) -> int:
-    from launcher import inventory
+    from launcher import status
 
-    data = inventory.status(settings_from(ns))
-    emit(data, ns.json, lambda: inventory.status_text(data))
+    data = status.status(settings_from(ns))
+    emit(data, ns.json, lambda: status.status_text(data))
     return 0
 
 
 def cmd_history(ns: argparse.Namespace) -> int:
-    from launcher import inventory
+    from launcher import status
 
-    data = inventory.history(settings_from(ns))
-    emit(data, ns.json, lambda: inventory.history_text(data))
+    data = status.history(settings_from(ns))
+    emit(data, ns.json, lambda: status.history_text(data))
     return 0
 
 

@@ -10,7 +10,7 @@ from typing import IO, TYPE_CHECKING
 
 if TYPE_CHECKING:
     from launcher.diagnose import Failure, Fix, MemoryCost, Report
-    from launcher.pool import PoolPlan
+    from launcher.kvlayout import PoolPlan
     from launcher.store import Generation
 
 
@@ -90,17 +90,17 @@ def _pricer(model: str | None) -> MemoryCost | None:
         return None
     from pathlib import Path
 
-    from launcher import kvmem
+    from launcher import kvbytes
     from launcher.errors import LauncherError
 
     try:
-        info = kvmem.ModelInfo.from_gguf(Path(model))
+        info = kvbytes.ModelInfo.from_gguf(Path(model))
     except (LauncherError, OSError):
         return None
 
     def cost(plan: PoolPlan, ctk: str, ctv: str) -> int | None:
         try:
-            return kvmem.estimate(info, plan, ctk, ctv).total_bytes
+            return kvbytes.estimate(info, plan, ctk, ctv).total_bytes
         except LauncherError:
             return None
 
