@@ -106,17 +106,17 @@ def _positive(flag: str, value: int, example: str) -> None:
         raise InvalidInput(f"{flag} {value} must be a positive integer; use {example}")
 
 
-def read_api_key(path: Path | str) -> SecretStr:
+def api_key_from_file(path: Path | str) -> SecretStr:
     """The server's API key from an ``--api-key-file``, read the way llama-server reads it
-    (``launcher.probe.read_api_key``: the first line that is not blank or a comment)."""
+    (``launcher.keys.read_api_key``); a file without a key is refused."""
     from pydantic import SecretStr
 
     from launcher.errors import ProbeError
-    from launcher.probe import read_api_key as first_key
+    from launcher.keys import read_api_key
 
     p = Path(path)
     try:
-        key = first_key(p)
+        key = read_api_key(p)
     except ProbeError as e:
         raise InvalidInput(
             f"--api-key-file {str(p)!r}: {e}; give a readable file that holds the server's key"
@@ -360,12 +360,6 @@ def percentile(values: Sequence[float], q: float) -> float:
 # --------------------------------------------------------------------------- HTTP
 
 
-def _headers(api_key: SecretStr | None) -> dict[str, str]:
-    if api_key is None:
-        return {}
-    return {"Authorization": f"Bearer {api_key.get_secret_value()}"}
-
-
 def _client(
     settings: BenchSettings,
     api_key: SecretStr | None,
@@ -373,23 +367,21 @@ def _client(
 ) -> httpx.AsyncClient:
     import httpx
 
-    return httpx.AsyncClient(
-        base_url=settings.url.rstrip("/"),
-        headers=_headers(api_key),
-        timeout=httpx.Timeout(settings.timeout_s, connect=10.0),
-        transport=transport,
+    from launcher import httpclient
+
+    return httpclient.client(
+        httpx.AsyncClient,
+        settings.url,
+        api_key.get_secret_value() if api_key else None,
+        httpx.Timeout(settings.timeout_s, connect=10.0),
+        transport,
     )
 
 
 def _error_text(resp: httpx.Response) -> str:
-    """The server's error message, from its JSON body when there is one."""
-    try:
-        body = resp.json()
-    except ValueError:
-        return resp.text[:300]
-    if isinstance(body, dict) and isinstance(body.get("error"), dict):
-        return str(body["error"].get("message", body["error"]))
-    return resp.text[:300]
+    from launcher.httpclient import error_text
+
+    return error_text(resp)
 
 
 def _unauthorized(url: str, path: str, api_key: SecretStr | None) -> ProbeError:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from launcher import filefacts, proc
+from launcher import envfile, filefacts, proc
 from launcher.errors import CommandError, ValidationFailed
 
 _COL = 40
@@ -114,7 +114,7 @@ def unknown_flags(info: BinaryInfo, args: list[str]) -> list[str]:
         if skip:
             skip = False
             continue
-        if not word.startswith("-") or re.fullmatch(r"-\d+(\.\d+)?", word):
+        if not envfile.is_flag(word):
             continue
         name = word.split("=", 1)[0]
         if not info.knows(name):

@@ -444,13 +444,32 @@ def _group(words: list[str]) -> list[tuple[str, list[str]]]:
     """Group ``--flag [value...]`` runs by flag name (a value is a word not starting with -)."""
     groups: list[tuple[str, list[str]]] = []
     for w in words:
-        if w.startswith("-") and not re.fullmatch(r"-\d+(\.\d+)?", w):
+        if envfile.is_flag(w):
             groups.append((w.split("=", 1)[0], [w]))
         elif groups:
             groups[-1][1].append(w)
         else:
             groups.append((w, [w]))
     return groups
+
+
+def argv_lines(argv: list[str]) -> list[str]:
+    """One flag and its values per line (values quoted as the env file would)."""
+    out: list[str] = []
+    for word in argv:
+        if envfile.is_flag(word) or not out:
+            out.append(word)
+        else:
+            out[-1] += " " + envfile.join_words([word])
+    return out
+
+
+def argv_diff(old: list[str], new: list[str]) -> list[str]:
+    """A readable diff of two argvs, one flag per line."""
+    import difflib
+
+    diff = difflib.unified_diff(argv_lines(old), argv_lines(new), "live", "new", lineterm="", n=0)
+    return [d for d in diff if not d.startswith("@@")]
 
 
 # -- tool settings ---------------------------------------------------------------------------

@@ -387,3 +387,12 @@ def join_words(words: Iterable[str]) -> str:
     """Inverse of ``split_words``: quote each word so that both ``split_words`` and systemd's
     ``$VAR`` expansion return exactly these words."""
     return " ".join(_quote_word(w) for w in words)
+
+
+_NUMBER = re.compile(r"-\d+(\.\d+)?")
+
+
+def is_flag(word: str) -> bool:
+    """Whether an argv word is a flag (``-c``, ``--port=8080``) rather than a value; a
+    negative number (``-1``, ``-0.5``) is a value. The one rule for grouping argv."""
+    return word.startswith("-") and not _NUMBER.fullmatch(word)

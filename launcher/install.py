@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from launcher import config, units
-from launcher.deploy import Deployer, Progress, Result, client_window_path
+from launcher.deploy import Deployer, Result
 from launcher.errors import ConfigInvalid, LauncherError
+from launcher.gate import Progress
 from launcher.systemd import Systemd
+from launcher.window import client_window_path
 
 
 def install(
@@ -20,6 +23,7 @@ def install(
     progress: Progress | None = None,
     systemd: Systemd | None = None,
     force_memory: bool = False,
+    on_phase: Callable[[str], None] | None = None,
 ) -> Result:
     """Install the unit, create folders with safe modes, enable it, deploy through the gate.
 
@@ -48,8 +52,7 @@ def install(
     systemd = systemd or Systemd(settings.unit_name, settings.scope)
     systemd.daemon_reload()
     systemd.enable()
-    deployer = Deployer(settings, systemd, progress)
-    deployer.force_memory = force_memory
+    deployer = Deployer(settings, systemd, progress, force_memory, on_phase)
     # no stop on failure here: with no previous config the rollback stops the unit itself,
     # and with one it serves that config again
     return deployer.deploy(cfg, origin="install")

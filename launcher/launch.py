@@ -186,3 +186,13 @@ def main(args: Sequence[str]) -> int:
         print(f"llama-launcher: config error: {e}", file=sys.stderr, flush=True)
         return envfile.EX_CONFIG
     return 0  # pragma: no cover - execve does not return
+
+
+def argv_of_text(text: str | None, source: str) -> list[str]:
+    """The argv an env file's text launches (empty for no file), for diffs and the gate."""
+    if text is None:
+        return []
+    try:
+        return argv_from_values(envfile.parse(text, source))
+    except (envfile.EnvFileError, LaunchError):
+        return ["(unreadable live env file)"]

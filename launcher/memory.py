@@ -1,4 +1,6 @@
-"""The memory guard: does KV + weights + prompt cache fit what the box can give?
+"""Host memory: the guard (does KV + weights + prompt cache fit what the box can give?) and
+the readers of what the box and the service use (``/proc/meminfo``, ``/proc/PID/status``,
+the cgroup's ``MemoryCurrent``).
 
 Seed 000's author sized a box from a per-token figure that was off by a factor of two; the
 estimate here follows llama.cpp's allocation (``launcher.kvbytes``), and the deploy measures
@@ -13,6 +15,7 @@ from typing import Any
 
 from launcher import config, kvbytes, kvlayout
 from launcher.errors import ConfigInvalid, MemoryGuardError
+from launcher.systemd import UnitState
 
 MiB = 1 << 20
 #: -cram default: 8192 MiB of host RAM for the prompt cache (common/common.h:638).
@@ -113,3 +116,32 @@ def guard(
         + "; ".join(fixes)
         + ". Or deploy anyway with --force-memory."
     )
+
+
+def _proc_status_bytes(pid: int, field: str) -> int | None:
+    """A ``kB`` field of ``/proc/PID/status`` in bytes; None when the process or field is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def releasable_memory(state: UnitState) -> int:
+    """What restarting the running server gives back to MemAvailable: its anonymous memory
+    (KV cache, buffers; weights loaded without mmap). The pages of an mmap'd model count in
+    MemAvailable already, as reclaimable page cache, so they are not counted twice."""
+    if not state.running or state.main_pid <= 0:
+        return 0
+    return _proc_status_bytes(state.main_pid, "RssAnon") or 0
+
+
+def process_memory(state: UnitState) -> int | None:
+    """The service's memory: the cgroup's MemoryCurrent, else MainPID's RSS from /proc."""
+    if state.memory_current:
+        return state.memory_current
+    if state.main_pid > 0:
+        return _proc_status_bytes(state.main_pid, "VmRSS")
+    return None

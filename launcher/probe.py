@@ -1,62 +1,29 @@
 """The HTTP probe of llama-server: /health, /props and a real chat completion.
 
 ``/health`` answers 503 ``Loading model`` while the model loads (every route does) and 200
-when ready; an open port alone means nothing (FACTS §4.2). Readiness is a real
+when ready; an open port alone means nothing. Readiness is a real
 ``POST /v1/chat/completions`` that returns a completion with ``usage``.
 
-The probe runs on every deploy and uses the standard library's ``http.client``: three plain
-requests to a local server do not need an HTTP client library, and importing one (with its
-TLS set-up) cost a fifth of a deploy here. The connection is made by ``connect``, which a
-caller may replace (a recorded transport in a test).
+One ``httpx.Client`` per gate (``launcher.httpclient``), kept alive across the /health polls;
+a test may hand in a transport. Proxies from the environment are not used: the probe talks
+to the server it restarted.
 """
 
 from __future__ import annotations
 
-import http.client
-import json
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
+from types import TracebackType
 from typing import Any
 from urllib.parse import urlsplit
 
+import httpx
+
+from launcher import httpclient, waits
 from launcher.errors import ProbeError
 
-Connect = Callable[[str, int, bool, float], http.client.HTTPConnection]
-
-
-def read_api_key(path: Path | None) -> str | None:
-    """The first key in an ``--api-key-file`` (skips blank and ``#`` lines, like llama-server)."""
-    if path is None:
-        return None
-    try:
-        for line in path.read_text().splitlines():
-            if line and not line.startswith("#"):
-                return line
-    except OSError as e:
-        raise ProbeError(f"cannot read the API key file {path}: {e.strerror}") from e
-    return None
-
-
-def connect(host: str, port: int, tls: bool, timeout: float) -> http.client.HTTPConnection:
-    """A new connection (https with full verification when ``tls``)."""
-    if tls:
-        return http.client.HTTPSConnection(host, port, timeout=timeout)
-    return http.client.HTTPConnection(host, port, timeout=timeout)
-
-
-@dataclass(frozen=True)
-class Response:
-    status: int
-    body: bytes
-
-    def json(self) -> Any:
-        return json.loads(self.body)
-
-    @property
-    def text(self) -> str:
-        return self.body.decode(errors="replace")
+#: ``Probe.health``'s detail when nothing answered within the timeout
+TIMEOUT = "timeout"
 
 
 @dataclass(frozen=True)
@@ -71,67 +38,60 @@ class Completion:
 
 
 class Probe:
-    """Talks to one llama-server at ``base_url``."""
+    """Talks to one llama-server at ``base_url``; a context manager (closes its client)."""
 
     def __init__(
-        self, base_url: str, api_key: str | None = None, connector: Connect = connect
+        self,
+        base_url: str,
+        api_key: str | None = None,
+        transport: httpx.BaseTransport | None = None,
+        policy: waits.Waits | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         url = urlsplit(self.base_url)
         if url.scheme not in ("http", "https") or not url.hostname:
             raise ProbeError(f"{base_url!r} is not an http(s) URL; e.g. http://127.0.0.1:8080")
-        self.tls = url.scheme == "https"
-        self.host = url.hostname
-        self.port = url.port or (443 if self.tls else 80)
-        self.prefix = url.path
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.connector = connector
+        self.waits = policy or waits.Waits()
+        self.client = httpclient.client(
+            httpx.Client, self.base_url, api_key, 10.0, transport, trust_env=False
+        )
 
-    def close(self) -> None:
-        """Nothing to release: every request uses its own connection."""
+    def __enter__(self) -> Probe:
+        return self
 
-    def request(
-        self, method: str, path: str, body: dict[str, Any] | None = None, timeout: float = 10.0
-    ) -> Response:
-        """One request; raises OSError/HTTPException when nothing (usable) answers."""
-        conn = self.connector(self.host, self.port, self.tls, timeout)
-        try:
-            headers = dict(self.headers)
-            data = None
-            if body is not None:
-                data = json.dumps(body).encode()
-                headers["Content-Type"] = "application/json"
-            conn.request(method, self.prefix + path, body=data, headers=headers)
-            r = conn.getresponse()
-            return Response(r.status, r.read())
-        finally:
-            conn.close()
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.client.close()
 
     def health(self, timeout: float = 0.1) -> tuple[int | None, str]:
-        """(status, detail): None when nothing answers yet.
+        """(status, detail): None when nothing answers yet (detail ``TIMEOUT`` when nothing
+        answered in time).
 
         The timeout is short on purpose: it is polled in a loop that also watches the unit,
         and whatever else holds the port (a stale process) may never answer.
         """
         try:
-            r = self.request("GET", "/health", timeout=timeout)
-        except (OSError, http.client.HTTPException) as e:
+            r = self.client.get("/health", timeout=timeout)
+        except httpx.TimeoutException:
+            return None, TIMEOUT
+        except httpx.TransportError as e:
             return None, type(e).__name__
         try:
             detail = str(r.json().get("error", {}).get("message", "")) or r.text[:100]
         except (ValueError, AttributeError):
             detail = r.text[:100]
-        return r.status, detail
+        return r.status_code, detail
 
     def props(self) -> dict[str, Any]:
         try:
-            r = self.request("GET", "/props")
-        except (OSError, http.client.HTTPException) as e:
+            r = self.client.get("/props")
+        except httpx.TransportError as e:
             raise ProbeError(f"GET {self.base_url}/props failed: {e}") from e
-        if r.status != 200:
+        if r.status_code != 200:
             raise ProbeError(
-                f"GET {self.base_url}/props returned {r.status}: {_error_text(r)}"
-                + _auth_hint(r.status)
+                f"GET {self.base_url}/props returned {r.status_code}: "
+                f"{httpclient.error_text(r)}" + _auth_hint(r.status_code)
             )
         try:
             data = r.json()
@@ -141,25 +101,12 @@ class Probe:
             raise ProbeError(f"/props returned {type(data).__name__}, not an object")
         return data
 
-    def _post_retrying(self, path: str, body: dict[str, Any], timeout: float) -> Response:
-        """POST, retried briefly on a dropped connection or a 503: a server that just turned
-        healthy may refuse the first request while it settles. A real error (4xx, 500) is
-        returned at once, for the gate to judge."""
-        delay = 0.05
-        for attempt in range(3):
-            try:
-                r = self.request("POST", path, body, timeout)
-                if r.status != 503 or attempt == 2:
-                    return r
-            except (OSError, http.client.HTTPException) as e:
-                if attempt == 2:
-                    raise ProbeError(f"the chat completion failed: {type(e).__name__}: {e}") from e
-            time.sleep(delay)
-            delay *= 2
-        raise AssertionError("unreachable")  # pragma: no cover
-
     def chat(self, timeout: float, max_tokens: int = 4) -> Completion:
-        """A real, greedy chat completion; it must come back with ``usage``."""
+        """A real, greedy chat completion; it must come back with ``usage``.
+
+        Retried briefly (``waits.probe_post``) on a dropped connection or a 503: a server
+        that just turned healthy may refuse the first request while it settles. A real error
+        (4xx, 500) is judged at once."""
         body = {
             "messages": [{"role": "user", "content": "Say OK."}],
             "max_tokens": max_tokens,
@@ -169,11 +116,17 @@ class Probe:
             "stream": False,
         }
         start = time.monotonic()
-        r = self._post_retrying("/v1/chat/completions", body, timeout)
+        try:
+            r = waits.probe_post(self.waits, httpx.TransportError)(
+                self.client.post, "/v1/chat/completions", json=body, timeout=timeout
+            )
+        except httpx.TransportError as e:
+            raise ProbeError(f"the chat completion failed: {type(e).__name__}: {e}") from e
         ms = (time.monotonic() - start) * 1000
-        if r.status != 200:
+        if r.status_code != 200:
             raise ProbeError(
-                f"the chat completion returned {r.status}: {_error_text(r)}" + _auth_hint(r.status)
+                f"the chat completion returned {r.status_code}: {httpclient.error_text(r)}"
+                + _auth_hint(r.status_code)
             )
         try:
             data = r.json()
@@ -189,19 +142,6 @@ class Probe:
             raise ProbeError(
                 f"the chat completion has no usable choices/usage: {r.text[:300]}"
             ) from e
-
-
-def _error_text(r: Response) -> str:
-    """The server's error message, shortened to its first line."""
-    try:
-        msg = str(r.json()["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        msg = r.text
-    lines = [x for x in msg.splitlines() if x.strip() and not x.startswith("---")]
-    first = lines[0] if lines else msg
-    if "Jinja Exception" in msg:
-        first += " (" + msg[msg.index("Jinja Exception") :].splitlines()[0] + ")"
-    return first[:300]
 
 
 def _auth_hint(status: int) -> str:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from launcher import config, store
-from launcher.deploy import argv_diff, process_memory
+from launcher.config import argv_diff
+from launcher.memory import process_memory
 from launcher.systemd import Systemd
 
 

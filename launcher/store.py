@@ -22,11 +22,12 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from launcher import waits
 from launcher.errors import LockTimeout, StoreError
 
 #: Outcomes that make a generation "known good".
@@ -134,21 +135,13 @@ class Store:
         self.ensure()
         fd = os.open(self.root / "lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            deadline = time.monotonic() + timeout
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except OSError as e:
-                    if e.errno not in (errno.EAGAIN, errno.EACCES):
-                        raise
-                    if time.monotonic() >= deadline:
-                        holder = self._lock_holder()
-                        raise LockTimeout(
-                            f"another deploy holds {self.root / 'lock'}{holder}; waited "
-                            f"{timeout:g}s - retry later or raise --lock-timeout"
-                        ) from None
-                    time.sleep(0.05)
+            try:
+                waits.lock(waits.Waits(lock=timeout))(_try_lock, fd)
+            except BlockingIOError:
+                raise LockTimeout(
+                    f"another deploy holds {self.root / 'lock'}{self._lock_holder()}; waited "
+                    f"{timeout:g}s - retry later or raise --lock-timeout"
+                ) from None
             os.ftruncate(fd, 0)
             os.write(fd, f"{os.getpid()}\n".encode())
             yield
@@ -218,6 +211,50 @@ class Store:
         n = self.live_number()
         return self.get(n) if n is not None else None
 
+    # -- rollback targets ------------------------------------------------------------------
+
+    def rollback_target(
+        self, to: int | None, live_text: str | None, running: Callable[[], bool]
+    ) -> Generation:
+        """What ``rollback`` goes back to: generation ``to``; else the live generation when it
+        is known-good but not what serves (the live file was changed behind our back, the
+        unit is down, or its restore failed its gate); else the newest known-good one before
+        it with another config (``previous_good``)."""
+        live = self.live()
+        if to is not None:
+            return self.get(to)
+        if (
+            live is not None
+            and live.good
+            and (live_text != live.env_text or not running() or live.meta.get("gate_failed_at"))
+        ):
+            return live
+        target = self.previous_good(live, live_text)
+        if target is None:
+            raise StoreError(
+                f"no known-good generation other than the live one "
+                f"({live.number if live else None}) in "
+                f"{self.gen_dir}; see llama-launcher history"
+            )
+        return target
+
+    def previous_good(self, live: Generation | None, text: str | None) -> Generation | None:
+        """The newest known-good generation before the live one with a different config."""
+        for n in reversed(self.numbers()):
+            gen = self.get(n)
+            if live is not None and n >= live.number:
+                continue
+            if gen.good and not gen.meta.get("rolled_back_from") and gen.env_text != text:
+                return gen
+        return None
+
+    def back_out(self, gone: Generation) -> None:
+        """A later rollback must not bring back the config a rollback backed out, in
+        whichever generations it was deployed."""
+        for gen in self.all():
+            if gen.env_text == gone.env_text:
+                self.update(gen, rolled_back_from=True)
+
     # -- transaction record ----------------------------------------------------------------
 
     def begin(self, record: dict[str, Any]) -> None:
@@ -238,6 +275,16 @@ class Store:
         with contextlib.suppress(FileNotFoundError):
             self.txn_path.unlink()
         _fsync_dir(self.root)
+
+
+def _try_lock(fd: int) -> None:
+    """flock without waiting; ``BlockingIOError`` while another process holds it."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno in (errno.EAGAIN, errno.EACCES):
+            raise BlockingIOError(e.errno, e.strerror) from e
+        raise
 
 
 def swap_env(env_file: Path, text: str, backup: bool = True) -> None:

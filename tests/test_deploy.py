@@ -200,10 +200,10 @@ def test_rollback_after_start_limit_hit(host: Host) -> None:
 
 
 def _popen(host: Host, *args: str, fault: str) -> subprocess.Popen[str]:
-    env = {**host.env, "LLAMA_LAUNCHER_FAULT": fault}
+    """The CLI with ``fault`` injected at a phase of the transaction (tests/faults.py)."""
     return subprocess.Popen(
-        [sys.executable, "-m", "launcher", *args, "--json"],
-        env=env,
+        [sys.executable, str(Path(__file__).with_name("faults.py")), fault, *args, "--json"],
+        env=host.env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

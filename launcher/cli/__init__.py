@@ -93,13 +93,16 @@ def fail(error: Exception, as_json: bool) -> int:
     return code
 
 
-def main(args: Sequence[str]) -> int:
+def main(args: Sequence[str], on_phase: Callable[[str], None] | None = None) -> int:
+    """Run one verb; ``on_phase`` is told each phase of a deploy transaction (the
+    crash-safety tests pass one in to inject a fault at a phase)."""
     parser = build_parser()
     # llama-server flags (`set -ctk q8_0 ...`) are whatever the verb's own options are not.
     ns, extra = parser.parse_known_args(list(args))
     if extra and not getattr(ns, "takes_flags", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     ns.flags = extra
+    ns.on_phase = on_phase
     if ns.verb == "exec":
         from launcher import launch
 

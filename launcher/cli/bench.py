@@ -68,8 +68,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def _live(unit: str) -> dict[str, Any] | None:
     """The live generation of ``unit`` (number, argv, plan, URL), if llama-launcher manages it."""
     from launcher import config, store
-    from launcher.deploy import url_from_argv
     from launcher.errors import LauncherError
+    from launcher.gate import url_from_argv
 
     try:
         settings = config.load_settings(unit=unit)
@@ -117,7 +117,7 @@ def run(ns: argparse.Namespace, generation: Mapping[str, Any] | None = None) -> 
     settings.validate()
     if ns.plot:
         bench.check_plot_available(ns.plot)
-    api_key = bench.read_api_key(ns.api_key_file) if ns.api_key_file else None
+    api_key = bench.api_key_from_file(ns.api_key_file) if ns.api_key_file else None
     result = bench.run_bench(settings, api_key=api_key, generation=generation)
     data = result.to_dict()
     if ns.plot:

@@ -257,9 +257,12 @@ def _default_server() -> str:
 def deployer_for(ns: argparse.Namespace) -> Deployer:
     from launcher.deploy import Deployer
 
-    d = Deployer(settings_from(ns), progress=None if ns.json else _progress())
-    d.force_memory = bool(getattr(ns, "force_memory", False))
-    return d
+    return Deployer(
+        settings_from(ns),
+        progress=None if ns.json else _progress(),
+        force_memory=bool(getattr(ns, "force_memory", False)),
+        on_phase=ns.on_phase,
+    )
 
 
 def _progress() -> Any:
@@ -416,6 +419,7 @@ def cmd_install(ns: argparse.Namespace) -> int:
         template=bool(ns.instance),
         progress=None if ns.json else _progress(),
         force_memory=ns.force_memory,
+        on_phase=ns.on_phase,
     )
     return _finish(ns, result)
 

@@ -1,0 +1,240 @@
+"""Putting the previous config back: after a failed deploy (``undo``), and after a deployer
+that died mid-transaction (``recover``, run first by every verb that takes the lock).
+
+Both restore the old env file first (every millisecond here is clients without a model),
+restart it and run the same gate on it; the outcome is "restored and serving" or "restore
+failed", never an exception from the restore itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from launcher import config, keys, launch, store
+from launcher.errorhandler import Signals
+from launcher.errors import (
+    ConfigInvalid,
+    DeployFailed,
+    GateFailure,
+    Interrupted,
+    LauncherError,
+    RollbackFailed,
+    StoreError,
+)
+from launcher.gate import Gate, together
+from launcher.systemd import Systemd, UnitState
+
+if TYPE_CHECKING:
+    from launcher.deploy import Result
+
+
+class Reverter:
+    """Restores one unit's env file from the store and gets it serving again."""
+
+    def __init__(
+        self, st: store.Store, env_file: Path, systemd: Systemd, gate: Gate, signals: Signals
+    ) -> None:
+        self.store, self.env_file, self.systemd, self.gate = st, env_file, systemd, gate
+        self.signals = signals
+
+    def live_text(self) -> str | None:
+        """The live env file as it is on disk: no newline translation (a CR in it is what
+        the launcher refuses); bytes that are not UTF-8 (the launcher refuses them too) read
+        as U+FFFD, so the file differs from any rendering (the swap's .bak keeps the bytes)."""
+        try:
+            return self.env_file.read_bytes().decode("utf-8", "replace")
+        except FileNotFoundError:
+            return None
+
+    def argv_of(self, text: str | None) -> list[str]:
+        return launch.argv_of_text(text, str(self.env_file))
+
+    def restore_text(self, old_text: str | None) -> None:
+        if old_text is None:
+            with contextlib.suppress(FileNotFoundError):
+                self.env_file.unlink()
+        elif self.live_text() != old_text:
+            store.swap_env(self.env_file, old_text, backup=False)
+
+    def restart_old(self, number: Any, old_text: str | None) -> dict[str, Any]:
+        """Start the restored config and gate it; never raises: the result says ``ok``."""
+        if old_text is None:
+            try:
+                self.systemd.stop()
+                self.systemd.reset_failed()
+            except LauncherError as e:
+                return {"ok": False, "message": f"could not stop the unit: {e}"}
+            return {"ok": True, "note": "there was no previous config; the unit is stopped"}
+        plan = None
+        if number:
+            with contextlib.suppress(StoreError, ConfigInvalid, KeyError):
+                gen = self.store.get(int(number))
+                plan = config.build(dict(gen.meta["config"])).pool_plan(
+                    gen.meta.get("model", {}).get("n_ctx_train")
+                )
+
+        def reset_then_state() -> UnitState:
+            self.systemd.reset_failed()
+            return self.systemd.state()
+
+        try:
+            cursor, before = together(self.systemd.cursor, reset_then_state)
+            self.systemd.restart()
+            key = keys.key_of_env(old_text, str(self.env_file))
+            gate = self.gate(plan, cursor, before, key, self.argv_of(old_text))
+            return {"ok": True, "startup": gate.startup}
+        except LauncherError as e:  # a gate, a probe, systemctl or journalctl: reported
+            return {"ok": False, "message": str(e)}
+
+    # -- a dead deployer's transaction -----------------------------------------------------
+
+    def recover(self) -> dict[str, Any] | None:
+        """Complete or revert a transaction a dead deployer left behind."""
+        txn = self.store.txn()
+        if not txn:
+            return None
+        with self.signals.deferred():  # a recovery is a rollback: it is not interrupted
+            report = self._recover(txn)
+        self.signals.stop_if_asked()  # asked to stop during it: stop now
+        return report
+
+    def _recover(self, txn: dict[str, Any]) -> dict[str, Any]:
+        # Under the lock the record's writer is gone (the lock dies with its holder); its pid
+        # may belong to another process by now (a reboot), so it is not consulted.
+        phase = str(txn.get("phase", "begin"))
+        report: dict[str, Any] = {
+            "interrupted_phase": phase,
+            "from": txn.get("from"),
+            "to": txn.get("to"),
+        }
+        old_text = txn.get("old_text")
+        if phase in ("begin", "stored") and self._new_file_is_live(txn, old_text):
+            # the record's phase is written without fsync, the swap with it: after a power
+            # loss the new file can be live while the record still says it was not swapped
+            phase = "gate"
+            report["interrupted_phase"] = f"{txn.get('phase')} (the new file was live)"
+        if phase in ("begin", "stored"):
+            report["action"] = "nothing live was touched; discarded"
+        else:
+            self.restore_text(old_text)
+            if phase in ("restart", "gate"):
+                report["action"] = "restored the previous env file and restarted it"
+                report["gate"] = self.restart_old(txn.get("from"), old_text)
+            else:
+                report["action"] = "restored the previous env file (no restart had happened)"
+            if txn.get("from") is not None:
+                self.store.set_live(int(txn["from"]))
+        if txn.get("to"):
+            self._mark(int(txn["to"]), outcome="interrupted")
+        if not report.get("gate", {"ok": True}).get("ok") and txn.get("from") is not None:
+            self._mark(int(txn["from"]), gate_failed_at=time.time())
+        self.store.end()
+        return report
+
+    def _mark(self, number: int, **changes: Any) -> None:
+        with contextlib.suppress(StoreError):
+            self.store.update(self.store.get(number), **changes)
+
+    def _new_file_is_live(self, txn: dict[str, Any], old_text: str | None) -> bool:
+        if not txn.get("to"):
+            return False
+        try:
+            new_text = self.store.get(int(txn["to"])).env_text
+            live = self.live_text()
+        except (StoreError, OSError):
+            return False
+        return live == new_text and live != old_text
+
+    # -- a failed deploy -------------------------------------------------------------------
+
+    def undo(
+        self,
+        error: BaseException,
+        gen: store.Generation,
+        live_text: str | None,
+        prev_number: int | None,
+        result: Result,
+        t0: float,
+    ) -> NoReturn:
+        """Restore generation ``prev_number`` after ``error``; raise ``DeployFailed`` when it
+        serves again, ``RollbackFailed`` when it does not (signals are deferred by the
+        caller, ``errorhandler.on_error``)."""
+        failure = self._failure(error)
+        self.gate.say("rollback")
+        restored = False
+        try:
+            self.restore_text(live_text)
+            restored = True
+        except OSError as e:
+            # the record stays: the next invocation restores the file before anything else
+            rb: dict[str, Any] = {
+                "ok": False,
+                "message": f"cannot write the previous env file back to {self.env_file}: "
+                f"{e}; the transaction record in {self.store.root} keeps it",
+            }
+        else:
+            rb = self.restart_old(prev_number, live_text)
+        with contextlib.suppress(OSError):
+            self.store.update(gen, outcome="failed", failure=failure)
+            if restored:
+                self.store.end()
+                if prev_number is not None:
+                    self.store.set_live(prev_number)
+        result.failure, result.rollback = failure, rb
+        result.timings["total"] = round(time.monotonic() - t0, 3)
+        exc: LauncherError
+        if rb.get("ok"):
+            result.outcome = "rolled_back"
+            what = (
+                f"generation {prev_number} is serving again"
+                if live_text is not None
+                else rb.get("note", "")
+            )
+            result.message = (
+                f"generation {gen.number} failed ({failure['class']}: {failure['message']}); {what}"
+            )
+            exc = DeployFailed(result.message, result)
+        else:
+            result.outcome = "rollback_failed"
+            if prev_number is not None:
+                self._mark(prev_number, gate_failed_at=time.time())
+            result.message = self._restore_failed(gen, failure, prev_number, rb, restored)
+            exc = RollbackFailed(result.message, result)
+        if self.signals.pending is not None or isinstance(error, Interrupted):
+            result.message += " (interrupted by a signal)"
+        raise exc
+
+    def _failure(self, error: BaseException) -> dict[str, Any]:
+        if isinstance(error, GateFailure):
+            return error.to_dict()
+        interrupted = isinstance(error, Interrupted)
+        return {
+            "phase": "interrupted" if interrupted else "gate",
+            "class": "interrupted" if interrupted else type(error).__name__,
+            "message": str(error),
+            "log_tail": self.gate.tail(),
+        }
+
+    def _restore_failed(
+        self,
+        gen: store.Generation,
+        failure: dict[str, Any],
+        prev_number: int | None,
+        rb: dict[str, Any],
+        restored: bool,
+    ) -> str:
+        return (
+            f"generation {gen.number} failed ({failure['message']}) and restoring generation "
+            f"{prev_number} failed too ({rb.get('message')}). Nothing was deleted"
+            + (
+                f": the old env file is back in {self.env_file}; "
+                if restored
+                else f", but {self.env_file} still holds the new file: free space or fix "
+                "the permissions, then run llama-launcher recover; "
+            )
+            + f"read `journalctl -u {self.systemd.unit}`, fix the cause (model, binary, "
+            "port, memory), then run llama-launcher rollback"
+        )

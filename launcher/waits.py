@@ -1,0 +1,169 @@
+"""Every retry and wait of the tool, each a named tenacity policy, in one place.
+
+The budgets come from the settings (``Waits.from_settings``); the short intervals are fields
+of ``Waits`` with the reason for their value, so a caller (a test, a measured budget) can
+hand in others instead of editing a loop.
+
+=================  =========================================================================
+policy             what it waits for
+=================  =========================================================================
+``lock``           another deploy to release the state dir's lock (``lock_timeout``)
+``ready``          the restarted unit: its new process, the startup line, ``/health`` 200
+                   (``start_timeout`` until the startup line, ``health_timeout`` after it)
+``respawn``        systemd failing to spawn the process: restarted once more, not judged
+``journal_catchup``  the startup line in the journal file once the server is healthy
+``last_words``     journald storing the lines of a process that died
+``probe_post``     the first request to a server that just turned healthy (503, a reset)
+=================  =========================================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import tenacity
+from tenacity import (
+    Retrying,
+    retry_if_exception_type,
+    retry_if_result,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_exponential,
+    wait_fixed,
+    wait_none,
+)
+
+if TYPE_CHECKING:
+    from launcher.config import ToolSettings
+
+
+@dataclass(frozen=True)
+class Waits:
+    """The numbers of every policy below (seconds unless named otherwise)."""
+
+    start: float = 120.0  # restart -> the startup line (settings.start_timeout)
+    health: float = 300.0  # the startup line -> /health 200 (settings.health_timeout)
+    probe: float = 60.0  # the real completion (settings.probe_timeout)
+    settle: float = 0.0  # the extra stay-up wait after the completion (settings.settle_seconds)
+    lock: float = 30.0  # another deploy's lock (settings.lock_timeout)
+    #: how often the lock is tried again
+    lock_poll: float = 0.05
+    #: systemctl show until the new process shows (a bad config exits within milliseconds) ...
+    state_poll_starting: float = 0.02
+    #: ... and once its pid is watched: each `systemctl show` takes CPU the loading server needs
+    state_poll_running: float = 0.25
+    #: one journal read of the gate's loop (the loop's own pace)
+    journal_poll: float = 0.005
+    #: /health's first timeout: a local llama-server answers in about a millisecond ...
+    health_first: float = 0.005
+    #: ... doubled up to this while something holds the port but does not answer
+    health_max: float = 1.0
+    #: not at once: a config that cannot bind a taken port dies within milliseconds
+    health_patience_after: float = 1.0
+    #: journald tells followers about new entries every 250 ms; the file has them before
+    journal_catchup: float = 2.0
+    #: journald may still be storing a dead process's last lines
+    last_words: float = 0.5
+    #: between two reads of the journal file
+    reread: float = 0.02
+    #: a POST to a server that just turned healthy: attempts, first pause (then doubled)
+    probe_attempts: int = 3
+    probe_backoff: float = 0.05
+    #: restarts after systemd itself failed to spawn the process (219/CGROUP and friends)
+    respawns: int = 1
+
+    @classmethod
+    def from_settings(cls, settings: ToolSettings, **overrides: Any) -> Waits:
+        base = cls(
+            start=settings.start_timeout,
+            health=settings.health_timeout,
+            probe=settings.probe_timeout,
+            settle=settings.settle_seconds,
+            lock=settings.lock_timeout,
+        )
+        return replace(base, **overrides)
+
+
+def lock(w: Waits, timeout: float | None = None) -> Retrying:
+    """Try a non-blocking lock again while it raises ``BlockingIOError``; the last error is
+    raised when ``timeout`` (default ``w.lock``) has passed."""
+    return Retrying(
+        retry=retry_if_exception_type(BlockingIOError),
+        stop=stop_after_delay(w.lock if timeout is None else timeout),
+        wait=wait_fixed(w.lock_poll),
+        reraise=True,
+    )
+
+
+def ready(
+    expired: Callable[[], bool], give_up: Callable[[tenacity.RetryCallState], Any]
+) -> Retrying:
+    """Call a poll step again while it returns None (its own journal read paces it) until it
+    returns what it waited for, raises, or ``expired()``; then ``give_up`` raises."""
+    return Retrying(
+        retry=retry_if_result(lambda r: r is None),
+        stop=lambda _state: expired(),
+        wait=wait_none(),
+        retry_error_callback=give_up,
+    )
+
+
+def respawn(w: Waits, before_retry: Callable[[BaseException], None]) -> Retrying:
+    """Run the wait again after ``SpawnFailed``, ``w.respawns`` times (``before_retry`` gets the
+    failure and restarts the unit)."""
+    from launcher.gate import SpawnFailed
+
+    def hook(state: tenacity.RetryCallState) -> None:
+        assert state.outcome is not None
+        error = state.outcome.exception()
+        assert error is not None
+        before_retry(error)
+
+    return Retrying(
+        retry=retry_if_exception_type(SpawnFailed),
+        stop=stop_after_attempt(1 + w.respawns),
+        wait=wait_none(),
+        before_sleep=hook,
+        reraise=True,
+    )
+
+
+def _last_result(state: tenacity.RetryCallState) -> Any:
+    assert state.outcome is not None
+    return state.outcome.result()
+
+
+def until(w: Waits, budget: float, done: Callable[[Any], bool]) -> Retrying:
+    """Call again every ``w.reread`` while ``done(result)`` is false, for ``budget`` seconds;
+    then the last result is returned (the caller judges it). Used as ``journal_catchup``
+    and ``last_words``."""
+    return Retrying(
+        retry=retry_if_result(lambda r: not done(r)),
+        stop=stop_after_delay(budget),
+        wait=wait_fixed(w.reread),
+        retry_error_callback=_last_result,
+    )
+
+
+def journal_catchup(w: Waits, done: Callable[[Any], bool]) -> Retrying:
+    return until(w, w.journal_catchup, done)
+
+
+def last_words(w: Waits, done: Callable[[Any], bool]) -> Retrying:
+    return until(w, w.last_words, done)
+
+
+def probe_post(
+    w: Waits, retry_on: type[BaseException] | tuple[type[BaseException], ...]
+) -> Retrying:
+    """A request retried on a dropped connection (``retry_on``) or a 503, ``w.probe_attempts``
+    times with a doubling pause; the last answer (or error) is the caller's to judge."""
+    return Retrying(
+        retry=retry_if_exception_type(retry_on)
+        | retry_if_result(lambda r: getattr(r, "status_code", None) == 503),
+        stop=stop_after_attempt(w.probe_attempts),
+        wait=wait_exponential(multiplier=w.probe_backoff),
+        retry_error_callback=_last_result,
+    )
