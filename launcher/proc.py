@@ -2,6 +2,10 @@
 
 argv lists only (never a shell string), an explicit environment, a timeout, and every
 failure turned into ``CommandError`` naming the command and the tail of its stderr.
+``run`` goes through ``sh``; the two long-running readers (``spawn``: ``journalctl -f`` the
+gate follows; ``stream``: a journal read in constant memory) stay on ``subprocess``: they
+are killed or read while they run, which sh's buffered, thread-fed output does not allow
+without holding all of it.
 """
 
 from __future__ import annotations
@@ -9,8 +13,10 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import shutil
 import subprocess
 import tempfile
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO
@@ -37,31 +43,65 @@ def run(
     input: str | None = None,
     cwd: str | None = None,
 ) -> Result:
-    """Run ``argv`` and return its output; raise ``CommandError`` on failure when ``check``.
+    """Run ``argv`` (through ``sh``) and return its output; raise ``CommandError`` on failure
+    when ``check``, ``CommandTimeout`` when it runs past ``timeout`` (it is killed).
 
-    ``env`` replaces the environment when given (pass ``dict(os.environ, ...)`` to extend it).
+    ``env`` replaces the environment when given (pass ``dict(os.environ, ...)`` to extend it);
+    the command is looked up in its ``PATH``. Output is text, newlines translated as
+    ``subprocess`` does in text mode.
     """
+    import sh
+
     args = [str(a) for a in argv]
+    environ = dict(env) if env is not None else dict(os.environ)
+    exe = shutil.which(args[0], path=environ.get("PATH")) if "/" not in args[0] else args[0]
     try:
-        p = subprocess.run(
-            args,
-            capture_output=True,
-            text=True,
-            errors="replace",
-            timeout=timeout,
-            env=dict(env) if env is not None else None,
-            input=input,
-            cwd=cwd,
-            stdin=None if input is not None else subprocess.DEVNULL,
+        if exe is None:
+            raise FileNotFoundError(2, "No such file or directory", args[0])
+        cmd = sh.Command(exe)
+        # sh's own _timeout waits in steps of 0.1 s (+100 ms on every call, measured): a
+        # timer kills the command instead
+        p = cmd(
+            *args[1:],
+            _env=environ,
+            _in=input,
+            _cwd=cwd,
+            _bg=True,
+            _bg_exc=False,
+            _return_cmd=True,
+            _tty_out=False,
+            _ok_code=_ANY_STATUS,
         )
-    except subprocess.TimeoutExpired as e:
-        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
-        raise CommandTimeout(args, None, err, f"timed out after {timeout:g}s") from e
-    except OSError as e:
-        raise CommandError(args, None, str(e), e.strerror or "") from e
-    if check and p.returncode != 0:
-        raise CommandError(args, p.returncode, p.stderr or p.stdout)
-    return Result(args, p.returncode, p.stdout, p.stderr)
+    except (OSError, sh.CommandNotFound) as e:
+        strerror = getattr(e, "strerror", None) or "not found"
+        raise CommandError(args, None, str(e), strerror) from e
+    timed_out = threading.Event()
+
+    def kill() -> None:
+        timed_out.set()
+        with contextlib.suppress(OSError):  # it may have ended meanwhile
+            p.kill()
+
+    timer = threading.Timer(timeout, kill)
+    timer.start()
+    try:
+        p.wait()
+    finally:
+        timer.cancel()
+    stdout, stderr = _text(p.stdout), _text(p.stderr)
+    if timed_out.is_set():
+        raise CommandTimeout(args, None, stderr, f"timed out after {timeout:g}s")
+    if check and p.exit_code != 0:
+        raise CommandError(args, p.exit_code, stderr or stdout)
+    return Result(args, p.exit_code, stdout, stderr)
+
+
+#: every exit status and signal is the caller's to judge (``check``), never sh's exception
+_ANY_STATUS = tuple(range(-64, 256))
+
+
+def _text(data: bytes) -> str:
+    return data.decode(errors="replace").replace("\r\n", "\n").replace("\r", "\n")
 
 
 def base_env(**extra: str) -> dict[str, str]:
