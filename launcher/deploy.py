@@ -16,52 +16,20 @@ If the deployer dies (kill -9), the next invocation finds ``txn.json`` and rever
 from __future__ import annotations
 
 import contextlib
-import getpass
-import os
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 from launcher import config, envfile, keys, memory, store, validate, waits, window
 from launcher.errorhandler import Signals, on_error
-from launcher.errors import ConfigInvalid, Interrupted, LauncherError, RollbackFailed, StoreError
+from launcher.errors import ConfigInvalid, Interrupted, StoreError
 from launcher.gate import Gate, Progress, together
 from launcher.recovery import Reverter
+from launcher.result import Result
 from launcher.systemd import Systemd, UnitState
 
 #: Called with each phase as it is recorded (tests pass one in to inject a fault there).
 OnPhase = Callable[[str], None]
-
-
-@dataclass
-class Result:
-    """What a verb did: the one JSON object of ``--json``."""
-
-    outcome: str
-    changed: bool
-    generation: int | None = None
-    previous_generation: int | None = None
-    message: str = ""
-    startup: dict[str, Any] | None = None
-    planned: dict[str, Any] | None = None
-    probe: dict[str, Any] | None = None
-    client_window: dict[str, Any] | None = None
-    warnings: list[str] = field(default_factory=list)
-    diff: list[str] = field(default_factory=list)
-    timings: dict[str, float] = field(default_factory=dict)
-    memory: dict[str, Any] = field(default_factory=dict)
-    failure: dict[str, Any] | None = None
-    rollback: dict[str, Any] | None = None
-    recovered: dict[str, Any] | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.outcome in ("deployed", "unchanged", "checked")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"ok": self.ok, **self.__dict__}
 
 
 class Deployer:
@@ -126,17 +94,7 @@ class Deployer:
         the restored config does not pass its gate."""
         with self._locked() as recovered:
             pass
-        gate = (recovered or {}).get("gate")
-        if recovered is not None and gate is not None and not gate.get("ok"):
-            raise RollbackFailed(
-                f"restored the env file of generation {recovered['from']} (the deploy of "
-                f"generation {recovered['to']} was interrupted at "
-                f"{recovered['interrupted_phase']}), but it failed its gate: "
-                f"{gate.get('message')}. Nothing was deleted; read `journalctl -u "
-                f"{self.systemd.unit}`, fix the cause, then run llama-launcher rollback",
-                data={"recovered": recovered},
-            )
-        return recovered
+        return self.reverter.restored_or_raise(recovered)
 
     def live_config_data(self) -> dict[str, Any]:
         live = self.store.live()
@@ -175,7 +133,8 @@ class Deployer:
     ) -> Result:
         t0 = time.monotonic()
         self.gate.say("validate")
-        checked, running = self._validate(keys.materialize(self.store, cfg, write=not check), check)
+        cfg = keys.materialize(self.store, cfg, write=not check)
+        checked, running = validate.beside_state(cfg, self.systemd.state, check, self.force_memory)
         live_text = self.reverter.live_text()
         result = Result(
             "checked" if check else "deployed",
@@ -191,17 +150,13 @@ class Deployer:
         down = running is not None and not running.running
         if live_text == checked.env_text and not force_restart and not down and not result.warnings:
             live = self.store.live()
-            result.outcome, result.changed, result.generation, result.diff = (
-                "unchanged",
-                False,
-                result.previous_generation,
-                [],
-            )
-            result.message = (
-                "the rendered env file is byte-identical to the live one; nothing restarted"
-            )
-            result.startup = live.meta.get("startup") if live else None
-            result.client_window = self._window(checked, result.generation) if live else None
+            result.outcome, result.changed, result.diff = "unchanged", False, []
+            result.generation = result.previous_generation
+            result.message = "the rendered env file is byte-identical to the live one; "
+            result.message += "nothing restarted"
+            if live is not None:
+                result.startup = live.meta.get("startup")
+                result.client_window = self._window(checked, result.generation)
             return result
         if check:
             result.message = "valid; nothing was changed (check mode)"
@@ -209,29 +164,6 @@ class Deployer:
         assert running is not None
         result.previous_generation = self._adopt_unmanaged(live_text, result.previous_generation)
         return self._transaction(checked, live_text, origin, result, t0, running)
-
-    def _validate(
-        self, cfg: config.ServerConfig, check: bool
-    ) -> tuple[validate.Validated, UnitState | None]:
-        """The validation chain, with the unit's state (a systemctl) read beside its
-        processes; check mode works without a reachable systemd (a build box)."""
-        with ThreadPoolExecutor(1) as workers:
-            shown = workers.submit(self.systemd.state)
-
-            def unit_state() -> UnitState | None:
-                try:
-                    return shown.result()
-                except LauncherError:
-                    if not check:
-                        raise
-                    return None
-
-            def releasable() -> int:
-                running = unit_state()
-                return memory.releasable_memory(running) if running else 0
-
-            checked = validate.validate(cfg, releasable=releasable, force_memory=self.force_memory)
-            return checked, unit_state()
 
     def _notes(self, check: bool, running: UnitState | None, identical: bool) -> list[str]:
         notes = []
@@ -319,22 +251,7 @@ class Deployer:
     ) -> store.Generation:
         """Write the transaction record (it names the old text: the rollback is registered
         before anything live is touched), then the new generation."""
-        meta = {
-            "time": time.time(),
-            "user": _user(),
-            "origin": origin,
-            "argv": checked.argv,
-            "config": checked.config.masked(),
-            "model": checked.model,
-            "llama_server": {
-                "path": checked.server.path,
-                "version": checked.server.version,
-                "fingerprint": checked.server.fingerprint,
-            },
-            "planned": planned,
-            "previous": prev,
-            "kv_estimate": checked.memory.to_dict(),
-        }
+        meta = {**checked.meta(), "origin": origin, "planned": planned, "previous": prev}
         record = {"phase": "begin", "from": prev, "to": None, "env_file": str(self.env_file)}
         try:
             self.store.begin({**record, "old_text": live_text})
@@ -343,12 +260,7 @@ class Deployer:
             self._phase("stored")
             return gen
         except (OSError, Interrupted) as e:
-            # nothing live was touched: the record goes, a stored generation stays as a trace
-            with self.signals.deferred(), contextlib.suppress(OSError, StoreError):
-                if self.store.txn().get("to"):
-                    gone = self.store.get(int(self.store.txn()["to"]))
-                    self.store.update(gone, outcome="interrupted")
-                self.store.end()
+            self.reverter.discard()
             if isinstance(e, OSError):
                 raise StoreError(
                     f"cannot write the new generation to {self.store.root}: {e}; "
@@ -358,10 +270,3 @@ class Deployer:
 
     def _window(self, checked: validate.Validated, number: int | None) -> dict[str, Any]:
         return window.window_data(self.settings.unit_name, checked, number)
-
-
-def _user() -> str:
-    try:
-        return getpass.getuser()
-    except (KeyError, OSError):
-        return str(os.getuid())

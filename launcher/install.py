@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from launcher import config, units
-from launcher.deploy import Deployer, Result
+from launcher.deploy import Deployer
 from launcher.errors import ConfigInvalid, LauncherError
 from launcher.gate import Progress
+from launcher.result import Result
 from launcher.systemd import Systemd
 from launcher.window import client_window_path
 

@@ -28,7 +28,7 @@ from launcher.gate import Gate, together
 from launcher.systemd import Systemd, UnitState
 
 if TYPE_CHECKING:
-    from launcher.deploy import Result
+    from launcher.result import Result
 
 
 class Reverter:
@@ -101,6 +101,21 @@ class Reverter:
         self.signals.stop_if_asked()  # asked to stop during it: stop now
         return report
 
+    def restored_or_raise(self, report: dict[str, Any] | None) -> dict[str, Any] | None:
+        """``report`` of ``recover``; ``RollbackFailed`` when the restored config failed its
+        gate."""
+        gate = (report or {}).get("gate")
+        if report is not None and gate is not None and not gate.get("ok"):
+            raise RollbackFailed(
+                f"restored the env file of generation {report['from']} (the deploy of "
+                f"generation {report['to']} was interrupted at {report['interrupted_phase']}), "
+                f"but it failed its gate: {gate.get('message')}. Nothing was deleted; read "
+                f"`journalctl -u {self.systemd.unit}`, fix the cause, then run "
+                "llama-launcher rollback",
+                data={"recovered": report},
+            )
+        return report
+
     def _recover(self, txn: dict[str, Any]) -> dict[str, Any]:
         # Under the lock the record's writer is gone (the lock dies with its holder); its pid
         # may belong to another process by now (a reboot), so it is not consulted.
@@ -133,6 +148,14 @@ class Reverter:
             self._mark(int(txn["from"]), gate_failed_at=time.time())
         self.store.end()
         return report
+
+    def discard(self) -> None:
+        """Nothing live was touched: the record goes, a stored generation stays as a trace."""
+        with self.signals.deferred(), contextlib.suppress(OSError, StoreError):
+            to = self.store.txn().get("to")
+            if to:
+                self._mark(int(to), outcome="interrupted")
+            self.store.end()
 
     def _mark(self, number: int, **changes: Any) -> None:
         with contextlib.suppress(StoreError):

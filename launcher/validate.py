@@ -15,13 +15,15 @@ Runs on the rendered temporary file; each step is named in its error:
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from launcher import (
     binary,
@@ -36,6 +38,9 @@ from launcher import (
     units,
 )
 from launcher.errors import CommandError, ConfigInvalid, ValidationFailed
+
+if TYPE_CHECKING:
+    from launcher.systemd import UnitState
 
 STEPS = ("lint", "bash -n", "subshell", "argv", "flags", "model", "pool", "memory")
 
@@ -53,6 +58,29 @@ class Validated:
     server: binary.BinaryInfo
     memory: memory.Need
     steps: tuple[str, ...] = field(default=STEPS)
+
+    def meta(self) -> dict[str, Any]:
+        """What the generation store keeps about it (the config with its secrets masked)."""
+        return {
+            "time": time.time(),
+            "user": _user(),
+            "argv": self.argv,
+            "config": self.config.masked(),
+            "model": self.model,
+            "llama_server": {
+                "path": self.server.path,
+                "version": self.server.version,
+                "fingerprint": self.server.fingerprint,
+            },
+            "kv_estimate": self.memory.to_dict(),
+        }
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return str(os.getuid())
 
 
 def env_values(cfg: config.ServerConfig, key_file: str | None = None) -> dict[str, str]:
@@ -253,3 +281,35 @@ def validate(
     need = memory.need(cfg, plan, layout, model["weights"], unsupported)
     memory.guard(need, releasable() if callable(releasable) else releasable, force_memory)
     return Validated(cfg, text, values, expected, plan, model, info, need)
+
+
+def beside_state(
+    cfg: config.ServerConfig,
+    read_state: Callable[[], UnitState],
+    check: bool,
+    force_memory: bool = False,
+) -> tuple[Validated, UnitState | None]:
+    """``validate`` with the unit's state (a systemctl) read beside the chain's processes;
+    the state tells the memory guard what the running server frees. Check mode works
+    without a reachable systemd (a build box): the state is None then."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from launcher.errors import LauncherError
+
+    with ThreadPoolExecutor(1) as workers:
+        shown = workers.submit(read_state)
+
+        def unit_state() -> UnitState | None:
+            try:
+                return shown.result()
+            except LauncherError:
+                if not check:
+                    raise
+                return None
+
+        def releasable() -> int:
+            running = unit_state()
+            return memory.releasable_memory(running) if running else 0
+
+        checked = validate(cfg, releasable=releasable, force_memory=force_memory)
+        return checked, unit_state()

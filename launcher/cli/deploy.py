@@ -13,7 +13,8 @@ from launcher.cli import emit
 
 if TYPE_CHECKING:
     from launcher.config import ServerConfig, ToolSettings
-    from launcher.deploy import Deployer, Result
+    from launcher.deploy import Deployer
+    from launcher.result import Result
 
 
 def _settings_options(p: argparse.ArgumentParser) -> None:
