@@ -1,5 +1,5 @@
 """Measure several agents sharing one llama-server: total and per-agent speed, latency, and
-time to first token, with and without one long prompt read alongside (seed 004).
+time to first token, with and without one long prompt read alongside.
 
 Works against any OpenAI-compatible llama-server URL. Each agent is one
 ``httpx.AsyncClient`` that streams ``/v1/chat/completions`` with
@@ -11,7 +11,7 @@ once and the round ends when the last one finishes. With ``long_prompt_tokens``,
 runs a second time with one extra agent that sends a fresh long prompt at the start of each
 round, and the others send theirs halfway through its reading (timed once alone first):
 llama-server reads a prompt in the same batches as the other slots' decode steps, so while
-the long prompt is read every other agent waits (the stall seed 004 describes).
+the long prompt is read every other agent waits (the stall this measures).
 
 Every request starts with a run-unique tag so no request reuses another's prompt cache:
 the figures are for prompts read cold.
@@ -171,7 +171,7 @@ class RequestResult:
 
     @property
     def tok_s(self) -> float:
-        """This agent's speed: its tokens over its whole request time (as seed 004)."""
+        """This agent's speed: its tokens over its whole request time."""
         return self.completion_tokens / self.latency_s if self.latency_s > 0 else 0.0
 
     def to_dict(self) -> dict[str, Any]:

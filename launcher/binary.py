@@ -1,6 +1,6 @@
 """The installed llama-server binary: its flags (parsed from ``--help``), version and identity.
 
-``--help`` is the flag schema of the binary the unit really runs (peers: llserve, mdl doctor).
+``--help`` is the flag schema of the binary the unit really runs.
 The parse is cached per binary identity (path, size, mtime, inode) by ``launcher.filefacts``.
 Help format of b11434 (common/arg.cpp:180-215): option lines start at column 0 with the
 spellings joined by ", ", then a value hint, padded to column 40; continuation lines are

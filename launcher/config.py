@@ -239,7 +239,7 @@ class ServerConfig(BaseModel):
         return argv
 
     def derived_ctx_size(self) -> int | None:
-        """-c is always passed when a per-slot cap is set: slots x per-slot (seed 000)."""
+        """-c is always passed when a per-slot cap is set: slots x per-slot."""
         if self.kv_unified_per_slot and self.ctx_size is None:
             slots = kvlayout.AUTO_SLOTS if self.parallel in (None, -1) else self.parallel
             return slots * self.kv_unified_per_slot
@@ -287,7 +287,7 @@ class ServerConfig(BaseModel):
 
 
 def overcommit_message(plan: kvlayout.PoolPlan, config: ServerConfig | None = None) -> str:
-    """Seed 000's diagnosis and its three fixes, with the numbers of this config."""
+    """The over-commit diagnosis and its three fixes, with the numbers of this config."""
     w, n = plan.n_ctx_slot, plan.n_slots
     return (
         f"over-committed shared KV pool: {n} slots x n_ctx_slot {w} = {plan.promised} cells "

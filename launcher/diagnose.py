@@ -1,11 +1,11 @@
 """Read a llama-server log and say why requests failed with "Context size has been exceeded".
 
-Seed 000's troubleshooting checklist as code: count the error, read the last startup line as a
+The troubleshooting checklist as code: count the error, read the last startup line as a
 promise (n_slots x n_ctx_slot against the pool, via ``launcher.kvlayout``), group each
 batch-halving cascade with the failure it ends in, add up the ``slot release`` lines that
 follow it, classify the failure and name the exact ``llama-launcher set`` line that fixes it.
 
-What the real server (b11434) taught, beyond LLAMA_SERVER_FACTS §2:
+What the real server (b11434) taught:
 
 - A cascade is not one halving run. ``update_slots`` decodes its batch in views of n_batch
   tokens from offset ``off``; a smaller view that fits is placed, ``off`` advances and n_batch
@@ -15,9 +15,9 @@ What the real server (b11434) taught, beyond LLAMA_SERVER_FACTS §2:
   64 then fits (ubatch placement). Only the last view (n_batch = 1) proves the pool is full.
 - The release lines count every token a slot has queued, including the part of the batch not
   yet placed. Hence, on the real server: ``sum(n_tokens) = pool + overflow`` where overflow is
-  the size of the first view that failed at the final offset (``batch.size() - off``; the seed's
-  719). When that view was capped by n_batch the overflow is not in the log; then it is
-  inferred as ``sum - pool``.
+  the size of the first view that failed at the final offset (``batch.size() - off``; 719 in
+  the log of scripts/repro-overflow). When that view was capped by n_batch the overflow is not
+  in the log; then it is inferred as ``sum - pool``.
 - A retry can succeed without a line saying so; the next batch may then fail at the same
   offset. Within one batch the view after a retry announcing n_batch is min(n_batch, the
   first view at that offset); a memory-slot line of another size starts a new batch, whose
@@ -926,7 +926,7 @@ def _fix(
 
 
 def shared_pool_fixes(cfg: Config, memory: MemoryCost | None = None) -> tuple[Fix, ...]:
-    """Seed 000's options A-C and 'no -kvu', sized for this config."""
+    """The fixes (cap each slot, grow the pool, fewer slots) and no -kvu, sized for this config."""
     n, w = cfg.n_slots, cfg.n_ctx_slot
     cells = cfg.pool_cells or w
     keep = kvlayout.resolve(n * w, n, True, w, cfg.n_ctx_train)

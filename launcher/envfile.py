@@ -1,6 +1,6 @@
 """The env file: render assignments and parse them strictly, standard library only.
 
-The unit's ``EnvironmentFile=``, bash ``source`` (the seed's launcher) and this module must
+The unit's ``EnvironmentFile=``, bash ``source`` (a launcher script) and this module must
 all read the same value from every line. The parser accepts only what all three read
 alike: blank lines, ``#`` comments and ``KEY=value`` assignments whose value is built from
 plain characters, single-quoted runs and double-quoted runs (with the backslash escapes

@@ -61,7 +61,8 @@ class ValidationFailed(InvalidInput):
 
 
 class OvercommitError(InvalidInput):
-    """Under a unified pool, n_slots x n_ctx_slot exceeds the pool: the seed's failure."""
+    """Under a unified pool, n_slots x n_ctx_slot exceeds the pool: requests fail with
+    "Context size has been exceeded" when the slots fill up together."""
 
 
 class MemoryGuardError(InvalidInput):

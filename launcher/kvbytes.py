@@ -4,8 +4,7 @@
 sliding-window and recurrent layers, MLA, n_ctx_train) and the weights' file size;
 ``estimate(info, plan, ctk, ctv)`` turns it and a ``kvlayout.PoolPlan`` into bytes, the way
 ``llama_kv_cache`` allocates them (src/llama-kv-cache.cpp:65-305,
-src/llama-kv-cache-iswa.cpp:34-103, src/llama-memory-hybrid.cpp, src/llama-memory-recurrent.cpp;
-../shared/LLAMA_SERVER_FACTS.md §5).
+src/llama-kv-cache-iswa.cpp:34-103, src/llama-memory-hybrid.cpp, src/llama-memory-recurrent.cpp).
 The tests hold the result to the server's own ``llama_kv_cache: size = ... MiB`` lines.
 
 Models whose cache this module does not model (the indexer/DSA/MSA caches, layers that share
@@ -692,7 +691,7 @@ def estimate(
     swa_full: bool = False,
     n_batch: int = DEFAULT_BATCH,
 ) -> KvEstimate:
-    """The bytes llama-server b11434 allocates for ``info`` under ``plan`` (FACTS §5.4).
+    """The bytes llama-server b11434 allocates for ``info`` under ``plan``.
 
     ``flash_attn`` is ``-fa``: with ``off`` the V cache is stored transposed and every layer's V
     row is as wide as the widest (TAG_V_CACHE_VARIABLE). Raises ``ConfigInvalid`` for cache

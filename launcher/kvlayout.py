@@ -47,7 +47,7 @@ class PoolPlan:
 
     @property
     def overcommitted(self) -> bool:
-        """A shared pool smaller than what its slots are promised (seed 000)."""
+        """A shared pool smaller than what its slots are promised."""
         return self.kv_unified and self.promised > self.n_ctx
 
     @property
@@ -62,7 +62,7 @@ class PoolPlan:
         return min(self.n_ctx_slot, self.n_ctx // self.n_slots)
 
     def describe(self) -> str:
-        """The startup line read as a sentence, as seed 000 does."""
+        """The startup line read as a sentence."""
         kind = "one shared pool" if self.kv_unified else "split pools"
         text = f"{self.n_slots} slots x {self.n_ctx_slot} cells each, {kind} of {self.n_ctx} cells"
         if self.overcommitted:

@@ -2,9 +2,9 @@
 the readers of what the box and the service use (``/proc/meminfo``, ``/proc/PID/status``,
 the cgroup's ``MemoryCurrent``).
 
-Seed 000's author sized a box from a per-token figure that was off by a factor of two; the
-estimate here follows llama.cpp's allocation (``launcher.kvbytes``), and the deploy measures
-the service before and after so the two can be compared.
+A per-token rule of thumb can be off by a factor of two; the estimate here follows
+llama.cpp's allocation (``launcher.kvbytes``), and the deploy measures the service before
+and after so the two can be compared.
 """
 
 from __future__ import annotations

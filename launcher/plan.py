@@ -1,4 +1,4 @@
-"""``llama-launcher plan``: seed 000's table of options for N slots x W tokens on this box.
+"""``llama-launcher plan``: the table of options for N slots x W tokens on this box.
 
 For a wanted slot count and per-slot window, ``make_plan`` lays out what each way of running
 llama-server guarantees and costs: the over-committed shared pool (``-c W -np N -kvu``), the
@@ -25,7 +25,7 @@ MIB = 1024 * 1024
 #: prompt cache's first entries): llama-server's own --fit-target default, 1024 MiB
 #: (common/arg.cpp:2899-2922).
 HEADROOM_MIB = 1024
-#: Cache types the per-slot rows compare, as in seed 000 (f16, then 8 and 4 bit).
+#: Cache types the per-slot rows compare (f16, then 8 and 4 bit).
 PER_SLOT_TYPES = ("f16", "q8_0", "q4_0")
 #: The smaller-window option is a multiple of this (1k tokens: a number to tell clients).
 WINDOW_STEP = 1024
@@ -257,7 +257,7 @@ def make_plan(
     headroom_mib: int = HEADROOM_MIB,
     cache_ram_mib: int | None = None,
 ) -> Plan:
-    """Seed 000's options for ``slots`` clients that each need ``window`` tokens.
+    """The options for ``slots`` clients that each need ``window`` tokens.
 
     ``model`` is a GGUF path (or an already loaded ``ModelSummary``); without one only the
     pool arithmetic is done. ``available`` is the memory to plan for in bytes (default: this

@@ -1,7 +1,7 @@
 """Every llama-server log line the tool reads, in one place.
 
-Read from llama.cpp build b11434 (tools/server/*, common/*, src/*; see
-../shared/LLAMA_SERVER_FACTS.md) and confirmed against the real server by the tests.
+Read from llama.cpp build b11434 (tools/server/*, common/*, src/*) and confirmed against the
+real server by the tests.
 Lines may carry llama-server's prefix (``0.00.035.060 I ``) and, if colours were left on,
 ANSI escapes; ``clean`` strips both.
 """
@@ -255,7 +255,7 @@ SLOT_RELEASE = _compile(
 DECODE_FAILED = _compile(r"update_slots: decode\(\) failed: (?P<error>.*?)(?:\\n)?$")
 # server-context.cpp:3043, :3105: other faults in the same wording (no KV cascade)
 OTHER_DECODE_FAILED = _compile(r"update_slots: (?:pre|post)_decode\(\) failed: ")
-#: The phrase ``grep -c`` looks for (seed 000's checklist, step 1). It appears on the
+#: The phrase ``grep -c`` looks for (the first step of diagnosing it). It appears on the
 #: decode error line, on one send_error line per request and on the update_slots line.
 CONTEXT_EXCEEDED = "Context size has been exceeded"
 #: The 500 body of such a request, when something logs response bodies (-v, a proxy).

@@ -5,7 +5,7 @@ Runs on the rendered temporary file; each step is named in its error:
 1. ``lint``       the launcher's strict parser reads the file;
 2. ``bash -n``    bash parses it;
 3. ``subshell``   ``env -i bash -c 'set -f; source FILE; printf ...'`` prints exactly the
-                  expected values (seed 000's check, with expansion and globbing off);
+                  expected values (with expansion and globbing off);
 4. ``argv``       ``llama-launcher exec --print-argv`` on the file equals the typed argv;
 5. ``flags``      every flag is known to the installed llama-server (``--help``);
 6. ``model``      the model exists, is readable and is a GGUF whose metadata loads;

@@ -181,7 +181,7 @@ def _fix(fix: Fix, lead: str) -> list[str]:
 
 
 def render(r: Report) -> str:
-    """The report in seed 000's style."""
+    """The report as text."""
     out = [f"Source: {r.source} ({r.lines:,} lines)"]
     out.append(
         f"'Context size has been exceeded': {r.exceeded_lines:,} lines (grep -c), "

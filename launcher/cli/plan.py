@@ -18,7 +18,7 @@ def register(subparsers: Any) -> None:
         "plan",
         help="compare shared, split and per-slot KV pools for N slots x W tokens",
         description=(
-            "Lay out seed 000's options for N clients that each need a W-token window: the "
+            "Lay out the options for N clients that each need a W-token window: the "
             "shared over-committed pool, split pools, the per-slot cap at f16/q8_0/q4_0, fewer "
             "slots and a smaller window; with --model, the KV memory of each and what is left "
             "of MemAvailable. Changes nothing."
