@@ -213,7 +213,7 @@ class ServerConfig(BaseModel):
 
     # -- views -----------------------------------------------------------------------------
 
-    def server_args(self, api_key_file: str | None = None) -> list[str]:
+    def server_args(self) -> list[str]:
         """llama-server's arguments (without the binary), in a stable order."""
         args: list[str] = []
         for flag in FLAGS:
@@ -275,7 +275,7 @@ class ServerConfig(BaseModel):
         """Refuse a shared pool whose slots can exhaust it, unless allow_overcommit."""
         plan = self.pool_plan(n_ctx_train)
         if plan.overcommitted and not self.allow_overcommit:
-            raise OvercommitError(overcommit_message(plan, self))
+            raise OvercommitError(overcommit_message(plan))
         return plan
 
     def masked(self) -> dict[str, Any]:
@@ -286,7 +286,7 @@ class ServerConfig(BaseModel):
         return data
 
 
-def overcommit_message(plan: kvlayout.PoolPlan, config: ServerConfig | None = None) -> str:
+def overcommit_message(plan: kvlayout.PoolPlan) -> str:
     """The over-commit diagnosis and its three fixes, with the numbers of this config."""
     w, n = plan.n_ctx_slot, plan.n_slots
     return (

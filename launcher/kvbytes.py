@@ -478,7 +478,7 @@ class _Layout:
             self.key("attention.key_length_mla") in self.md
             and self.key("attention.value_length_mla") in self.md
         )
-        kind, is_recr, row = self.recurrence(n_all, n_layer, n_embd, heads)
+        kind, is_recr, row = self.recurrence(n_all, n_layer, n_embd)
         if kind == "attention" and any(is_swa):
             kind = "iswa"
         return ModelInfo(
@@ -529,7 +529,7 @@ class _Layout:
         return tuple(flags + [False] * (n_all - n_layer)), window
 
     def recurrence(
-        self, n_all: int, n_layer: int, n_embd: int, heads: Sequence[int]
+        self, n_all: int, n_layer: int, n_embd: int
     ) -> tuple[Kind, tuple[bool, ...], int]:
         """Which layers are recurrent and the floats one sequence's state costs per layer."""
         if self.arch in NO_CACHE_ARCHS:

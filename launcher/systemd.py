@@ -102,9 +102,6 @@ class Systemd:
         """``systemctl restart --no-block``: the gate, not systemctl, waits for readiness."""
         self._ctl("restart", "--no-block", "--", self.unit)
 
-    def start(self) -> None:
-        self._ctl("start", "--no-block", "--", self.unit)
-
     def stop(self) -> None:
         self._ctl("stop", "--", self.unit)
 

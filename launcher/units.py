@@ -76,7 +76,6 @@ def render(
 def this_python() -> tuple[str, str]:
     """(the interpreter running llama-launcher, the folder holding the ``launcher`` package)."""
     import sys
-    from pathlib import Path
 
     import launcher
 
@@ -89,8 +88,3 @@ def default_files() -> dict[str, str]:
         "llama-server.service": render(),
         "llama-server@.service": render(env_file="/etc/llama-launcher/%i.env", template=True),
     }
-
-
-def write_defaults(folder: Path) -> None:
-    for name, text in default_files().items():
-        (folder / name).write_text(text)
