@@ -335,6 +335,15 @@ def test_yaml_booleans_for_flash_attn_become_on_off(given: object, passed: str) 
     assert _module().desired_config(params) == {"flash_attn": passed}
 
 
+@pytest.mark.parametrize(
+    "word", ["-c", "--port", "--port=8080", "-1", "-0.5", "-1.2.3", "-x1", "--", "8080", "q8_0", ""]
+)
+def test_the_module_tells_flags_from_values_as_the_launcher_does(word: str) -> None:
+    from launcher import envfile
+
+    assert _module().is_flag(word) == envfile.is_flag(word)
+
+
 def test_playbooks_pass_ansible_lint(tmp_path: Path) -> None:
     # --offline: no Galaxy lookups; the playbooks use ansible.builtin and the local module only
     lint = [str(VENV_BIN / "ansible-lint"), "--offline", "--nocolor", "--profile", "production"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import tempfile
 from typing import Any
@@ -470,12 +471,18 @@ class Launcher:
 # -- diff mode ---------------------------------------------------------------------------------
 
 
+def is_flag(word: str) -> bool:
+    """``launcher.envfile.is_flag``, which this module (run by Ansible's interpreter on the
+    target, where the launcher's package need not import) cannot import; a test holds the
+    two equal."""
+    return word.startswith("-") and not re.fullmatch(r"-\d+(\.\d+)?", word)
+
+
 def argv_lines(argv: list[str]) -> list[str]:
     """One flag and its values per line (the grouping of the launcher's argv diff)."""
     lines: list[str] = []
     for word in argv:
-        is_flag = word.startswith("-") and not word[1:].replace(".", "").isdigit()
-        if is_flag or not lines:
+        if is_flag(word) or not lines:
             lines.append(shlex.quote(word))
         else:
             lines[-1] += " " + shlex.quote(word)
