@@ -18,7 +18,7 @@
     ├── LockTimeout                    exit 5: another deploy holds the lock
     ├── DeployFailed                   exit 3: the new config failed, the old one serves again
     └── RollbackFailed                 exit 4: the old config failed as well; nothing was deleted
-    Interrupted (a BaseException)      exit 128+signal: SIGINT/SIGTERM before the change went live
+    Interrupted (a BaseException)      exit 128+signal: SIGINT/SIGTERM/SIGHUP before it went live
 
 Every message names the value at fault and the fix. Causes are chained with ``raise ... from``.
 """
@@ -156,9 +156,9 @@ class RollbackFailed(LauncherError):
 
 
 class Interrupted(BaseException):
-    """SIGINT/SIGTERM arrived during a transaction. Inside the risky part the deployer rolls
-    back and reports; raised out of it (validation, storing the generation), nothing live was
-    changed. A BaseException, so ``except Exception`` cannot swallow it."""
+    """SIGINT, SIGTERM or SIGHUP arrived during a transaction. Inside the risky part the
+    deployer rolls back and reports; raised out of it (validation, storing the generation),
+    nothing live was changed. A BaseException, so ``except Exception`` cannot swallow it."""
 
     def __init__(self, signum: int) -> None:
         import signal

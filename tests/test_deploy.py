@@ -238,6 +238,20 @@ def test_sigterm_during_the_gate_rolls_back(host: Host) -> None:
     assert host.chat()["usage"]["completion_tokens"] > 0
 
 
+def test_sighup_during_the_gate_rolls_back(host: Host) -> None:
+    installed(host)
+    good = host.env_file.read_text()
+    p = _popen(host, "set", "-c", "8192", fault="gate:pause")
+    _wait_phase(host, "gate")
+    p.send_signal(signal.SIGHUP)  # the terminal of the one who ran it was closed
+    stdout, _ = p.communicate(timeout=60)
+    out = json.loads(stdout.strip().splitlines()[-1])
+    assert (p.returncode, out["outcome"]) == (3, "rolled_back")
+    assert out["failure"]["class"] == "interrupted"
+    assert host.env_file.read_text() == good
+    assert host.chat()["usage"]["completion_tokens"] > 0
+
+
 def test_second_deploy_waits_for_the_lock_then_gives_up(host: Host) -> None:
     installed(host)
     first = _popen(host, "set", "-c", "8192", fault="gate:pause")
