@@ -250,7 +250,7 @@ class _Watch:
         self.pid = 0  # the new process, once systemd shows it
         self.next_state = 0.0
         self.t_startup: float | None = None
-        self.health_wait = self.w.health_first
+        self.health_wait = self.w.health_timeouts[0]
 
     def run(self) -> _Ready:
         with self.gate.systemd.follow(self.cursor, self.old_pid) as journal:
@@ -276,7 +276,7 @@ class _Watch:
         if status is None and detail == TIMEOUT and now - self.t0 > self.w.health_patience_after:
             # something holds the port but does not answer (yet): ask again with more
             # patience, but first look at the unit (it may have died)
-            self.health_wait = min(self.health_wait * 2, self.w.health_max)
+            self.health_wait = min(self.health_wait * 2, self.w.health_timeouts[1])
         if status == 200:
             # the 200 must come from our process, not from whatever else may hold the port:
             # the process systemd started must still be there
@@ -290,9 +290,7 @@ class _Watch:
         return None
 
     def _look_at_unit(self, now: float) -> None:
-        self.next_state = now + (
-            self.w.state_poll_starting if self.pid <= 0 else self.w.state_poll_running
-        )
+        self.next_state = now + self.w.state_polls[self.pid > 0]
         state = self.gate.systemd.state()
         self.started = (
             self.started

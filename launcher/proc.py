@@ -19,7 +19,7 @@ import tempfile
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import IO
+from typing import IO, Any
 
 from launcher.errors import CommandError, CommandTimeout
 
@@ -61,17 +61,7 @@ def run(
         cmd = sh.Command(exe)
         # sh's own _timeout waits in steps of 0.1 s (+100 ms on every call, measured): a
         # timer kills the command instead
-        p = cmd(
-            *args[1:],
-            _env=environ,
-            _in=input,
-            _cwd=cwd,
-            _bg=True,
-            _bg_exc=False,
-            _return_cmd=True,
-            _tty_out=False,
-            _ok_code=_ANY_STATUS,
-        )
+        p = cmd(*args[1:], _env=environ, _in=input, _cwd=cwd, **_SH_OPTIONS)
     except (OSError, sh.CommandNotFound) as e:
         strerror = getattr(e, "strerror", None) or "not found"
         raise CommandError(args, None, str(e), strerror) from e
@@ -96,8 +86,15 @@ def run(
     return Result(args, p.exit_code, stdout, stderr)
 
 
-#: every exit status and signal is the caller's to judge (``check``), never sh's exception
-_ANY_STATUS = tuple(range(-64, 256))
+#: How ``run`` uses sh: in the background (the timer waits), pipes and not a terminal, and
+#: every exit status or signal the caller's to judge (``check``), never sh's exception.
+_SH_OPTIONS: dict[str, Any] = {
+    "_bg": True,
+    "_bg_exc": False,
+    "_return_cmd": True,
+    "_tty_out": False,
+    "_ok_code": tuple(range(-64, 256)),
+}
 
 
 def _text(data: bytes) -> str:

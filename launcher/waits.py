@@ -43,47 +43,51 @@ if TYPE_CHECKING:
 class Waits:
     """The numbers of every policy below (seconds unless named otherwise)."""
 
-    start: float = 120.0  # restart -> the startup line (settings.start_timeout)
-    health: float = 300.0  # the startup line -> /health 200 (settings.health_timeout)
-    probe: float = 60.0  # the real completion (settings.probe_timeout)
-    settle: float = 0.0  # the extra stay-up wait after the completion (settings.settle_seconds)
-    lock: float = 30.0  # another deploy's lock (settings.lock_timeout)
-    #: how often the lock is tried again
-    lock_poll: float = 0.05
-    #: systemctl show until the new process shows (a bad config exits within milliseconds) ...
-    state_poll_starting: float = 0.02
-    #: ... and once its pid is watched: each `systemctl show` takes CPU the loading server needs
-    state_poll_running: float = 0.25
-    #: one journal read of the gate's loop (the loop's own pace)
+    # the budgets, from the settings (``from_settings``)
+    start: float = 120.0  # restart -> the startup line (start_timeout)
+    health: float = 300.0  # the startup line -> /health 200 (health_timeout)
+    probe: float = 60.0  # the real completion (probe_timeout)
+    settle: float = 0.0  # the extra stay-up wait after the completion (settle_seconds)
+    lock: float = 30.0  # another deploy's lock (lock_timeout)
+
+    # the gate's loop: one journal read paces it; `systemctl show` until the new process
+    # shows (a bad config exits within milliseconds), then rarely (each call takes CPU the
+    # loading server needs)
     journal_poll: float = 0.005
-    #: /health's first timeout: a local llama-server answers in about a millisecond ...
-    health_first: float = 0.005
-    #: ... doubled up to this while something holds the port but does not answer
-    health_max: float = 1.0
-    #: not at once: a config that cannot bind a taken port dies within milliseconds
+    state_polls: tuple[float, float] = (0.02, 0.25)
+    # /health's timeout: a local llama-server answers in about a millisecond; doubled up to
+    # the second while something holds the port but does not answer, but only after the
+    # first second (a config that cannot bind a taken port dies within milliseconds)
+    health_timeouts: tuple[float, float] = (0.005, 1.0)
     health_patience_after: float = 1.0
-    #: journald tells followers about new entries every 250 ms; the file has them before
+
+    # journald tells followers about new entries every 250 ms, its files have them before;
+    # a dead process's last lines may still be on their way into them
     journal_catchup: float = 2.0
-    #: journald may still be storing a dead process's last lines
     last_words: float = 0.5
-    #: between two reads of the journal file
-    reread: float = 0.02
-    #: a POST to a server that just turned healthy: attempts, first pause (then doubled)
-    probe_attempts: int = 3
-    probe_backoff: float = 0.05
-    #: restarts after systemd itself failed to spawn the process (219/CGROUP and friends)
+    reread: float = 0.02  # between two reads of the journal file
+    lock_poll: float = 0.05  # between two tries of the lock
+    # a POST to a server that just turned healthy: attempts, the first pause (then doubled)
+    probe_retry: tuple[int, float] = (3, 0.05)
+    # restarts after systemd itself failed to spawn the process (219/CGROUP and friends)
     respawns: int = 1
 
     @classmethod
     def from_settings(cls, settings: ToolSettings, **overrides: Any) -> Waits:
-        base = cls(
-            start=settings.start_timeout,
-            health=settings.health_timeout,
-            probe=settings.probe_timeout,
-            settle=settings.settle_seconds,
-            lock=settings.lock_timeout,
-        )
-        return replace(base, **overrides)
+        """The budgets of ``settings`` (each field's comment names its setting), and
+        ``overrides`` of any field."""
+        budgets = {field: getattr(settings, name) for field, name in _SETTING_OF.items()}
+        return replace(cls(**budgets), **overrides)
+
+
+#: The setting each budget comes from.
+_SETTING_OF = {
+    "start": "start_timeout",
+    "health": "health_timeout",
+    "probe": "probe_timeout",
+    "settle": "settle_seconds",
+    "lock": "lock_timeout",
+}
 
 
 def lock(w: Waits, timeout: float | None = None) -> Retrying:
@@ -158,12 +162,12 @@ def last_words(w: Waits, done: Callable[[Any], bool]) -> Retrying:
 def probe_post(
     w: Waits, retry_on: type[BaseException] | tuple[type[BaseException], ...]
 ) -> Retrying:
-    """A request retried on a dropped connection (``retry_on``) or a 503, ``w.probe_attempts``
-    times with a doubling pause; the last answer (or error) is the caller's to judge."""
+    """A request retried on a dropped connection (``retry_on``) or a 503, ``w.probe_retry``
+    (attempts, first pause; then doubled); the last answer (or error) is the caller's to judge."""
     return Retrying(
         retry=retry_if_exception_type(retry_on)
         | retry_if_result(lambda r: getattr(r, "status_code", None) == 503),
-        stop=stop_after_attempt(w.probe_attempts),
-        wait=wait_exponential(multiplier=w.probe_backoff),
+        stop=stop_after_attempt(w.probe_retry[0]),
+        wait=wait_exponential(multiplier=w.probe_retry[1]),
         retry_error_callback=_last_result,
     )

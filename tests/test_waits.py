@@ -19,7 +19,7 @@ from launcher.errorhandler import Signals, on_error
 from launcher.errors import Interrupted, ProbeError
 from launcher.probe import Probe
 
-FAST = waits.Waits(probe_backoff=0.001)
+FAST = waits.Waits(probe_retry=(3, 0.001))
 LOADING = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
 DONE = {
     "choices": [{"message": {"content": "OK"}}],
@@ -64,10 +64,10 @@ def test_the_completion_is_asked_again_after_a_503_and_a_dropped_connection() ->
 
 
 def test_the_last_503_is_judged_after_the_attempts() -> None:
-    probe, seen = _probe([httpx.Response(503, json=LOADING)] * FAST.probe_attempts)
+    probe, seen = _probe([httpx.Response(503, json=LOADING)] * FAST.probe_retry[0])
     with probe, pytest.raises(ProbeError, match="returned 503: Loading model"):
         probe.chat(5)
-    assert len(seen) == FAST.probe_attempts
+    assert len(seen) == FAST.probe_retry[0]
 
 
 def test_a_real_error_is_judged_at_once() -> None:
@@ -79,7 +79,7 @@ def test_a_real_error_is_judged_at_once() -> None:
 
 
 def test_no_connection_after_the_attempts_is_a_probe_error_naming_it() -> None:
-    probe, _ = _probe([httpx.ConnectError("refused")] * FAST.probe_attempts)
+    probe, _ = _probe([httpx.ConnectError("refused")] * FAST.probe_retry[0])
     with probe, pytest.raises(ProbeError, match="ConnectError: refused"):
         probe.chat(5)
 
