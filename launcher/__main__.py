@@ -2,8 +2,9 @@
 
 ``exec`` (the unit's ExecStart) is dispatched before anything heavy is imported: it runs on
 every server start and must stay standard-library only. Every other verb goes to the CLI,
-which ends without the interpreter's teardown: freeing pydantic-settings' objects alone takes
-~35 ms, time every deploy and rollback would add for nothing.
+which ends without the interpreter's teardown: freeing pydantic-settings', httpx's and sh's
+objects is a noticeable part of a short verb (``scripts/bench-imports`` measures it), time
+every command would add for nothing.
 """
 
 from __future__ import annotations

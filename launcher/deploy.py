@@ -42,14 +42,14 @@ class Deployer:
         progress: Progress | None = None,
         force_memory: bool = False,
         on_phase: OnPhase | None = None,
+        policy: waits.Waits | None = None,
     ) -> None:
         self.settings = settings
         self.systemd = systemd or Systemd(settings.unit_name, settings.scope)
         self.store = store.Store(settings.resolved_state_dir())
         self.env_file = settings.resolved_env_file()
-        self.gate = Gate(
-            self.systemd, waits.Waits.from_settings(settings), settings.base_url, progress
-        )
+        policy = policy or waits.Waits.from_settings(settings)
+        self.gate = Gate(self.systemd, policy, settings.base_url, progress)
         self.signals = Signals()
         self.reverter = Reverter(self.store, self.env_file, self.systemd, self.gate, self.signals)
         #: deploy even when the memory guard says the config does not fit (--force-memory)
