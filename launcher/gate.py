@@ -15,14 +15,16 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import tenacity
 
 from launcher import envfile, kvlayout, serverlog, waits
 from launcher.errors import GateFailure, LauncherError, ProbeError
-from launcher.probe import TIMEOUT, Completion, Probe
 from launcher.systemd import JournalFollower, Systemd, UnitState
+
+if TYPE_CHECKING:
+    from launcher.probe import Completion, Probe
 
 Progress = Callable[[str, float, str], None]  # (phase, elapsed seconds, last log line)
 
@@ -88,6 +90,9 @@ class Gate:
         """Wait for the restarted unit to serve; raise GateFailure with the reason."""
         t0 = time.monotonic()
         timings: dict[str, float] = {}
+        # imported here, after the restart: httpx's import runs while the server loads
+        from launcher.probe import Probe
+
         with Probe(self.url_for(argv), api_key, policy=self.waits) as probe:
             try:
                 ready = self._wait_ready(probe, cursor, before, t0)
@@ -273,7 +278,11 @@ class _Watch:
         if not self.started or gone:
             return None
         status, detail = self.probe.health(self.health_wait)
-        if status is None and detail == TIMEOUT and now - self.t0 > self.w.health_patience_after:
+        if (
+            status is None
+            and detail == self.probe.TIMEOUT
+            and now - self.t0 > self.w.health_patience_after
+        ):
             # something holds the port but does not answer (yet): ask again with more
             # patience, but first look at the unit (it may have died)
             self.health_wait = min(self.health_wait * 2, self.w.health_timeouts[1])

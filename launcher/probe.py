@@ -22,9 +22,6 @@ import httpx
 from launcher import httpclient, waits
 from launcher.errors import ProbeError
 
-#: ``Probe.health``'s detail when nothing answered within the timeout
-TIMEOUT = "timeout"
-
 
 @dataclass(frozen=True)
 class Completion:
@@ -39,6 +36,9 @@ class Completion:
 
 class Probe:
     """Talks to one llama-server at ``base_url``; a context manager (closes its client)."""
+
+    #: ``health``'s detail when nothing answered within the timeout
+    TIMEOUT = "timeout"
 
     def __init__(
         self,
@@ -74,7 +74,7 @@ class Probe:
         try:
             r = self.client.get("/health", timeout=timeout)
         except httpx.TimeoutException:
-            return None, TIMEOUT
+            return None, self.TIMEOUT
         except httpx.TransportError as e:
             return None, type(e).__name__
         try:
