@@ -33,7 +33,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from launcher import config, envfile, launch, pool, serverlog, store, validate
+from launcher import config, envfile, home, launch, pool, serverlog, store, validate
 from launcher.errors import (
     ConfigInvalid,
     DeployFailed,
@@ -165,7 +165,9 @@ class Deployer:
     ) -> None:
         self.settings = settings
         self.systemd = systemd or Systemd(settings.unit_name, settings.scope)
-        self.store = store.Store(settings.resolved_state_dir())
+        self.store = store.Store(
+            settings.resolved_state_dir(), home.lock_path(settings.scope, settings.unit_name)
+        )
         self.env_file = settings.resolved_env_file()
         self.progress = progress
         self._rolling_back = False
@@ -290,6 +292,7 @@ class Deployer:
             yield None
             return
         with self.store.lock(self.settings.lock_timeout), self._signals():
+            home.claim(self.settings, self.store.root)
             yield self._recover()
 
     @contextlib.contextmanager
