@@ -59,8 +59,8 @@ options:
     type: str
   scope:
     description:
-      - Which systemd manager to use. Left out, the launcher's default, as for C(install):
-        V(system) for root on a host booted with systemd, else V(user).
+      - Which systemd manager to use. Left out, the launcher's default, as for C(install),
+        which is V(system) for root on a host booted with systemd, else V(user).
     type: str
     choices: [system, user]
   env_file:
