@@ -270,13 +270,18 @@ def test_install_rollout_rollback_as_the_example_says(example: Example, box: Box
         assert example.status(host)["live_generation"] == 2
 
 
+@pytest.mark.parametrize("record", ["recorded", "installed before the record"])
 def test_a_mismatched_state_dir_is_refused_and_nothing_is_adopted(
-    example: Example, tmp_path: Path
+    example: Example, tmp_path: Path, record: str
 ) -> None:
     example.install(CHAT)
-    before = example.env_file(CHAT).read_text()
+    env_file = example.env_file(CHAT)
+    before = env_file.read_text()
     home_dir = example.status(CHAT)["state_dir"]
-    other = tmp_path / "var/lib/llama-launcher/chat"
+    assert json.loads(home.record_path(env_file).read_text())["state_dir"] == home_dir
+    if record != "recorded":
+        home.record_path(env_file).unlink()  # what an install of an older version leaves
+    other = tmp_path / "var/lib/llama-launcher/chat"  # the llama_state_dir
     p = example.playbook("rollout.yml", "--limit", CHAT, "-e", f"llama_state_dir={other}")
     assert p.returncode == 2
     assert recap(p.stdout)[CHAT]["failed"] == 1
@@ -284,9 +289,23 @@ def test_a_mismatched_state_dir_is_refused_and_nothing_is_adopted(
     assert f"state dir {other} does not manage llama-server@chat.service" in p.stdout
     assert f"pass --state-dir {home_dir}" in p.stdout
     assert not other.exists()
-    assert example.env_file(CHAT).read_text() == before
+    assert env_file.read_text() == before
     rc, out = example.cli("rollback", "--unit", example.unit(CHAT), "--state-dir", str(other))
     assert (rc, out["error"], out["recorded_state_dir"]) == (2, "StateDirMismatch", home_dir)
+
+
+def test_an_install_from_before_the_record_is_recorded_by_the_next_deploy(
+    example: Example,
+) -> None:
+    example.install(CHAT)
+    env_file = example.env_file(CHAT)
+    home_dir = example.status(CHAT)["state_dir"]
+    home.record_path(env_file).unlink()  # what an install of an older version leaves
+    p = example.playbook("rollout.yml", "--limit", CHAT)
+    assert p.returncode == 0
+    assert recap(p.stdout)[CHAT]["changed"] == 1
+    assert json.loads(home.record_path(env_file).read_text())["state_dir"] == home_dir
+    assert example.status(CHAT)["live_generation"] == 2
 
 
 def _openers(path: Path) -> set[int]:
