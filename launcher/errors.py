@@ -5,6 +5,7 @@
     LauncherError                      exit 1 unless a leaf says otherwise
     ├── InvalidInput                   exit 2: nothing was changed
     │   ├── ConfigInvalid              a value of the typed config (names field, value, fix)
+    │   │   └── StateDirMismatch       a state dir that is not the one managing the unit
     │   ├── ValidationFailed           a named step of the validation chain failed
     │   ├── OvercommitError            a shared KV pool that can be over-committed
     │   └── MemoryGuardError           the estimate does not fit the box
@@ -47,6 +48,17 @@ class InvalidInput(LauncherError):
 
 class ConfigInvalid(InvalidInput):
     """A value of the typed config or the tool settings is invalid."""
+
+
+class StateDirMismatch(ConfigInvalid):
+    """The state dir given is not the one recorded as the home of the unit's env file."""
+
+    def __init__(self, message: str, given: object, recorded: object, record: object) -> None:
+        self.given, self.recorded, self.record = str(given), str(recorded), str(record)
+        super().__init__(message)
+
+    def details(self) -> dict[str, Any]:
+        return {"state_dir": self.given, "recorded_state_dir": self.recorded, "record": self.record}
 
 
 class ValidationFailed(InvalidInput):
@@ -124,7 +136,7 @@ class StoreError(LauncherError):
 
 
 class LockTimeout(LauncherError):
-    """Another deploy holds the state dir's lock."""
+    """Another deploy holds the unit's lock."""
 
     exit_code = 5
 

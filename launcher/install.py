@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from launcher import config, units
+from launcher import config, home, units
 from launcher.deploy import Deployer
 from launcher.errors import ConfigInvalid, LauncherError
 from launcher.gate import Progress
@@ -82,6 +82,7 @@ def uninstall(
     settings: config.ToolSettings, purge: bool = False, systemd: Systemd | None = None
 ) -> dict[str, Any]:
     systemd = systemd or Systemd(settings.unit_name, settings.scope)
+    state = settings.resolved_state_dir()  # before the record beside the env file goes
     done: dict[str, Any] = {}
     try:
         systemd.stop()
@@ -98,11 +99,12 @@ def uninstall(
         env_file,
         env_file.with_name(env_file.name + ".bak"),
         client_window_path(env_file),
+        # the record of the unit's home stays with kept generations: a reinstall goes on there
+        *([home.record_path(env_file)] if purge else []),
     ):
         if f.exists():
             f.unlink()
             done.setdefault("removed", []).append(str(f))
-    state = settings.resolved_state_dir()
     if purge and state.exists():
         shutil.rmtree(state)
         done["purged"] = str(state)

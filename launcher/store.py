@@ -3,11 +3,14 @@ lock, and the atomic swap of the live env file.
 
 Layout of the state dir::
 
-    lock                    flock(2) target: one deploy at a time
     txn.json                the transaction record; exists only while a deploy runs
     generations/NNNN/env    the rendered env file of generation NNNN
     generations/NNNN/meta.json  argv, masked config, model identity, build, times, outcome, ...
     live                    the number of the generation in the live env file
+
+The lock (flock(2): one deploy at a time) is the unit's, outside the state dir
+(``launcher.home.lock_path``), so that two state dirs cannot deploy one unit at once; a Store
+made without a lock path locks ``<state dir>/lock``.
 
 At every instant the live env file is either the old or the new one, whole (write a temp
 file, fsync, rename, fsync the directory), and the previous generation stays on disk.
@@ -116,12 +119,13 @@ class Generation:
 
 
 class Store:
-    """The state dir of one unit."""
+    """The state dir of one unit, and the unit's lock at ``lock_path``."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, lock_path: Path | None = None) -> None:
         self.root = root
         self.gen_dir = root / "generations"
         self.txn_path = root / "txn.json"
+        self.lock_path = lock_path or root / "lock"
 
     def ensure(self) -> None:
         self.gen_dir.mkdir(parents=True, exist_ok=True)
@@ -131,15 +135,16 @@ class Store:
 
     @contextlib.contextmanager
     def lock(self, timeout: float) -> Iterator[None]:
-        """Hold the state dir's exclusive lock; wait up to ``timeout`` seconds for it."""
+        """Hold the unit's exclusive lock; wait up to ``timeout`` seconds for it."""
         self.ensure()
-        fd = os.open(self.root / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+        self.lock_path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             try:
                 waits.lock(waits.Waits(lock=timeout))(_try_lock, fd)
             except BlockingIOError:
                 raise LockTimeout(
-                    f"another deploy holds {self.root / 'lock'}{self._lock_holder()}; waited "
+                    f"another deploy holds {self.lock_path}{self._lock_holder()}; waited "
                     f"{timeout:g}s - retry later or raise --lock-timeout"
                 ) from None
             os.ftruncate(fd, 0)
@@ -150,7 +155,7 @@ class Store:
 
     def _lock_holder(self) -> str:
         try:
-            pid = (self.root / "lock").read_text().strip()
+            pid = self.lock_path.read_text().strip()
         except OSError:
             return ""
         return f" (pid {pid})" if pid else ""

@@ -25,7 +25,7 @@ EPILOG = """exit codes:
   3  deploy failed: the previous config was restored and serves again
      (a failed first install: the unit is left stopped)
   4  rollback failed: both configs failed; nothing was deleted
-  5  lock timeout: another deploy holds the state dir
+  5  lock timeout: another deploy holds the unit's lock
   78 exec only: the env file or its values are refused (systemd does not restart)
   128+signal  SIGINT/SIGTERM/SIGHUP before the change went live (130, 143, 129)
   141 the reader of the output went away (a closed pipe)

@@ -22,7 +22,12 @@ def _settings_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--unit", help="systemd unit (default llama-server.service)")
     g.add_argument("--scope", choices=["system", "user"], help="systemd manager to use")
     g.add_argument("--env-file", type=Path, help="the live env file")
-    g.add_argument("--state-dir", type=Path, help="generations and the transaction record")
+    g.add_argument(
+        "--state-dir",
+        type=Path,
+        help="generations and the transaction record (default: the one recorded beside the "
+        "env file; another is refused)",
+    )
     g.add_argument("--base-url", help="probe URL (default: from --host/--port)")
     g.add_argument("--start-timeout", type=float, help="seconds until the startup line")
     g.add_argument(

@@ -54,17 +54,29 @@ options:
     type: str
     default: llama-launcher
   unit:
-    description: The systemd unit, e.g. C(llama-server.service) or C(llama-server@a.service).
+    description:
+      - The systemd unit, e.g. C(llama-server@chat.service) for C(install --instance chat).
+      - Left out, the launcher's default, C(llama-server.service), as for C(install).
     type: str
   scope:
-    description: Which systemd manager to use.
+    description:
+      - Which systemd manager to use. Left out, the launcher's default, as for C(install),
+        which is V(system) for root on a host booted with systemd, else V(user).
     type: str
     choices: [system, user]
   env_file:
-    description: The live env file of the unit.
+    description:
+      - The live env file of the unit. Left out, the launcher's default, where C(install) puts
+        it (C(/etc/llama-launcher/NAME.env) in system scope, NAME the instance or the unit).
+      - Set it only for a unit installed with C(--env-file), to the same path.
     type: path
   state_dir:
-    description: Generations and the transaction record of the unit.
+    description:
+      - Generations and the transaction record of the unit. Left out, the folder that manages
+        the unit (recorded beside its env file by the first command, C(install)), else the
+        launcher's default (C(/var/lib/llama-launcher/UNIT) in system scope).
+      - A folder other than the recorded one is refused (exit 2), so a unit never gets a
+        second history. Set it only for a unit installed with C(--state-dir), to the same path.
     type: path
   base_url:
     description: Probe URL (default from O(host)/O(port)).
@@ -79,7 +91,7 @@ options:
     description: Seconds for the real chat completion.
     type: float
   lock_timeout:
-    description: Seconds to wait for another deploy of the same unit.
+    description: Seconds to wait for another deploy of the same unit (the unit's own lock).
     type: float
   settings_file:
     description: A llama-launcher settings TOML (C(LLAMA_LAUNCHER_SETTINGS)).
@@ -197,7 +209,6 @@ EXAMPLES = r"""
   llama_launcher:
     state: rolled_back
     unit: llama-server@chat.service
-    env_file: /etc/llama-launcher/chat.env
     rollback_to: 3
 """
 
