@@ -1,7 +1,8 @@
 """``llama-launcher`` / ``python -m launcher``.
 
-``exec`` (the unit's ExecStart) is dispatched before anything heavy is imported: it runs on
-every server start and must stay standard-library only. Every other verb goes to the CLI,
+``exec`` (the unit's ExecStart) and ``prestart`` (its ExecStartPre) are dispatched before
+anything heavy is imported: they run on every server start and must stay standard-library
+only. Every other verb goes to the CLI,
 which ends without the interpreter's teardown: freeing pydantic-settings' objects alone takes
 ~35 ms, time every deploy and rollback would add for nothing.
 """
@@ -19,6 +20,10 @@ def main() -> None:
         from launcher import launch
 
         raise SystemExit(launch.main(args[1:]))
+    if args[:1] == ["prestart"]:
+        from launcher import prestart
+
+        raise SystemExit(prestart.main(args[1:]))
     from launcher.cli import main as cli_main
 
     try:

@@ -33,7 +33,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from launcher import config, envfile, launch, pool, serverlog, store, validate
+from launcher import config, envfile, launch, pool, serverlog, service, store, validate
 from launcher.errors import (
     ConfigInvalid,
     DeployFailed,
@@ -119,10 +119,11 @@ def argv_diff(old: list[str], new: list[str]) -> list[str]:
     ]
 
 
-def client_window_path(env_file: Path) -> Path:
-    """Where clients read the guaranteed window: next to the env file, named after it (one
-    per instance: ``llama-server.client-window.json``, ``chat.client-window.json``)."""
-    return env_file.with_name(f"{env_file.stem}.client-window.json")
+def client_window_path(settings: config.ToolSettings) -> Path:
+    """Where clients read the guaranteed window: runtime state beside the unit's state
+    folder, not in /etc (``/var/lib/llama-launcher/llama-server.client-window.json``, one
+    per instance: ``chat.client-window.json``), readable by everyone."""
+    return settings.resolved_state_dir().parent / f"{settings.env_name}.client-window.json"
 
 
 def releasable_memory(state: UnitState) -> int:
@@ -496,7 +497,12 @@ class Deployer:
                 running = unit_state()
                 return releasable_memory(running) if running else 0
 
-            checked = validate.validate(cfg, releasable=releasable, force_memory=self.force_memory)
+            checked = validate.validate(
+                cfg,
+                releasable=releasable,
+                force_memory=self.force_memory,
+                svc=service.view(self.settings),
+            )
             running = unit_state()
         timings["validate"] = round(time.monotonic() - t0, 3)
         live_text = self._live_text()
@@ -757,9 +763,9 @@ class Deployer:
             return []
 
     def _client_window(self, checked: validate.Validated, number: int) -> dict[str, Any]:
-        """Publish the guaranteed per-slot window next to the env file (seed 000)."""
+        """Publish the guaranteed per-slot window for clients (seed 000)."""
         data = self._window_data(checked, number)
-        path = client_window_path(self.env_file)
+        path = client_window_path(self.settings)
         store.atomic_write(path, (json.dumps(data, indent=2) + "\n").encode(), 0o644)
         return data
 

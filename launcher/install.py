@@ -2,15 +2,114 @@
 
 from __future__ import annotations
 
+import grp
 import os
 import shutil
 from pathlib import Path
 from typing import Any
 
-from launcher import config, units
+from launcher import config, store, units
 from launcher.deploy import Deployer, Progress, Result, client_window_path
 from launcher.errors import ConfigInvalid, LauncherError
 from launcher.systemd import Systemd
+
+
+def site_for(
+    read_only_paths: tuple[Path, ...] = (),
+    memory_deny_write_execute: bool = True,
+    nice: bool = False,
+) -> units.Site:
+    """The hardened unit's site settings: the GPU groups this host has (a group systemd
+    cannot find fails the unit), and the operator's choices."""
+    for p in read_only_paths:
+        if not p.is_absolute() or not p.is_dir():
+            raise ConfigInvalid(
+                f"--read-only-path {p}: give an existing folder as an absolute path"
+            )
+    groups = []
+    for g in units.GPU_GROUPS:
+        try:
+            grp.getgrnam(g)
+            groups.append(g)
+        except KeyError:
+            pass
+    return units.Site(
+        groups=tuple(groups),
+        read_only_paths=tuple(str(p) for p in read_only_paths),
+        memory_deny_write_execute=memory_deny_write_execute,
+        nice=nice,
+    )
+
+
+def require_root(settings: config.ToolSettings) -> None:
+    """System scope writes /etc and /var/lib and talks to PID 1: root only (exit 2)."""
+    if settings.scope == "system" and os.geteuid() != 0:
+        raise ConfigInvalid(
+            "--scope system needs root: the unit lives in /etc/systemd/system, the env file "
+            "in /etc/llama-launcher and the generations in /var/lib/llama-launcher; run it "
+            "with sudo, or use --scope user for a server under your own systemd manager"
+        )
+
+
+def require_linger(settings: config.ToolSettings) -> None:
+    """A user unit stops at logout and does not start at boot unless the user lingers."""
+    if settings.scope != "user":
+        return
+    uid = os.geteuid()
+    # only the manager logind starts (user@UID.service) ends with the last session; a
+    # private one (the tests' sandbox) has another runtime folder
+    if os.environ.get("XDG_RUNTIME_DIR", f"/run/user/{uid}") != f"/run/user/{uid}":
+        return
+    import pwd
+
+    user = pwd.getpwuid(uid).pw_name
+    if not Path(f"/var/lib/systemd/linger/{user}").exists():
+        raise ConfigInvalid(
+            f"user scope without linger: systemd stops llama-server when {user}'s last "
+            "session ends (logout) and does not start it at boot. Run "
+            f"`loginctl enable-linger {user}` first, or install in system scope as root"
+        )
+
+
+def _unit_text(
+    settings: config.ToolSettings, env_file: Path, template: bool, site: units.Site | None
+) -> tuple[Path, str]:
+    unit_dir = settings.resolved_unit_dir()
+    state_dir = settings.resolved_state_dir()
+    python, package_dir = units.this_python()
+    if template:
+        return unit_dir / "llama-server@.service", units.render(
+            python,
+            package_dir,
+            str(env_file.parent / "%i.env"),
+            settings.scope,
+            template=True,
+            state_dir=str(state_dir.parent / "llama-server@%i"),
+            site=site,
+        )
+    return unit_dir / settings.unit_name, units.render(
+        python, package_dir, str(env_file), settings.scope, state_dir=str(state_dir), site=site
+    )
+
+
+def write_unit(unit_file: Path, text: str, force: bool = False) -> bool:
+    """Write the unit atomically; refuse to replace a hand-edited one unless ``force``.
+    Returns whether the file changed."""
+    text = units.stamp(text)
+    try:
+        current = unit_file.read_text()
+    except FileNotFoundError:
+        current = None
+    if current == text:
+        return False
+    if current is not None and units.hand_edited(current) and not force:
+        raise ConfigInvalid(
+            f"{unit_file} was edited by hand (or not written by llama-launcher); install "
+            f"would replace it and lose the edit. Put site changes in a drop-in "
+            f"(systemctl edit {unit_file.name}) and run install --force to replace the file"
+        )
+    store.atomic_write(unit_file, text.encode(), 0o644)
+    return True
 
 
 def install(
@@ -20,31 +119,33 @@ def install(
     progress: Progress | None = None,
     systemd: Systemd | None = None,
     force_memory: bool = False,
+    force: bool = False,
+    site: units.Site | None = None,
 ) -> Result:
     """Install the unit, create folders with safe modes, enable it, deploy through the gate.
 
     A failed first deploy leaves the unit stopped (and says why); on a host that already
     serves a config, a failed deploy leaves that config serving (the deployer rolls back).
+    Nothing is changed when the input is refused (a hand-edited unit without ``force``,
+    system scope without root, user scope without linger).
     """
+    require_root(settings)
+    require_linger(settings)
     env_file = settings.resolved_env_file()
-    unit_dir = settings.resolved_unit_dir()
     if template:
-        _check_template(settings, env_file, unit_dir)
+        _check_template(settings, env_file, settings.resolved_unit_dir())
+    unit_file, text = _unit_text(settings, env_file, template, site or site_for())
+    if unit_file.exists() and units.hand_edited(unit_file.read_text()) and not force:
+        write_unit(unit_file, text)  # raises, before any folder is made
     env_file.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
     state_dir = settings.resolved_state_dir()
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(state_dir, 0o700)
-    unit_dir.mkdir(parents=True, exist_ok=True)
-    if template:
-        unit_file = unit_dir / "llama-server@.service"
-        text = units.render(
-            *units.this_python(), str(env_file.parent / "%i.env"), settings.scope, template=True
-        )
-    else:
-        unit_file = unit_dir / settings.unit_name
-        text = units.render(*units.this_python(), str(env_file), settings.scope)
-    if not unit_file.exists() or unit_file.read_text() != text:
-        unit_file.write_text(text)
+    stage = Path(units.key_stage_path(str(state_dir)))
+    if settings.scope == "system" and not stage.exists():
+        store.atomic_write(stage, b"", 0o600)  # LoadCredential= needs it before any start
+    unit_file.parent.mkdir(parents=True, exist_ok=True)
+    write_unit(unit_file, text, force)
     systemd = systemd or Systemd(settings.unit_name, settings.scope)
     systemd.daemon_reload()
     systemd.enable()
@@ -72,11 +173,19 @@ def _check_template(settings: config.ToolSettings, env_file: Path, unit_dir: Pat
             f"than {env_file.parent}; every instance shares it: put {env_file.name} in that "
             "folder (leave --env-file out)"
         )
+    state_dir = settings.resolved_state_dir()
+    if state_dir.name != settings.instance:
+        raise ConfigInvalid(
+            f"--state-dir {state_dir}: the template unit finds each instance's generations "
+            f"in <folder>/llama-server@%i; name the folder {settings.instance} or leave "
+            "--state-dir out"
+        )
 
 
 def uninstall(
     settings: config.ToolSettings, purge: bool = False, systemd: Systemd | None = None
 ) -> dict[str, Any]:
+    require_root(settings)
     systemd = systemd or Systemd(settings.unit_name, settings.scope)
     done: dict[str, Any] = {}
     try:
@@ -93,7 +202,7 @@ def uninstall(
     for f in (
         env_file,
         env_file.with_name(env_file.name + ".bak"),
-        client_window_path(env_file),
+        client_window_path(settings),
     ):
         if f.exists():
             f.unlink()

@@ -9,8 +9,10 @@ Runs on the rendered temporary file; each step is named in its error:
 4. ``argv``       ``llama-launcher exec --print-argv`` on the file equals the typed argv;
 5. ``flags``      every flag is known to the installed llama-server (``--help``);
 6. ``model``      the model exists, is readable and is a GGUF whose metadata loads;
-7. ``pool``       the pool arithmetic: no over-committed shared pool unless allowed;
-8. ``memory``     KV estimate + weights + prompt cache fit what the box can give.
+7. ``service``    (system scope) the hardened unit's own user can open the binary, the model
+                  and every other file llama-server reads (``launcher.service``);
+8. ``pool``       the pool arithmetic: no over-committed shared pool unless allowed;
+9. ``memory``     KV estimate + weights + prompt cache fit what the box can give.
 """
 
 from __future__ import annotations
@@ -23,10 +25,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from launcher import binary, cache, config, envfile, kvmem, launch, memory, pool, proc, units
+from launcher import (
+    binary,
+    cache,
+    config,
+    envfile,
+    kvmem,
+    launch,
+    memory,
+    pool,
+    proc,
+    service,
+    units,
+)
 from launcher.errors import CommandError, ConfigInvalid, ValidationFailed
 
-STEPS = ("lint", "bash -n", "subshell", "argv", "flags", "model", "pool", "memory")
+STEPS = ("lint", "bash -n", "subshell", "argv", "flags", "model", "service", "pool", "memory")
 
 
 @dataclass(frozen=True)
@@ -220,11 +234,14 @@ def validate(
     workdir: Path | None = None,
     releasable: int | Callable[[], int] = 0,
     force_memory: bool = False,
+    svc: service.ServiceView | None = None,
 ) -> Validated:
     """Render ``cfg`` to a temporary file and run the whole chain on it.
 
     ``releasable``: bytes the running server frees when it is restarted (memory guard), or
-    a function that gives them, asked only when the guard is reached.
+    a function that gives them, asked only when the guard is reached. ``svc``: the hardened
+    unit's view, whose user must be able to read every file (None: the service reads as
+    the caller).
     """
     text = render(cfg, key_file)
     values = env_values(cfg, key_file)
@@ -235,6 +252,8 @@ def validate(
         os.chmod(path, 0o600)
         info = validate_file(path, cfg, values, expected)
     model, layout, unsupported = model_facts(cfg.model)
+    if svc is not None:
+        service.check(svc, cfg)
     try:
         plan = cfg.check_overcommit(model.get("n_ctx_train"))
     except ConfigInvalid as e:
