@@ -84,7 +84,7 @@ def _unit_text(
             str(env_file.parent / "%i.env"),
             settings.scope,
             template=True,
-            state_dir=str(state_dir.parent / "llama-server@%i"),
+            state_dir=_template_state_dir(settings),
             site=site,
         )
     return unit_dir / settings.unit_name, units.render(
@@ -173,13 +173,28 @@ def _check_template(settings: config.ToolSettings, env_file: Path, unit_dir: Pat
             f"than {env_file.parent}; every instance shares it: put {env_file.name} in that "
             "folder (leave --env-file out)"
         )
-    state_dir = settings.resolved_state_dir()
-    if state_dir.name != settings.instance:
+    pattern = _template_state_dir(settings)
+    text = unit_file.read_text() if unit_file.exists() else ""
+    if "--state-dir " in text and not any(f"--state-dir {pattern}{c}" in text for c in " \n"):
         raise ConfigInvalid(
-            f"--state-dir {state_dir}: the template unit finds each instance's generations "
-            f"in <folder>/llama-server@%i; name the folder {settings.instance} or leave "
-            "--state-dir out"
+            f"{unit_file} already finds the generations of its instances in another folder "
+            f"than {pattern}; every instance shares it: leave --state-dir out, or put this "
+            "instance's state beside the others'"
         )
+
+
+def _template_state_dir(settings: config.ToolSettings) -> str:
+    """The state folder of every instance, as the template names it (``%i``): the folder
+    is named after the unit (the default) or after the instance."""
+    state_dir = settings.resolved_state_dir()
+    for name, pattern in ((settings.instance, "llama-server@%i"), (settings.env_name, "%i")):
+        if state_dir.name == name:
+            return str(state_dir.parent / pattern)
+    raise ConfigInvalid(
+        f"--state-dir {state_dir}: the template unit finds each instance's generations in "
+        f"<folder>/{settings.instance} or <folder>/{settings.env_name}; name the folder so "
+        "or leave --state-dir out"
+    )
 
 
 def uninstall(

@@ -58,8 +58,10 @@ class Site:
     nice: bool = False
 
 
-_TEMPLATE = """\
-# Rendered by llama-launcher; `llama-launcher install` writes it with this host's paths.
+_HEADER = "# Rendered by llama-launcher; `llama-launcher install` writes it with this host's paths."
+_TEMPLATE = (
+    _HEADER
+    + """
 [Unit]
 Description=llama.cpp llama-server{what}, launched by llama-launcher
 Documentation=https://github.com/ggml-org/llama.cpp/tree/master/tools/server
@@ -89,6 +91,7 @@ SyslogIdentifier={ident}
 [Install]
 WantedBy={wanted_by}
 """
+)
 
 # The user manager cannot switch users or set up most sandboxing for an unprivileged user.
 _USER_HARDENING = """\
@@ -215,8 +218,11 @@ def stamp(text: str) -> str:
 
 
 def hand_edited(text: str) -> bool:
-    """True when ``text`` is not a unit file install wrote, unchanged."""
-    body, _, _ = text.rstrip("\n").rpartition("\n")
+    """True when ``text`` is not a unit file install wrote, unchanged. A file of a release
+    before the stamp (its first line, no stamp) counts as a rendering: it is updated."""
+    body, _, last = text.rstrip("\n").rpartition("\n")
+    if text.startswith(_HEADER) and not last.startswith("# llama-launcher "):
+        return False
     return stamp(body + "\n") != text
 
 

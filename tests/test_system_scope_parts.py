@@ -36,7 +36,7 @@ def test_system_unit_runs_as_a_dynamic_user_with_the_gpu_classes_only() -> None:
         "UMask=0077",
     ):
         assert f"\n{line}\n" in text, line
-    assert "PrivateDevices" not in text
+    assert "\nPrivateDevices=" not in text
 
 
 def test_user_unit_keeps_the_light_hardening_a_user_manager_can_apply() -> None:
@@ -70,7 +70,8 @@ def test_a_hand_edit_is_told_apart_from_a_rendering() -> None:
     text = units.stamp(units.render())
     assert not units.hand_edited(text)
     assert units.hand_edited(text.replace("RestartSec=2", "RestartSec=7"))
-    assert units.hand_edited(units.render())  # no stamp: not written by install
+    assert units.hand_edited("[Service]\nExecStart=/bin/true\n")  # not written by install
+    assert not units.hand_edited(units.render())  # a rendering from before the stamp
 
 
 def test_install_writes_the_unit_atomically_and_refuses_a_hand_edit(tmp_path: Path) -> None:
