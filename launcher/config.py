@@ -570,3 +570,8 @@ def load_settings(**overrides: Any) -> ToolSettings:
         return ToolSettings(**clean)
     except ValidationError as e:
         raise config_error(e) from None
+    except PermissionError as e:  # a settings file of another user (HOME kept by sudo -E)
+        raise ConfigInvalid(
+            f"cannot read the settings file {e.filename}: permission denied; run as its "
+            "owner, or point LLAMA_LAUNCHER_SETTINGS at a file you can read"
+        ) from None

@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from launcher import config, store, units
+from launcher import config, service, store, units
 from launcher.deploy import Deployer, Progress, Result, client_window_path
 from launcher.errors import ConfigInvalid, LauncherError
 from launcher.systemd import Systemd
@@ -77,6 +77,8 @@ def _unit_text(
     unit_dir = settings.resolved_unit_dir()
     state_dir = settings.resolved_state_dir()
     python, package_dir = units.this_python()
+    if settings.scope == "system":
+        python = _service_python(python, site)
     if template:
         return unit_dir / "llama-server@.service", units.render(
             python,
@@ -89,6 +91,21 @@ def _unit_text(
         )
     return unit_dir / settings.unit_name, units.render(
         python, package_dir, str(env_file), settings.scope, state_dir=str(state_dir), site=site
+    )
+
+
+def _service_python(python: str, site: units.Site | None) -> str:
+    """An interpreter the service's own user can execute: the one running install (a venv
+    works), else the system's. ``exec`` and ``prestart`` need only the standard library."""
+    groups = site.groups if site else ()
+    for candidate in (python, units.DEFAULT_PYTHON):
+        if Path(candidate).exists() and service.can_run(candidate, groups):
+            return candidate
+    raise ConfigInvalid(
+        f"the service's user cannot execute {python} (a folder on its way is closed to "
+        f"other users, e.g. a pyenv under /root) and {units.DEFAULT_PYTHON} is missing; "
+        "install python3 (apt-get install python3) or run install from a Python every "
+        "user may execute"
     )
 
 

@@ -137,6 +137,11 @@ def _probe(svc: ServiceView, files: list[tuple[bool, Path]]) -> set[str]:
     return {p for p in r.stdout.split("\0") if p}
 
 
+def can_run(path: str, groups: tuple[str, ...] = ()) -> bool:
+    """Whether the service's user can execute ``path`` (an interpreter for the unit)."""
+    return not _probe(ServiceView(Path(path), groups), [(True, Path(path))])
+
+
 def _gid(group: str) -> int | None:
     try:
         return grp.getgrnam(group).gr_gid

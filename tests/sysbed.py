@@ -121,6 +121,17 @@ except urllib.error.HTTPError as e:
 """
 
 
+def state_folder(tmp_path_factory: Any, name: str) -> Path:
+    """Where a bed keeps its state: under scripts/test's sandbox folder when there is one
+    (its exit trap stops every bed left there, should pytest itself be killed)."""
+    sandbox = os.environ.get("LLAMA_LAUNCHER_SANDBOX")
+    if sandbox and Path(sandbox).is_dir():
+        folder = Path(sandbox) / "sysbeds" / name
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
+    return Path(tmp_path_factory.mktemp(name))
+
+
 @contextmanager
 def bed(root: Path, name: str) -> Iterator[Bed]:
     """A booted bed in ``root`` (its state folder), stopped whatever happens."""

@@ -25,8 +25,9 @@ from test_deploy import BAD_TEMPLATE
 
 UNIT = "llama-server.service"
 PORT = 8080
-#: What the issue asks of the hardened unit, by `systemd-analyze security --threshold`.
-EXPOSURE_LIMIT = "2.0"
+#: What the issue asks of the hardened unit: exposure <= 2.0, which `systemd-analyze security
+#: --threshold` (systemd 252) takes in tenths.
+EXPOSURE_LIMIT = "20"
 TIMEOUTS = {
     "LLAMA_LAUNCHER_START_TIMEOUT": "30",
     "LLAMA_LAUNCHER_HEALTH_TIMEOUT": "30",
@@ -88,8 +89,8 @@ class System:
 def system(
     tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, llama_server_bin: str
 ) -> Iterator[System]:
-    root = tmp_path_factory.mktemp("sysbed")
-    with sysbed.bed(root, f"llt-{os.getpid()}") as bed:
+    name = f"llt-{os.getpid()}"
+    with sysbed.bed(sysbed.state_folder(tmp_path_factory, name), name) as bed:
         (bed.share / "models").mkdir(mode=0o755)
         model = bed.share / "models" / "tiny.gguf"
         shutil.copy(tiny_model, model)
@@ -130,7 +131,7 @@ def test_hardened_unit_exposure_is_within_the_threshold(serving: System) -> None
     level = re.search(r"Overall exposure level for \S+: ([\d.]+) (\S+)", p.stdout)
     assert level, p.stdout + p.stderr
     print(f"exposure of {UNIT}: {level.group(1)} {level.group(2)}")
-    assert p.returncode == 0, f"exposure {level.group(1)} > {EXPOSURE_LIMIT}"
+    assert p.returncode == 0, f"exposure {level.group(1)} > 2.0"
 
 
 def test_installed_unit_is_the_stamped_rendering_with_this_hosts_paths(serving: System) -> None:
@@ -200,13 +201,14 @@ def test_crash_loop_hits_the_start_limit_and_rollback_recovers(serving: System) 
     env = "/etc/llama-launcher/llama-server.env"
     good = serving.bed.read(env)
     serving.bed.run("sed", "-i", "s/-np 2/-np 2 --no-such-flag/", env)
-    refused = ""
     for _ in range(10):  # manual restarts count toward StartLimitBurst=5
-        p = serving.bed.systemctl("restart", UNIT)
-        if "too often" in p.stderr:
-            refused = p.stderr
+        serving.bed.systemctl("restart", UNIT)
+        if "Start request repeated too quickly" in serving.bed.journal(UNIT):
             break
-    assert "start of the service was attempted too often" in refused
+    # systemd 252 keeps Result=exit-code here: the journal line and a refused start say it
+    assert "Start request repeated too quickly" in serving.bed.journal(UNIT)
+    assert serving.bed.systemctl("start", UNIT).returncode != 0
+    assert serving.bed.show(UNIT, "ActiveState")["ActiveState"] == "failed"
     rc, out = serving.cli_json("rollback")
     assert (rc, out["outcome"]) == (0, "deployed"), out
     assert serving.bed.read(env) == good
@@ -296,9 +298,12 @@ def test_an_existing_root_only_key_file_keeps_working(serving: System) -> None:
 
 
 def test_system_scope_without_root_is_refused(serving: System) -> None:
+    # the system's python: nobody cannot enter the test machine's pyenv under /root
+    site = next(sysbed.VENV_BIN.parent.glob("lib/python3*/site-packages"))
+    cli = f"import site, sys; site.addsitedir({str(site)!r}); from launcher.__main__ import main; main()"
     p = serving.bed.run(
-        "setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
-        str(sysbed.VENV_BIN / "llama-launcher"), "set", "-c", "2048", "--scope", "system", "--json",
+        "setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-c",
+        cli, "set", "-c", "2048", "--scope", "system", "--json", env={"HOME": "/tmp"},
     )  # fmt: skip
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert p.returncode == 2, p.stdout + p.stderr
