@@ -300,7 +300,7 @@ def test_an_existing_root_only_key_file_keeps_working(serving: System) -> None:
 def test_system_scope_without_root_is_refused(serving: System) -> None:
     # the system's python: nobody cannot enter the test machine's pyenv under /root
     site = next(sysbed.VENV_BIN.parent.glob("lib/python3*/site-packages"))
-    cli = f"import site, sys; site.addsitedir({str(site)!r}); from launcher.__main__ import main; main()"
+    cli = f"import site; site.addsitedir({str(site)!r}); from launcher.__main__ import main; main()"
     p = serving.bed.run(
         "setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-c",
         cli, "set", "-c", "2048", "--scope", "system", "--json", env={"HOME": "/tmp"},
