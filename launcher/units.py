@@ -75,10 +75,7 @@ Type=exec
 # `llama-launcher exec` without site-packages processing (-S): it needs only the standard
 # library and its own package, and it runs on every start. It execs llama-server itself.
 Environment=PYTHONPATH={package_dir}
-# Before every start (a boot too), with full privileges (+): revert a deploy that was killed
-# half-way, so its config never starts ungated{stages}.
-ExecStartPre=+{python} -S -m launcher prestart --env-file {env_file} --state-dir {state_dir}{stage}
-ExecStart={python} -S -m launcher exec --env-file {env_file}
+{prestart}ExecStart={python} -S -m launcher exec --env-file {env_file}
 Restart=on-failure
 RestartSec=2
 # 78 (EX_CONFIG): the launcher refused the env file; restarting cannot fix that.
@@ -92,6 +89,13 @@ SyslogIdentifier={ident}
 WantedBy={wanted_by}
 """
 )
+
+_PRESTART = """\
+# Before every start (a boot too), with full privileges (+): revert a deploy that was killed
+# half-way, so its config never starts ungated, and stage the API key for LoadCredential=.
+ExecStartPre=+{python} -S -m launcher prestart --env-file {env_file} --state-dir {state_dir} \
+--stage-key {key_stage}
+"""
 
 # The user manager cannot switch users or set up most sandboxing for an unprivileged user.
 _USER_HARDENING = """\
@@ -197,8 +201,11 @@ def render(
         package_dir=package_dir,
         env_file=env_file,
         state_dir=state,
-        stages=", and stage the API key for LoadCredential=" if system else "",
-        stage=f" --stage-key {key_stage}" if system else "",
+        prestart=_PRESTART.format(
+            python=python, env_file=env_file, state_dir=state, key_stage=key_stage
+        )
+        if system
+        else "",
         ident="llama-server-%i" if template else "llama-server",
         hardening=_system_hardening(env_file, key_stage, unit, site or Site())
         if system

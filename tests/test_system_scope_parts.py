@@ -42,7 +42,7 @@ def test_system_unit_runs_as_a_dynamic_user_with_the_gpu_classes_only() -> None:
 def test_user_unit_keeps_the_light_hardening_a_user_manager_can_apply() -> None:
     text = units.render(scope="user")
     assert "DynamicUser" not in text and "LoadCredential" not in text
-    assert "ExecStartPre=+" in text and "--stage-key" not in text
+    assert "ExecStartPre" not in text  # the user-scope unit starts as it always did
 
 
 def test_site_settings_are_rendered_into_the_unit() -> None:
