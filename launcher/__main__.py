@@ -1,10 +1,10 @@
 """``llama-launcher`` / ``python -m launcher``.
 
-``exec`` (the unit's ExecStart) is dispatched before anything heavy is imported: it runs on
-every server start and must stay standard-library only. Every other verb goes to the CLI,
-which ends without the interpreter's teardown: freeing pydantic-settings', httpx's and sh's
-objects is a noticeable part of a short verb (``scripts/bench-imports`` measures it), time
-every command would add for nothing.
+``exec`` (the unit's ExecStart) and ``prestart`` (its ExecStartPre) are dispatched before
+anything heavy is imported: they run on every server start and must stay standard-library
+only. Every other verb goes to the CLI, which ends without the interpreter's teardown:
+freeing pydantic-settings', httpx's and sh's objects is a noticeable part of a short verb
+(``scripts/bench-imports`` measures it), time every command would add for nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +20,10 @@ def main() -> None:
         from launcher import launch
 
         raise SystemExit(launch.main(args[1:]))
+    if args[:1] == ["prestart"]:
+        from launcher import prestart
+
+        raise SystemExit(prestart.main(args[1:]))
     from launcher.cli import main as cli_main
 
     try:

@@ -191,6 +191,17 @@ class ServerConfig(BaseModel):
                 raise ValueError("must not be empty")
         return v
 
+    @field_validator("llama_server", "model", "chat_template_file", "api_key_file")
+    @classmethod
+    def _absolute(cls, v: Path | None) -> Path | None:
+        # the unit starts llama-server in /, where a relative path names another file
+        if v is not None and not v.is_absolute():
+            raise ValueError(
+                f"{str(v)!r} is a relative path; the unit runs llama-server from /, where it "
+                f"would name another file: give the absolute path, e.g. {Path.cwd() / v}"
+            )
+        return v
+
     @field_validator("extra_args")
     @classmethod
     def _extra(cls, v: tuple[str, ...]) -> tuple[str, ...]:
@@ -583,3 +594,8 @@ def load_settings(**overrides: Any) -> ToolSettings:
         return ToolSettings(**clean)
     except ValidationError as e:
         raise config_error(e) from None
+    except PermissionError as e:  # a settings file of another user (HOME kept by sudo -E)
+        raise ConfigInvalid(
+            f"cannot read the settings file {e.filename}: permission denied; run as its "
+            "owner, or point LLAMA_LAUNCHER_SETTINGS at a file you can read"
+        ) from None

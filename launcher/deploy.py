@@ -20,7 +20,18 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from launcher import config, envfile, home, keys, memory, store, validate, waits, window
+from launcher import (
+    config,
+    envfile,
+    home,
+    keys,
+    memory,
+    service,
+    store,
+    validate,
+    waits,
+    window,
+)
 from launcher.errorhandler import Signals, on_error
 from launcher.errors import ConfigInvalid, Interrupted, StoreError
 from launcher.gate import Gate, Progress, together
@@ -137,7 +148,9 @@ class Deployer:
         t0 = time.monotonic()
         self.gate.say("validate")
         cfg = keys.materialize(self.store, cfg, write=not check)
-        checked, running = validate.beside_state(cfg, self.systemd.state, check, self.force_memory)
+        checked, running = validate.beside_state(
+            cfg, self.systemd.state, check, self.force_memory, service.view(self.settings)
+        )
         live_text = self.reverter.live_text()
         result = Result(
             "checked" if check else "deployed",
@@ -226,7 +239,7 @@ class Deployer:
             result.startup, result.probe = gate.startup, gate.probe
             result.warnings = [*result.warnings, *gate.warnings]
             result.memory["after"] = memory.process_memory(gate.state)
-            result.client_window = window.publish(self.env_file, self._window(checked, gen.number))
+            result.client_window = window.publish(self.settings, self._window(checked, gen.number))
             result.timings["total"] = round(time.monotonic() - t0, 3)
             self.store.update(
                 gen,

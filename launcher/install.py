@@ -2,19 +2,135 @@
 
 from __future__ import annotations
 
+import grp
 import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from launcher import config, home, units
+from launcher import config, home, service, store, units
 from launcher.deploy import Deployer
 from launcher.errors import ConfigInvalid, LauncherError
 from launcher.gate import Progress
 from launcher.result import Result
 from launcher.systemd import Systemd
 from launcher.window import client_window_path
+
+
+def site_for(
+    read_only_paths: tuple[Path, ...] = (),
+    memory_deny_write_execute: bool = True,
+    nice: bool = False,
+) -> units.Site:
+    """The hardened unit's site settings: the GPU groups this host has (a group systemd
+    cannot find fails the unit), and the operator's choices."""
+    for p in read_only_paths:
+        if not p.is_absolute() or not p.is_dir():
+            raise ConfigInvalid(
+                f"--read-only-path {p}: give an existing folder as an absolute path"
+            )
+    groups = []
+    for g in units.GPU_GROUPS:
+        try:
+            grp.getgrnam(g)
+            groups.append(g)
+        except KeyError:
+            pass
+    return units.Site(
+        groups=tuple(groups),
+        read_only_paths=tuple(str(p) for p in read_only_paths),
+        memory_deny_write_execute=memory_deny_write_execute,
+        nice=nice,
+    )
+
+
+def require_root(settings: config.ToolSettings) -> None:
+    """System scope writes /etc and /var/lib and talks to PID 1: root only (exit 2)."""
+    if settings.scope == "system" and os.geteuid() != 0:
+        raise ConfigInvalid(
+            "--scope system needs root: the unit lives in /etc/systemd/system, the env file "
+            "in /etc/llama-launcher and the generations in /var/lib/llama-launcher; run it "
+            "with sudo, or use --scope user for a server under your own systemd manager"
+        )
+
+
+def require_linger(settings: config.ToolSettings) -> None:
+    """A user unit stops at logout and does not start at boot unless the user lingers."""
+    if settings.scope != "user":
+        return
+    uid = os.geteuid()
+    # only the manager logind starts (user@UID.service) ends with the last session; a
+    # private one (the tests' sandbox) has another runtime folder
+    if os.environ.get("XDG_RUNTIME_DIR", f"/run/user/{uid}") != f"/run/user/{uid}":
+        return
+    import pwd
+
+    user = pwd.getpwuid(uid).pw_name
+    if not Path(f"/var/lib/systemd/linger/{user}").exists():
+        raise ConfigInvalid(
+            f"user scope without linger: systemd stops llama-server when {user}'s last "
+            "session ends (logout) and does not start it at boot. Run "
+            f"`loginctl enable-linger {user}` first, or install in system scope as root"
+        )
+
+
+def _unit_text(
+    settings: config.ToolSettings, env_file: Path, template: bool, site: units.Site | None
+) -> tuple[Path, str]:
+    unit_dir = settings.resolved_unit_dir()
+    state_dir = settings.resolved_state_dir()
+    python, package_dir = units.this_python()
+    if settings.scope == "system":
+        python = _service_python(python, site)
+    if template:
+        return unit_dir / "llama-server@.service", units.render(
+            python,
+            package_dir,
+            str(env_file.parent / "%i.env"),
+            settings.scope,
+            template=True,
+            state_dir=_template_state_dir(settings),
+            site=site,
+        )
+    return unit_dir / settings.unit_name, units.render(
+        python, package_dir, str(env_file), settings.scope, state_dir=str(state_dir), site=site
+    )
+
+
+def _service_python(python: str, site: units.Site | None) -> str:
+    """An interpreter the service's own user can execute: the one running install (a venv
+    works), else the system's. ``exec`` and ``prestart`` need only the standard library."""
+    groups = site.groups if site else ()
+    for candidate in (python, units.DEFAULT_PYTHON):
+        if Path(candidate).exists() and service.can_run(candidate, groups):
+            return candidate
+    raise ConfigInvalid(
+        f"the service's user cannot execute {python} (a folder on its way is closed to "
+        f"other users, e.g. a pyenv under /root) and {units.DEFAULT_PYTHON} is missing; "
+        "install python3 (apt-get install python3) or run install from a Python every "
+        "user may execute"
+    )
+
+
+def write_unit(unit_file: Path, text: str, force: bool = False) -> bool:
+    """Write the unit atomically; refuse to replace a hand-edited one unless ``force``.
+    Returns whether the file changed."""
+    text = units.stamp(text)
+    try:
+        current = unit_file.read_text()
+    except FileNotFoundError:
+        current = None
+    if current == text:
+        return False
+    if current is not None and units.hand_edited(current) and not force:
+        raise ConfigInvalid(
+            f"{unit_file} was edited by hand (or not written by llama-launcher); install "
+            f"would replace it and lose the edit. Put site changes in a drop-in "
+            f"(systemctl edit {unit_file.name}) and run install --force to replace the file"
+        )
+    store.atomic_write(unit_file, text.encode(), 0o644)
+    return True
 
 
 def install(
@@ -25,31 +141,33 @@ def install(
     systemd: Systemd | None = None,
     force_memory: bool = False,
     on_phase: Callable[[str], None] | None = None,
+    force: bool = False,
+    site: units.Site | None = None,
 ) -> Result:
     """Install the unit, create folders with safe modes, enable it, deploy through the gate.
 
     A failed first deploy leaves the unit stopped (and says why); on a host that already
     serves a config, a failed deploy leaves that config serving (the deployer rolls back).
+    Nothing is changed when the input is refused (a hand-edited unit without ``force``,
+    system scope without root, user scope without linger).
     """
+    require_root(settings)
+    require_linger(settings)
     env_file = settings.resolved_env_file()
-    unit_dir = settings.resolved_unit_dir()
     if template:
-        _check_template(settings, env_file, unit_dir)
+        _check_template(settings, env_file, settings.resolved_unit_dir())
+    unit_file, text = _unit_text(settings, env_file, template, site or site_for())
+    if unit_file.exists() and units.hand_edited(unit_file.read_text()) and not force:
+        write_unit(unit_file, text)  # raises, before any folder is made
     env_file.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
     state_dir = settings.resolved_state_dir()
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(state_dir, 0o700)
-    unit_dir.mkdir(parents=True, exist_ok=True)
-    if template:
-        unit_file = unit_dir / "llama-server@.service"
-        text = units.render(
-            *units.this_python(), str(env_file.parent / "%i.env"), settings.scope, template=True
-        )
-    else:
-        unit_file = unit_dir / settings.unit_name
-        text = units.render(*units.this_python(), str(env_file), settings.scope)
-    if not unit_file.exists() or unit_file.read_text() != text:
-        unit_file.write_text(text)
+    stage = Path(units.key_stage_path(str(state_dir)))
+    if settings.scope == "system" and not stage.exists():
+        store.atomic_write(stage, b"", 0o600)  # LoadCredential= needs it before any start
+    unit_file.parent.mkdir(parents=True, exist_ok=True)
+    write_unit(unit_file, text, force)
     systemd = systemd or Systemd(settings.unit_name, settings.scope)
     systemd.daemon_reload()
     systemd.enable()
@@ -76,11 +194,34 @@ def _check_template(settings: config.ToolSettings, env_file: Path, unit_dir: Pat
             f"than {env_file.parent}; every instance shares it: put {env_file.name} in that "
             "folder (leave --env-file out)"
         )
+    pattern = _template_state_dir(settings)
+    text = unit_file.read_text() if unit_file.exists() else ""
+    if "--state-dir " in text and not any(f"--state-dir {pattern}{c}" in text for c in " \n"):
+        raise ConfigInvalid(
+            f"{unit_file} already finds the generations of its instances in another folder "
+            f"than {pattern}; every instance shares it: leave --state-dir out, or put this "
+            "instance's state beside the others'"
+        )
+
+
+def _template_state_dir(settings: config.ToolSettings) -> str:
+    """The state folder of every instance, as the template names it (``%i``): the folder
+    is named after the unit (the default) or after the instance."""
+    state_dir = settings.resolved_state_dir()
+    for name, pattern in ((settings.instance, "llama-server@%i"), (settings.env_name, "%i")):
+        if state_dir.name == name:
+            return str(state_dir.parent / pattern)
+    raise ConfigInvalid(
+        f"--state-dir {state_dir}: the template unit finds each instance's generations in "
+        f"<folder>/{settings.instance} or <folder>/{settings.env_name}; name the folder so "
+        "or leave --state-dir out"
+    )
 
 
 def uninstall(
     settings: config.ToolSettings, purge: bool = False, systemd: Systemd | None = None
 ) -> dict[str, Any]:
+    require_root(settings)
     systemd = systemd or Systemd(settings.unit_name, settings.scope)
     state = settings.resolved_state_dir()  # before the record beside the env file goes
     done: dict[str, Any] = {}
@@ -98,7 +239,7 @@ def uninstall(
     for f in (
         env_file,
         env_file.with_name(env_file.name + ".bak"),
-        client_window_path(env_file),
+        client_window_path(settings),
         # the record of the unit's home stays with kept generations: a reinstall goes on there
         *([home.record_path(env_file)] if purge else []),
     ):

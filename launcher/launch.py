@@ -99,12 +99,31 @@ def argv_from_values(
     return argv
 
 
+#: Credential names of the system-scope unit (``LoadCredential=``; launcher.units).
+ENV_CREDENTIAL = "env-file"
+KEY_CREDENTIAL = "api-key"
+
+
+def _credential(name: str) -> str | None:
+    """The path of credential ``name`` PID 1 loaded for this service, if any."""
+    folder = os.environ.get("CREDENTIALS_DIRECTORY")
+    if not folder:
+        return None
+    path = os.path.join(folder, name)
+    return path if os.path.isfile(path) else None
+
+
 def read_argv(path: str) -> list[str]:
-    """Read and parse the env file at ``path`` into llama-server's argv."""
+    """Read and parse the env file at ``path`` into llama-server's argv.
+
+    Under the hardened unit the service's own user cannot read the env file or the key:
+    PID 1 hands them over as credentials, read here in their place (messages still name
+    ``path``, the file an operator edits)."""
+    source = _credential(ENV_CREDENTIAL) or path
     try:
         # newline="": universal newlines would turn a CR into a line break and hide a CRLF
         # file, which bash reads with a CR at the end of every value, from the parser.
-        with open(path, encoding="utf-8", newline="") as f:
+        with open(source, encoding="utf-8", newline="") as f:
             text = f.read()
     except OSError as e:
         raise LaunchError(f"cannot read the env file {path}: {e.strerror}") from None
@@ -114,7 +133,11 @@ def read_argv(path: str) -> list[str]:
         values = envfile.parse(text, path)
     except envfile.EnvFileError as e:
         raise LaunchError(str(e)) from None
-    return argv_from_values(values, path, _key_lines(text))
+    argv = argv_from_values(values, path, _key_lines(text))
+    key = _credential(KEY_CREDENTIAL)
+    if values.get("API_KEY_FILE") and key and os.path.getsize(key):
+        argv[-1] = key  # the staged copy of API_KEY_FILE (launcher.prestart)
+    return argv
 
 
 def server_environ(environ: Mapping[str, str]) -> dict[str, str]:

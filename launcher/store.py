@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from launcher import waits
 from launcher.errors import LockTimeout, StoreError
 
 #: Outcomes that make a generation "known good".
@@ -141,6 +140,9 @@ class Store:
         fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             try:
+                # imported here: the unit's prestart step uses this module under python -S
+                from launcher import waits
+
                 waits.lock(waits.Waits(lock=timeout))(_try_lock, fd)
             except BlockingIOError:
                 raise LockTimeout(

@@ -9,8 +9,10 @@ Runs on the rendered temporary file; each step is named in its error:
 4. ``argv``       ``llama-launcher exec --print-argv`` on the file equals the typed argv;
 5. ``flags``      every flag is known to the installed llama-server (``--help``);
 6. ``model``      the model exists, is readable and is a GGUF whose metadata loads;
-7. ``pool``       the pool arithmetic: no over-committed shared pool unless allowed;
-8. ``memory``     KV estimate + weights + prompt cache fit what the box can give.
+7. ``service``    (system scope) the hardened unit's own user can open the binary, the model
+                  and every other file llama-server reads (``launcher.service``);
+8. ``pool``       the pool arithmetic: no over-committed shared pool unless allowed;
+9. ``memory``     KV estimate + weights + prompt cache fit what the box can give.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from launcher import (
     launch,
     memory,
     proc,
+    service,
     units,
 )
 from launcher.errors import CommandError, ConfigInvalid, ValidationFailed
@@ -42,7 +45,7 @@ from launcher.errors import CommandError, ConfigInvalid, ValidationFailed
 if TYPE_CHECKING:
     from launcher.systemd import UnitState
 
-STEPS = ("lint", "bash -n", "subshell", "argv", "flags", "model", "pool", "memory")
+STEPS = ("lint", "bash -n", "subshell", "argv", "flags", "model", "service", "pool", "memory")
 
 
 @dataclass(frozen=True)
@@ -259,11 +262,14 @@ def validate(
     workdir: Path | None = None,
     releasable: int | Callable[[], int] = 0,
     force_memory: bool = False,
+    svc: service.ServiceView | None = None,
 ) -> Validated:
     """Render ``cfg`` to a temporary file and run the whole chain on it.
 
     ``releasable``: bytes the running server frees when it is restarted (memory guard), or
-    a function that gives them, asked only when the guard is reached.
+    a function that gives them, asked only when the guard is reached. ``svc``: the hardened
+    unit's view, whose user must be able to read every file (None: the service reads as
+    the caller).
     """
     text = render(cfg, key_file)
     values = env_values(cfg, key_file)
@@ -274,6 +280,8 @@ def validate(
         os.chmod(path, 0o600)
         info = validate_file(path, cfg, values, expected)
     model, layout, unsupported = model_facts(cfg.model)
+    if svc is not None:
+        service.check(svc, cfg)
     try:
         plan = cfg.check_overcommit(model.get("n_ctx_train"))
     except ConfigInvalid as e:
@@ -288,6 +296,7 @@ def beside_state(
     read_state: Callable[[], UnitState],
     check: bool,
     force_memory: bool = False,
+    svc: service.ServiceView | None = None,
 ) -> tuple[Validated, UnitState | None]:
     """``validate`` with the unit's state (a systemctl) read beside the chain's processes;
     the state tells the memory guard what the running server frees. Check mode works
@@ -311,5 +320,5 @@ def beside_state(
             running = unit_state()
             return memory.releasable_memory(running) if running else 0
 
-        checked = validate(cfg, releasable=releasable, force_memory=force_memory)
+        checked = validate(cfg, releasable=releasable, force_memory=force_memory, svc=svc)
         return checked, unit_state()

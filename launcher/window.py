@@ -1,6 +1,6 @@
 """What clients are promised: the planned layout and the client window file.
 
-The guaranteed per-slot window is published next to the env file after each deploy, so
+The guaranteed per-slot window is published beside the unit's state folder after each deploy, so
 clients can size their requests to what every slot really has.
 """
 
@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from launcher import kvlayout, store
+from launcher import config, kvlayout, store
 
 if TYPE_CHECKING:
     from launcher.validate import Validated
@@ -27,10 +27,11 @@ def plan_dict(plan: kvlayout.PoolPlan) -> dict[str, Any]:
     }
 
 
-def client_window_path(env_file: Path) -> Path:
-    """Where clients read the guaranteed window: next to the env file, named after it (one
-    per instance: ``llama-server.client-window.json``, ``chat.client-window.json``)."""
-    return env_file.with_name(f"{env_file.stem}.client-window.json")
+def client_window_path(settings: config.ToolSettings) -> Path:
+    """Where clients read the guaranteed window: runtime state beside the unit's state
+    folder, not in /etc (``/var/lib/llama-launcher/llama-server.client-window.json``, one
+    per instance: ``chat.client-window.json``), readable by everyone."""
+    return settings.resolved_state_dir().parent / f"{settings.env_name}.client-window.json"
 
 
 def window_data(unit: str, checked: Validated, number: int | None) -> dict[str, Any]:
@@ -49,8 +50,8 @@ def window_data(unit: str, checked: Validated, number: int | None) -> dict[str, 
     }
 
 
-def publish(env_file: Path, data: dict[str, Any]) -> dict[str, Any]:
+def publish(settings: config.ToolSettings, data: dict[str, Any]) -> dict[str, Any]:
     """Write the client window file (0644: clients read it)."""
-    path = client_window_path(env_file)
+    path = client_window_path(settings)
     store.atomic_write(path, (json.dumps(data, indent=2) + "\n").encode(), 0o644)
     return data

@@ -312,7 +312,7 @@ def test_status_and_history_report_the_live_generation(host: Host) -> None:
     assert status["startup"]["n_ctx_slot"] == 4096
     assert status["memory"] > 0
     window = json.loads(
-        host.env_file.with_name(f"{host.env_file.stem}.client-window.json").read_text()
+        (host.state_dir.parent / f"{host.env_file.stem}.client-window.json").read_text()
     )
     assert window["per_slot_window"] == 4096 and window["generation"] == 2
     rc, hist = host.cli_json("history")

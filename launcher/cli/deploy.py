@@ -173,6 +173,27 @@ def register(sub: Any) -> None:
     _config_options(p)
     p.add_argument("--instance", help="install llama-server@INSTANCE.service (template unit)")
     p.add_argument("--unit-dir", type=Path, help="where the unit file goes")
+    p.add_argument(
+        "--force", action="store_true", help="replace a unit file that was edited by hand"
+    )
+    g = p.add_argument_group("site settings of the hardened system unit")
+    g.add_argument(
+        "--read-only-path",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="bind DIR read-only into the service (models under /tmp or /var/tmp)",
+    )
+    g.add_argument(
+        "--no-memory-deny-write-execute",
+        dest="mdwe",
+        action="store_false",
+        help="for GPU drivers that compile code at run time (ROCm/HIP is reported to)",
+    )
+    g.add_argument(
+        "--allow-nice", action="store_true", help="grant CAP_SYS_NICE, for llama-server --prio"
+    )
     _settings_options(p)
     _memory_option(p)
     p.set_defaults(func=cmd_install)
@@ -205,12 +226,12 @@ def _mode_options(p: argparse.ArgumentParser) -> None:
 
 
 def settings_from(ns: argparse.Namespace) -> ToolSettings:
-    from launcher import config
+    from launcher import config, install
 
     unit = getattr(ns, "unit", None)
     if getattr(ns, "instance", None):
         unit = f"llama-server@{ns.instance}.service"
-    return config.load_settings(
+    settings = config.load_settings(
         unit=unit,
         scope=ns.scope,
         env_file=ns.env_file,
@@ -222,6 +243,8 @@ def settings_from(ns: argparse.Namespace) -> ToolSettings:
         lock_timeout=ns.lock_timeout,
         unit_dir=getattr(ns, "unit_dir", None),
     )
+    install.require_root(settings)
+    return settings
 
 
 def config_from(ns: argparse.Namespace, base: dict[str, Any] | None = None) -> ServerConfig:
@@ -260,15 +283,32 @@ def _default_server() -> str:
     )
 
 
-def deployer_for(ns: argparse.Namespace) -> Deployer:
+def deployer_for(ns: argparse.Namespace, unit_needed: bool = True) -> Deployer:
     from launcher.deploy import Deployer
 
-    return Deployer(
+    d = Deployer(
         settings_from(ns),
         progress=None if ns.json else _progress(),
         force_memory=bool(getattr(ns, "force_memory", False)),
         on_phase=ns.on_phase,
     )
+    if unit_needed and not getattr(ns, "check", False):
+        _require_unit(d)
+    return d
+
+
+def _require_unit(d: Deployer) -> None:
+    """A deploy restarts the unit: refuse before anything changes when it is not there."""
+    from launcher.errors import ConfigInvalid
+
+    if d.systemd.state().load_state == "not-found":
+        scope = d.settings.scope
+        raise ConfigInvalid(
+            f"{d.settings.unit_name} is not installed in {scope} scope (systemctl"
+            f"{' --user' if scope == 'user' else ''} knows no such unit); run llama-launcher "
+            "install first (it writes the unit and deploys the config through the gate), "
+            "or name the unit you installed with --unit"
+        )
 
 
 def _progress() -> Any:
@@ -359,7 +399,9 @@ def cmd_render(ns: argparse.Namespace) -> int:
 
 def cmd_check(ns: argparse.Namespace) -> int:
     ns.diff = True
-    return _finish(ns, deployer_for(ns).deploy(config_from(ns), check=True, origin="check"))
+    return _finish(
+        ns, deployer_for(ns, unit_needed=False).deploy(config_from(ns), check=True, origin="check")
+    )
 
 
 def cmd_deploy(ns: argparse.Namespace) -> int:
@@ -426,6 +468,8 @@ def cmd_install(ns: argparse.Namespace) -> int:
         progress=None if ns.json else _progress(),
         force_memory=ns.force_memory,
         on_phase=ns.on_phase,
+        force=ns.force,
+        site=install.site_for(tuple(ns.read_only_path), ns.mdwe, ns.allow_nice),
     )
     return _finish(ns, result)
 

@@ -246,7 +246,7 @@ guaranteed_window:
   type: int
   sample: 8192
 client_window:
-  description: The <env file name>.client-window.json the launcher published next to the env file.
+  description: The <env file name>.client-window.json published beside the state folders.
   returned: when deployed
   type: dict
 probe:

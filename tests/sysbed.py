@@ -1,0 +1,149 @@
+"""The system-scope test bed (scripts/sysbed) from the tests' side.
+
+``Bed`` boots a throwaway systemd as PID 1 of an nspawn container and runs commands in it as
+its root: the real ``llama-launcher`` CLI, ``systemctl``, ``journalctl``, ``systemd-analyze``.
+Files the tests write into ``Bed.share`` on the host are seen read-only at ``/srv/sysbed``
+inside. ``bed()`` always stops it, also when a test fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "scripts" / "sysbed"
+INSIDE_SHARE = Path("/srv/sysbed")
+VENV_BIN = Path(sys.executable).parent
+
+
+class Bed:
+    def __init__(self, root: Path, name: str) -> None:
+        self.root = root
+        self.share = root / "share"
+        self.env = dict(
+            os.environ, LLAMA_LAUNCHER_SYSBED=str(root), LLAMA_LAUNCHER_SYSBED_NAME=name
+        )
+
+    def _script(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(SCRIPT), *args], capture_output=True, text=True, env=self.env, timeout=timeout
+        )
+
+    def start(self) -> str:
+        p = self._script("start")
+        if p.returncode != 0:
+            raise RuntimeError(f"scripts/sysbed start failed: {p.stderr}{p.stdout}")
+        return p.stdout
+
+    def stop(self) -> str:
+        return self._script("stop").stdout
+
+    def reboot(self) -> str:
+        p = self._script("reboot")
+        if p.returncode != 0:
+            raise RuntimeError(f"scripts/sysbed reboot failed: {p.stderr}{p.stdout}")
+        return p.stdout
+
+    def inside(self, path: Path) -> str:
+        """The path inside the bed of a file under ``share``."""
+        return str(INSIDE_SHARE / path.relative_to(self.share))
+
+    def run(
+        self, *argv: str, env: dict[str, str] | None = None, timeout: float = 180
+    ) -> subprocess.CompletedProcess[str]:
+        pairs = [f"{k}={v}" for k, v in (env or {}).items()]
+        return self._script("run", "--", "env", *pairs, *argv, timeout=timeout)
+
+    def cli(
+        self, *args: str, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        """The real CLI inside the bed, as root, in system scope (the default there)."""
+        return self.run(str(VENV_BIN / "llama-launcher"), *args, env=env)
+
+    def cli_json(self, *args: str, env: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
+        p = self.cli(*args, "--json", env=env)
+        try:
+            return p.returncode, json.loads(p.stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            raise AssertionError(
+                f"no JSON from {args}: rc={p.returncode}\n{p.stdout}\n{p.stderr}"
+            ) from None
+
+    def systemctl(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return self.run("systemctl", *args)
+
+    def show(self, unit: str, *props: str) -> dict[str, str]:
+        out = self.systemctl("show", "-p", ",".join(props), unit).stdout
+        return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+    def journal(self, unit: str) -> str:
+        return self.run("journalctl", "--no-pager", "-o", "cat", "-u", unit).stdout
+
+    def read(self, path: str) -> str:
+        p = self.run("cat", path)
+        if p.returncode != 0:
+            raise FileNotFoundError(f"{path} inside the bed: {p.stderr.strip()}")
+        return p.stdout
+
+    def chat(self, port: int, key: str | None = None) -> tuple[int, dict[str, Any]]:
+        """A real chat completion from inside the bed's network (HTTP status, body)."""
+        p = self.run(str(VENV_BIN / "python"), "-c", _CHAT, str(port), key or "")
+        code, _, body = p.stdout.partition("\n")
+        try:
+            data = json.loads(body)
+        except ValueError:
+            data = {"raw": body, "stderr": p.stderr}
+        return int(code or 0), data
+
+
+# A chat completion with the standard library, run inside the bed (its own network).
+_CHAT = """
+import json, sys, urllib.error, urllib.request
+port, key = sys.argv[1], sys.argv[2]
+body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions",
+    json.dumps(body).encode(), {"Content-Type": "application/json"})
+if key:
+    req.add_header("Authorization", f"Bearer {key}")
+try:
+    with urllib.request.urlopen(req, timeout=30) as r:
+        print(r.status); print(r.read().decode())
+except urllib.error.HTTPError as e:
+    print(e.code); print(e.read().decode())
+"""
+
+
+def state_folder(tmp_path_factory: Any, name: str) -> Path:
+    """Where a bed keeps its state: under scripts/test's sandbox folder when there is one
+    (its exit trap stops every bed left there, should pytest itself be killed)."""
+    sandbox = os.environ.get("LLAMA_LAUNCHER_SANDBOX")
+    if sandbox and Path(sandbox).is_dir():
+        folder = Path(sandbox) / "sysbeds" / name
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
+    return Path(tmp_path_factory.mktemp(name))
+
+
+@contextmanager
+def bed(root: Path, name: str) -> Iterator[Bed]:
+    """A booted bed in ``root`` (its state folder), stopped whatever happens."""
+    if os.geteuid() != 0:
+        raise RuntimeError("the system-scope bed needs root (it boots systemd-nspawn)")
+    if not shutil.which("systemd-nspawn"):
+        raise RuntimeError("systemd-nspawn is missing: scripts/setup installs systemd-container")
+    b = Bed(root, name)
+    b.share.mkdir(parents=True, exist_ok=True)
+    os.chmod(b.share, 0o755)
+    try:
+        b.start()
+        yield b
+    finally:
+        b.stop()
