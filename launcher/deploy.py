@@ -33,7 +33,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from launcher import config, envfile, launch, pool, serverlog, store, validate
+from launcher import config, envfile, launch, memory, pool, serverlog, store, validate
 from launcher.errors import (
     ConfigInvalid,
     DeployFailed,
@@ -58,6 +58,7 @@ class GateResult:
     warnings: list[str]
     timings: dict[str, float]
     state: UnitState
+    log: list[str] = field(default_factory=list)  # the new process's lines up to serving
 
 
 @dataclass
@@ -173,6 +174,8 @@ class Deployer:
         self.spawn_warnings: list[str] = []
         #: deploy even when the memory guard says the config does not fit (--force-memory)
         self.force_memory = False
+        #: the box's devices for the memory guard (None: the binary's --list-devices)
+        self.devices: validate.Devices | None = None
 
     # -- entry points ----------------------------------------------------------------------
 
@@ -492,11 +495,21 @@ class Deployer:
                         raise
                     return None  # check mode works without a reachable systemd (a build box)
 
-            def releasable() -> int:
+            def releasable() -> dict[str, int]:
                 running = unit_state()
-                return releasable_memory(running) if running else 0
+                if not running or not running.running:
+                    return {}
+                live = self.store.live()
+                on_devices = memory.device_releasable(live.meta if live else None)
+                return {**on_devices, "host": releasable_memory(running)}
 
-            checked = validate.validate(cfg, releasable=releasable, force_memory=self.force_memory)
+            checked = validate.validate(
+                cfg,
+                releasable=releasable,
+                force_memory=self.force_memory,
+                box=self.devices,
+                unified=self.settings.unified_memory,
+            )
             running = unit_state()
         timings["validate"] = round(time.monotonic() - t0, 3)
         live_text = self._live_text()
@@ -505,7 +518,7 @@ class Deployer:
         planned = plan_dict(checked.plan)
         prev_number = self.store.live_number()
         down = running is not None and not running.running
-        notes = []
+        notes = checked.memory.notes
         if check and self.store.txn():
             notes.append(
                 "llama-launcher: a deploy was interrupted (txn.json); a real run reverts it "
@@ -654,6 +667,7 @@ class Deployer:
             result.startup, result.probe = gate.startup, gate.probe
             result.warnings = [*result.warnings, *gate.warnings]
             result.memory["after"] = process_memory(gate.state)
+            result.memory["devices"] = memory.measured(gate.log, checked.memory.devices)
             result.client_window = self._client_window(checked, gen.number)
             timings["total"] = round(time.monotonic() - t0, 3)
             self.store.update(
@@ -857,6 +871,7 @@ class Deployer:
             [*self.spawn_warnings, *startup.warnings],
             timings,
             state,
+            log,
         )
 
     def _wait_ready(

@@ -10,7 +10,8 @@ Runs on the rendered temporary file; each step is named in its error:
 5. ``flags``      every flag is known to the installed llama-server (``--help``);
 6. ``model``      the model exists, is readable and is a GGUF whose metadata loads;
 7. ``pool``       the pool arithmetic: no over-committed shared pool unless allowed;
-8. ``memory``     KV estimate + weights + prompt cache fit what the box can give.
+8. ``memory``     KV estimate + weights + prompt cache fit what the box can give, on each
+                  side: the host and every device of ``--list-devices`` (``launcher.memory``).
 """
 
 from __future__ import annotations
@@ -18,12 +19,24 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from launcher import binary, cache, config, envfile, kvmem, launch, memory, pool, proc, units
+from launcher import (
+    binary,
+    cache,
+    config,
+    devices,
+    envfile,
+    kvmem,
+    launch,
+    memory,
+    pool,
+    proc,
+    units,
+)
 from launcher.errors import CommandError, ConfigInvalid, ValidationFailed
 
 STEPS = ("lint", "bash -n", "subshell", "argv", "flags", "model", "pool", "memory")
@@ -214,17 +227,28 @@ def validate_file(
     return info
 
 
+#: The box's devices, passed in: a tuple, or a function that reads them (the binary's
+#: ``--list-devices``, asked only when the memory step is reached).
+Devices = Sequence[devices.Device] | Callable[[], Sequence[devices.Device]]
+Releasable = int | Mapping[str, int] | Callable[[], int | Mapping[str, int]]
+
+
 def validate(
     cfg: config.ServerConfig,
     key_file: str | None = None,
     workdir: Path | None = None,
-    releasable: int | Callable[[], int] = 0,
+    releasable: Releasable = 0,
     force_memory: bool = False,
+    box: Devices | None = None,
+    available: int | None = None,
+    unified: devices.UnifiedSetting = "auto",
 ) -> Validated:
     """Render ``cfg`` to a temporary file and run the whole chain on it.
 
-    ``releasable``: bytes the running server frees when it is restarted (memory guard), or
-    a function that gives them, asked only when the guard is reached.
+    ``releasable``: bytes the running server frees when it is restarted (memory guard), on
+    the host or per side, or a function that gives them, asked only when the guard is
+    reached. ``box``: the devices (default: the binary's ``--list-devices``, each marked
+    unified per ``unified``); ``available``: the host's free memory (default MemAvailable).
     """
     text = render(cfg, key_file)
     values = env_values(cfg, key_file)
@@ -239,6 +263,75 @@ def validate(
         plan = cfg.check_overcommit(model.get("n_ctx_train"))
     except ConfigInvalid as e:
         raise ValidationFailed("pool", str(e)) from None
-    need = memory.need(cfg, plan, layout, model["weights"], unsupported)
-    memory.guard(need, releasable() if callable(releasable) else releasable, force_memory)
+    need = memory_step(cfg, plan, model, layout, unsupported, info, box, unified)
+    memory.guard(
+        need, releasable() if callable(releasable) else releasable, force_memory, available
+    )
     return Validated(cfg, text, values, expected, plan, model, info, need)
+
+
+def box_devices(
+    server: str, unified: devices.UnifiedSetting = "auto"
+) -> tuple[devices.Device, ...]:
+    """The devices of the llama-server at ``server``, each marked unified or not."""
+    found = binary.list_devices(server)
+    return devices.mark_unified(found, memory.mem_total(), unified) if found else ()
+
+
+def memory_step(
+    cfg: config.ServerConfig,
+    plan: pool.PoolPlan,
+    model: dict[str, Any],
+    layout: kvmem.ModelInfo | None,
+    unsupported: str | None,
+    info: binary.BinaryInfo,
+    box: Devices | None,
+    unified: devices.UnifiedSetting = "auto",
+) -> memory.Need:
+    """Where the bytes go on this box; with devices, llama-fit-params' figures beside."""
+    if box is None:
+        found: Sequence[devices.Device] = box_devices(str(cfg.llama_server), unified)
+    else:
+        found = box() if callable(box) else box
+    tensors = model_tensors(cfg.model) if found else None
+    need = memory.need(cfg, plan, layout, model["weights"], unsupported, tuple(found), tensors)
+    if need.sides and box is None:
+        need = with_fit_params(need, cfg, info)
+    return need
+
+
+def model_tensors(path: Path) -> dict[str, int]:
+    """The model's weight tensors by name and bytes (cached per file identity)."""
+    data = cache.cached(
+        "gguf-tensors-v1",
+        cache.file_key(path),
+        lambda: {"tensors": _read_tensors(path)},
+        valid=lambda d: isinstance(d.get("tensors"), dict),
+    )
+    return {str(k): int(v) for k, v in data["tensors"].items()}
+
+
+def _read_tensors(path: Path) -> dict[str, int]:
+    try:
+        return kvmem.read_tensor_sizes(path)
+    except Exception as e:
+        raise ValidationFailed("model", f"the tensors of {path} cannot be read ({e})") from e
+
+
+def with_fit_params(
+    need: memory.Need, cfg: config.ServerConfig, server: binary.BinaryInfo
+) -> memory.Need:
+    """``need`` with llama-fit-params' own figures beside it (where the build ships it)."""
+    tool = binary.fit_params_binary(str(cfg.llama_server))
+    if tool is None:
+        return need
+    try:
+        lines, dropped = binary.fit_print(tool, cfg.server_args(), server)
+    except (ValidationFailed, ConfigInvalid) as e:
+        return replace(need, deferred=(*need.deferred, f"llama-fit-params gave no figures: {e}"))
+    figures = {
+        "tool": tool,
+        "sides": [line.to_dict() for line in lines],
+        "flags_left_out": dropped,
+    }
+    return replace(need, fit_params=figures)
