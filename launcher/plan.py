@@ -350,6 +350,8 @@ def make_plan(
     elif b.info is not None:
         notes.append(f"{n} x {w} fits at {cache}: no need for fewer slots or a smaller window")
     key, reason = _recommend(opts, headroom_mib, n, w, cache)
+    if box and b.info is not None:
+        notes += _fewer_layers(b, next(o for o in opts if o.key == key), headroom_mib)
     if model is None:
         notes.append("no --model: the KV memory cannot be estimated; pass the GGUF to get it")
     elif model.info is None and model.unsupported:
@@ -377,6 +379,30 @@ def make_plan(
     return Plan(
         n, w, cache, model, avail, headroom_mib, tuple(opts), key, reason, tuple(notes), tuple(box)
     )
+
+
+def _fewer_layers(b: _Builder, opt: Option, headroom_mib: int) -> list[str]:
+    """When a device limits the recommended option, the most layers that let it fit."""
+    if opt.fits(headroom_mib) or opt.limit in (None, offload.HOST) or b.info is None:
+        return []
+    p = opt.pool
+    cap = p.per_slot_cap
+    total = b.info.n_layer_all + 1
+
+    def fits(ngl: int) -> bool:
+        nb = _Builder(b.model, b.available, b.cram, b.box, ngl)
+        o = nb.option(
+            opt.key, opt.summary, p.n_slots, cap or p.n_ctx, p.kv_unified, bool(cap), opt.cache_type
+        )
+        return bool(o.fits(headroom_mib))
+
+    ngl = b.largest(fits, 0, total - 1)
+    if ngl is None:
+        return [f"{opt.key} does not fit even with -ngl 0 (everything on the host)"]
+    return [
+        f"{opt.key} fits with -ngl {ngl} ({ngl} of {total} layers on the devices, the rest "
+        f"and their KV on the host): plan --ngl {ngl} shows it"
+    ]
 
 
 def _tensors(path: str) -> dict[str, int]:
