@@ -130,16 +130,18 @@ def list_devices(path: str, cache_dir: Path | None = None) -> tuple[devices.Devi
     like ``--help``, and not asked again; one with devices is asked each time, since the
     free memory is what the guard needs."""
     key = cache.file_key(path)
+    fresh: list[str] = []
 
     def read() -> dict[str, Any]:
-        return {"text": _list_devices_text(path)}
+        fresh.append(_list_devices_text(path))
+        return {"text": fresh[0]}
 
     data = cache.cached(
         "devices-v1", key, read, cache_dir, lambda d: isinstance(d.get("text"), str)
     )
     found = devices.parse_list(str(data["text"]), f"{path} --list-devices")
-    if not found:
-        return ()
+    if not found or fresh:
+        return found  # none, or just read
     return devices.parse_list(_list_devices_text(path), f"{path} --list-devices")
 
 

@@ -79,7 +79,7 @@ _SWITCHES = {
 class Offload:
     """The offload flags of a config, read the way common/arg.cpp reads them."""
 
-    n_gpu_layers: int | None = None  # None: auto; -2 (all) is kept as None-with-all below
+    n_gpu_layers: int | None = None  # -ngl N; None: auto, or all with ``all_layers``
     all_layers: bool = False  # -ngl all (or <= -2)
     fit: bool = True
     devices: tuple[str, ...] | None = None  # -dev; () is -dev none
@@ -96,9 +96,12 @@ class Offload:
         return self.n_gpu_layers is None and not self.all_layers and self.fit
 
     def margin(self, index: int) -> int:
-        """-fitt for device ``index`` in bytes (one value is for every device)."""
+        """-fitt for device ``index`` in bytes: one value is for every device; in a list,
+        the devices it does not reach keep the default (common/arg.cpp ``--fit-target``)."""
         t = self.fit_target_mib
-        return (t[index] if index < len(t) else t[-1] if len(t) == 1 else 0) * (1 << 20)
+        if len(t) == 1:
+            return t[0] * (1 << 20)
+        return (t[index] if index < len(t) else DEFAULT_FIT_TARGET_MIB) * (1 << 20)
 
 
 def _words(args: Sequence[str]) -> list[tuple[str, str | None]]:
