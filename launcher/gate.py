@@ -14,7 +14,7 @@ import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import tenacity
@@ -49,6 +49,7 @@ class GateResult:
     warnings: list[str]
     timings: dict[str, float]
     state: UnitState
+    log: list[str] = field(default_factory=list)  # the new process's lines up to serving
 
 
 @dataclass
@@ -121,6 +122,7 @@ class Gate:
             [*self.warnings, *(ready.scan.startup.warnings if ready.scan.startup else [])],
             timings,
             state,
+            log,
         )
 
     def _check(

@@ -299,6 +299,59 @@ def read_metadata(path: Path | str) -> dict[str, Any]:
 _SPLIT = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 
+@functools.cache
+def _tensor_reader() -> type[Any]:
+    """The metadata reader that also reads each tensor's name and size (no numpy views)."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    class TensorSizeReader(_metadata_reader()):  # type: ignore[misc]
+        """Tensor infos (GGUF spec: name, n_dims, dims, type, offset) read with struct;
+        a tensor's bytes are ggml_nbytes of its type and shape."""
+
+        sizes: dict[str, int]
+
+        def _build_tensor_info(self, offs: int, count: int) -> tuple[int, list[Any]]:
+            buf = self.data.data
+            little_endian = (sys.byteorder == "little") == (self.byte_order == "I")
+            end = "<" if little_endian else ">"
+            u32, u64 = struct.Struct(end + "I").unpack_from, struct.Struct(end + "Q").unpack_from
+            self.sizes = {}
+            for _ in range(count):
+                n = u64(buf, offs)[0]
+                name = bytes(buf[offs + 8 : offs + 8 + n]).decode("utf-8")
+                offs += 8 + n
+                n_dims = u32(buf, offs)[0]
+                offs += 4
+                elements = 1
+                for i in range(n_dims):
+                    elements *= u64(buf, offs + 8 * i)[0]
+                offs += 8 * n_dims
+                block, size = GGML_QUANT_SIZES[GGMLQuantizationType(u32(buf, offs)[0])]
+                offs += 4 + 8  # type, then the data offset
+                self.sizes[name] = elements * size // block
+            return offs, []
+
+    return TensorSizeReader
+
+
+def read_tensor_sizes(path: Path | str) -> dict[str, int]:
+    """Bytes of every weight tensor by name, over all files of a split model (what
+    llama-server places on the host or a device, tensor by tensor)."""
+    path = Path(path)
+    md = read_metadata(path)
+    count = int(md.get("split.count", 1) or 1)
+    parts = [path]
+    if count > 1 and (m := _SPLIT.match(path.name)):
+        parts = [
+            path.with_name(f"{m['prefix']}-{i:05d}-of-{count:05d}.gguf")
+            for i in range(1, count + 1)
+        ]
+    sizes: dict[str, int] = {}
+    for part in parts:
+        sizes.update(_tensor_reader()(str(part)).sizes)
+    return sizes
+
+
 def weights_size(path: Path, md: dict[str, Any]) -> int:
     """Bytes of the model file, all splits included (llama_split_path "%s-%05d-of-%05d.gguf")."""
     count = int(md.get("split.count", 1) or 1)
@@ -610,6 +663,9 @@ class KvEstimate:
     caches: tuple[CacheSize, ...]
     recurrent_bytes: int
     recurrent_rows: int
+    #: KV + recurrent bytes of each of the n_layer_all layers: a layer's cache lives on that
+    #: layer's device (src/llama-kv-cache.cpp:212-221, ``model.dev_layer(il)``)
+    per_layer: tuple[int, ...] = ()
 
     @property
     def k_bytes(self) -> int:
@@ -708,12 +764,16 @@ def estimate(
         size_swa = pad(min(size_base, info.n_swa * seqs + n_ubatch_eff))
     v_max = max((info.v_width(il) for il in range(info.n_layer_all)), default=0)
 
+    per_layer = [0] * info.n_layer_all
+
     def cache(label: str, cells: int, layers: list[int]) -> CacheSize:
-        k = sum(_row_bytes(ctk, info.k_width(il)) for il in layers) * cells * streams
-        v = 0
-        if not info.mla:
-            width: Callable[[int], int] = (lambda il: v_max) if not fa else info.v_width
-            v = sum(_row_bytes(ctv, width(il)) for il in layers) * cells * streams
+        width: Callable[[int], int] = (lambda il: v_max) if not fa else info.v_width
+        k = v = 0
+        for il in layers:
+            k_il = _row_bytes(ctk, info.k_width(il)) * cells * streams
+            v_il = 0 if info.mla else _row_bytes(ctv, width(il)) * cells * streams
+            per_layer[il] += k_il + v_il
+            k, v = k + k_il, v + v_il
         return CacheSize(label, cells, streams, len(layers), k, v)
 
     layers = info.kv_layers
@@ -725,5 +785,9 @@ def estimate(
     elif layers:
         caches = (cache("kv", size_base, list(layers)),)
     rows = max(1, plan.n_slots) if info.kind in ("hybrid", "recurrent") else 0
-    recurrent = info.n_recurrent_layers * info.recurrent_row_floats * RECURRENT_STATE_BYTES * rows
-    return KvEstimate(ctk, ctv, fa, caches, recurrent, rows)
+    row_bytes = info.recurrent_row_floats * RECURRENT_STATE_BYTES * rows
+    for il in range(info.n_layer):
+        if info.is_recurrent[il]:
+            per_layer[il] += row_bytes
+    recurrent = info.n_recurrent_layers * row_bytes
+    return KvEstimate(ctk, ctv, fa, caches, recurrent, rows, tuple(per_layer))

@@ -5,18 +5,23 @@ llama-server guarantees and costs: the over-committed shared pool (``-c W -np N 
 split pool (``-c W -np N``), the per-slot cap (``--kv-unified-per-slot W``, pool N x W) at
 f16 / q8_0 / q4_0, fewer slots and a smaller window. With a model it estimates the KV memory
 (``launcher.kvbytes``) and what is left of ``MemAvailable`` after the weights and the KV; it
-recommends one option as a ``llama-launcher set ...`` line. Pure apart from reading the GGUF
-and /proc/meminfo; returns frozen results and never prints.
+recommends one option as a ``llama-launcher set ...`` line. With devices (``--devices``, a
+saved ``--list-devices``, or the live binary's) the weights and KV are placed as
+llama-server places them with ``-ngl`` (all layers by default: ``launcher.offload``) and
+every side, the host and each device, is checked; the option's free memory is that of the
+side that limits it. Pure apart from reading the GGUF and /proc/meminfo; returns frozen
+results and never prints.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from launcher import kvbytes, kvlayout
+from launcher import kvbytes, kvlayout, memory, offload
+from launcher.devices import Device
 from launcher.errors import ConfigInvalid
 from launcher.memory import DEFAULT_CACHE_RAM_MIB, mem_available
 
@@ -41,6 +46,7 @@ class ModelSummary:
     weights_bytes: int
     info: kvbytes.ModelInfo | None  # None: the estimator does not cover this model
     unsupported: str | None = None  # why, when info is None
+    tensors: Mapping[str, int] | None = None  # weight tensors by name, for placing them
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -90,7 +96,10 @@ class Option:
     flags: tuple[str, ...]
     pool: kvlayout.PoolPlan
     kv: kvbytes.KvEstimate | None
-    free_bytes: int | None  # MemAvailable - weights - KV - --cache-ram
+    free_bytes: int | None  # MemAvailable - weights - KV - --cache-ram (the limiting side's)
+    sides: tuple[memory.Side, ...] = ()  # with devices: what each side takes
+    side_free: tuple[tuple[str, int], ...] = ()  # (side, free bytes after this option)
+    limit: str | None = None  # the side with the least left, with devices
 
     @property
     def guaranteed_window(self) -> int:
@@ -128,6 +137,11 @@ class Option:
             "kv_mib": None if self.kv_mib is None else round(self.kv_mib, 1),
             "free_mib": None if self.free_mib is None else round(self.free_mib, 1),
             "fits": self.fits(headroom_mib),
+            "sides": [
+                {**side.to_dict(), "free_mib": round(free / MIB, 1)}
+                for side, (_, free) in zip(self.sides, self.side_free, strict=True)
+            ],
+            "limit": self.limit,
         }
 
 
@@ -145,6 +159,7 @@ class Plan:
     recommended: str  # an Option.key
     reason: str
     notes: tuple[str, ...] = field(default_factory=tuple)
+    devices: tuple[Device, ...] = ()
 
     def option(self, key: str) -> Option:
         for opt in self.options:
@@ -169,11 +184,12 @@ class Plan:
             "recommendation": self.recommendation.set_command,
             "reason": self.reason,
             "notes": list(self.notes),
+            "devices": [d.to_dict() for d in self.devices],
         }
 
 
 def _flags(
-    c: int, slots: int, unified: bool, per_slot: int, cache: str, cram: int
+    c: int, slots: int, unified: bool, per_slot: int, cache: str, cram: int, ngl: str | None
 ) -> tuple[str, ...]:
     flags = ["-c", str(c), "-np", str(slots), "-kvu" if unified else "-no-kvu"]
     if per_slot:
@@ -181,16 +197,32 @@ def _flags(
     flags += ["-ctk", cache, "-ctv", cache]
     if cram != DEFAULT_CACHE_RAM_MIB:
         flags += ["--cache-ram", str(cram)]  # what the free memory was counted with
+    if ngl is not None:
+        flags += ["-ngl", ngl]  # the offload the devices' memory was counted with
     return tuple(flags)
 
 
 class _Builder:
     """Builds options for one model and box."""
 
-    def __init__(self, model: ModelSummary | None, available: int, cram: int) -> None:
+    def __init__(
+        self,
+        model: ModelSummary | None,
+        available: int,
+        cram: int,
+        box: Sequence[Device] = (),
+        n_gpu_layers: int | None = None,
+    ) -> None:
         self.model, self.available, self.cram = model, available, cram
         self.info = model.info if model else None
         self.n_ctx_train = model.n_ctx_train if model else None
+        self.box = tuple(box)
+        self.ngl = None if not box else "all" if n_gpu_layers is None else str(n_gpu_layers)
+        # the headroom is kept on every side, so no -fitt margin on top of it here
+        self.off = offload.Offload(
+            n_gpu_layers=n_gpu_layers, all_layers=n_gpu_layers is None, fit_target_mib=(0,)
+        )
+        self.deferred: list[str] = []
 
     def option(
         self,
@@ -206,13 +238,29 @@ class _Builder:
         cap = window if per_slot else 0
         plan = kvlayout.resolve(c, slots, unified, cap, self.n_ctx_train)
         kv = kvbytes.estimate(self.info, plan, cache, cache) if self.info else None
+        flags = _flags(c, slots, unified, cap, cache, self.cram, self.ngl)
         free = None
         if kv is not None and self.model is not None:
+            if self.box and self.info is not None:
+                return self._on_sides(Option(key, summary, cache, flags, plan, kv, None), kv)
             # what the deploy's memory guard counts too (memory.need), so a recommended line
             # is not refused there
             free = self.available - self.model.weights_bytes - kv.total_bytes - self.cram * MIB
-        flags = _flags(c, slots, unified, cap, cache, self.cram)
         return Option(key, summary, cache, flags, plan, kv, free)
+
+    def _on_sides(self, opt: Option, kv: kvbytes.KvEstimate) -> Option:
+        """``opt`` placed on the host and the devices; its free memory is the limiting side's."""
+        assert self.model is not None and self.info is not None
+        base = memory.Need(kv.total_bytes, self.model.weights_bytes, self.cram * MIB, None, None)
+        sides, deferred = memory.place_sides(
+            base, self.off, self.box, self.model.tensors, self.info.n_layer_all, kv
+        )
+        self.deferred = deferred
+        left = tuple(
+            (s.name, memory.side_room(s, self.available, {}) - (s.need or 0)) for s in sides
+        )
+        limit, free = min(left, key=lambda item: item[1])
+        return replace(opt, free_bytes=free, sides=sides, side_free=left, limit=limit)
 
     def per_slot(self, slots: int, window: int, cache: str, key: str = "") -> Option:
         return self.option(
@@ -256,21 +304,27 @@ def make_plan(
     available: int | None = None,
     headroom_mib: int = HEADROOM_MIB,
     cache_ram_mib: int | None = None,
+    box: Sequence[Device] = (),
+    n_gpu_layers: int | None = None,
 ) -> Plan:
     """The options for ``slots`` clients that each need ``window`` tokens.
 
     ``model`` is a GGUF path (or an already loaded ``ModelSummary``); without one only the
-    pool arithmetic is done. ``available`` is the memory to plan for in bytes (default: this
-    machine's MemAvailable). ``cache_ram_mib`` is llama-server's host prompt cache (-cram),
-    counted as used (None: its default). Raises ``ConfigInvalid`` for bad input.
+    pool arithmetic is done. ``available`` is the host memory to plan for in bytes (default:
+    this machine's MemAvailable). ``cache_ram_mib`` is llama-server's host prompt cache
+    (-cram), counted as used (None: its default). ``box`` is the devices (their free memory
+    is planned for) and ``n_gpu_layers`` the ``-ngl`` to place with (None: all layers).
+    Raises ``ConfigInvalid`` for bad input.
     """
     if isinstance(model, (str, Path)):
         model = load_model(model)
+    if box and model is not None and model.tensors is None:
+        model = replace(model, tensors=_tensors(model.path))
     _check(slots, window, model)
     kvbytes.check_cache_types(model.info if model else None, cache, cache, "auto")
     avail = mem_available() if available is None else available
     cram = DEFAULT_CACHE_RAM_MIB if cache_ram_mib is None else cache_ram_mib
-    b = _Builder(model, avail, cram)
+    b = _Builder(model, avail, cram, box, n_gpu_layers)
     w, n = window, slots
     opts = [
         b.option(
@@ -296,10 +350,25 @@ def make_plan(
     elif b.info is not None:
         notes.append(f"{n} x {w} fits at {cache}: no need for fewer slots or a smaller window")
     key, reason = _recommend(opts, headroom_mib, n, w, cache)
+    if box and b.info is not None:
+        notes += _fewer_layers(b, next(o for o in opts if o.key == key), headroom_mib)
     if model is None:
         notes.append("no --model: the KV memory cannot be estimated; pass the GGUF to get it")
     elif model.info is None and model.unsupported:
         notes.append(model.unsupported)
+    elif box:
+        sides = ", ".join(
+            f"{d.name} {d.free / MIB:,.0f} MiB free"
+            + (" (unified: the host's memory)" if d.unified else "")
+            for d in box
+        )
+        notes.append(
+            f"placed as llama-server places -ngl {b.ngl} on {sides}: free is what the side that "
+            f"limits an option keeps (host: MemAvailable - host weights - host KV - --cache-ram "
+            f"{cram} MiB; a device: its free memory - its weights and KV); it leaves out compute "
+            "buffers (the headroom is kept on every side)"
+        )
+        notes += b.deferred
     else:
         notes.append(
             f"free = MemAvailable - weights - KV - the host prompt cache (--cache-ram {cram} "
@@ -307,7 +376,40 @@ def make_plan(
             "it leaves out compute buffers; run plan while llama-server is stopped, or its "
             "current KV is counted as used"
         )
-    return Plan(n, w, cache, model, avail, headroom_mib, tuple(opts), key, reason, tuple(notes))
+    return Plan(
+        n, w, cache, model, avail, headroom_mib, tuple(opts), key, reason, tuple(notes), tuple(box)
+    )
+
+
+def _fewer_layers(b: _Builder, opt: Option, headroom_mib: int) -> list[str]:
+    """When a device limits the recommended option, the most layers that let it fit."""
+    if opt.fits(headroom_mib) or opt.limit in (None, offload.HOST) or b.info is None:
+        return []
+    p = opt.pool
+    cap = p.per_slot_cap
+    total = b.info.n_layer_all + 1
+
+    def fits(ngl: int) -> bool:
+        nb = _Builder(b.model, b.available, b.cram, b.box, ngl)
+        o = nb.option(
+            opt.key, opt.summary, p.n_slots, cap or p.n_ctx, p.kv_unified, bool(cap), opt.cache_type
+        )
+        return bool(o.fits(headroom_mib))
+
+    ngl = b.largest(fits, 0, total - 1)
+    if ngl is None:
+        return [f"{opt.key} does not fit even with -ngl 0 (everything on the host)"]
+    return [
+        f"{opt.key} fits with -ngl {ngl} ({ngl} of {total} layers on the devices, the rest "
+        f"and their KV on the host): plan --ngl {ngl} shows it"
+    ]
+
+
+def _tensors(path: str) -> dict[str, int]:
+    try:
+        return kvbytes.read_tensor_sizes(path)
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigInvalid(f"--model {path}: its tensors cannot be read ({e})") from e
 
 
 def _alternatives(b: _Builder, n: int, w: int, cache: str, headroom_mib: int) -> list[Option]:
@@ -338,7 +440,7 @@ def _accepts(model: ModelSummary | None, cache: str) -> bool:
 
 
 def _retitle(opt: Option, summary: str) -> Option:
-    return Option(opt.key, summary, opt.cache_type, opt.flags, opt.pool, opt.kv, opt.free_bytes)
+    return replace(opt, summary=summary)
 
 
 def _same_or_smaller(cache: str) -> list[str]:

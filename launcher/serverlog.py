@@ -286,6 +286,22 @@ KV_CACHE_CELLS = _compile(
 FIT_REDUCED = _compile(r"context size reduced from (?P<from>\d+) to (?P<to>\d+)")
 # server.cpp:116: the first line of every server start; a new generation of the log begins.
 SERVER_INIT = _compile(r"srv  llama_server: initializing \.\.\.")
+# What the server allocated, per buffer (libllama INFO: printed at -lv 4). The buffer name is
+# ggml_backend_buffer_name: a device (CUDA0, Vulkan0, MTL0) or a host buffer (CPU, CPU_Mapped,
+# CUDA_Host, CPU_REPACK). src/llama-model.cpp:1932 "%s: %12s model buffer size = %8.2f MiB",
+# src/llama-kv-cache.cpp:291 "%s: %10s KV buffer size = %8.2f MiB",
+# src/llama-memory-recurrent.cpp:124 "%s: %10s RS buffer size = %8.2f MiB",
+# src/llama-context.cpp:742 "%s: %10s compute buffer size = %8.2f MiB" (in sched_reserve).
+BUFFER_SIZES = {
+    "model": _compile(r"load_tensors: +(?P<buffer>\S+) model buffer size = +(?P<mib>\d+\.\d+) MiB"),
+    "kv": _compile(
+        r"llama_(?:kv_cache|memory_recurrent): +(?P<buffer>\S+) (?:KV|RS) buffer size = "
+        r"+(?P<mib>\d+\.\d+) MiB"
+    ),
+    "compute": _compile(
+        r"sched_reserve: +(?P<buffer>\S+) compute buffer size = +(?P<mib>\d+\.\d+) MiB"
+    ),
+}
 
 # journald ``-o short`` / ``-o short-iso`` / ``-o short-precise`` prefixes.
 _JOURNAL_PREFIX = re.compile(

@@ -71,6 +71,8 @@ def status_text(d: dict[str, Any]) -> str:
     mem = d.get("memory_at_deploy") or {}
     if mem.get("after"):
         lines.append(f"  memory: {memory_line(mem, d.get('kv_estimate'))}")
+    if sides := sides_line(mem, d.get("kv_estimate")):
+        lines.append(f"  per side: {sides}")
     if d.get("pending_transaction"):
         lines.append("  a deploy was interrupted: the next verb recovers it")
     return "\n".join(lines)
@@ -121,6 +123,8 @@ def history_text(d: dict[str, Any]) -> str:
             lines.append(f"        failed: {g['failure'][:200]}")
         if g["memory"].get("after"):
             lines.append(f"        memory: {memory_line(g['memory'], g.get('kv_estimate'))}")
+        if sides := sides_line(g["memory"], g.get("kv_estimate")):
+            lines.append(f"        per side: {sides}")
     return "\n".join(lines)
 
 
@@ -136,3 +140,27 @@ def memory_line(mem: dict[str, Any], estimate: dict[str, Any] | None) -> str:
     elif estimate and estimate.get("unsupported"):
         text += "; KV not estimated (model not covered)"
     return text
+
+
+def sides_line(mem: dict[str, Any], estimate: dict[str, Any] | None) -> str:
+    """Device memory the server reported in its log, per side, next to the estimate per side
+    ("" on a box without devices and without reported buffers)."""
+    reported = (mem.get("devices") or {}).get("by_side") or {}
+    sides = (estimate or {}).get("sides") or []
+    if not reported and not sides:
+        return ""
+
+    def mib(v: Any) -> str:
+        return f"{v / 2**20:,.0f} MiB" if isinstance(v, int) else "?"
+
+    parts = []
+    if reported:
+        shown = ", ".join(f"{name} {mib(size)}" for name, size in reported.items())
+        parts.append(f"reported by llama-server: {shown}")
+    elif sides:
+        note = (mem.get("devices") or {}).get("note")
+        parts.append(f"reported by llama-server: none ({note or 'not recorded'})")
+    if sides:
+        shown = ", ".join(f"{'+'.join(s['members'])} {mib(s.get('need_bytes'))}" for s in sides)
+        parts.append(f"estimate: {shown}")
+    return "; ".join(parts)

@@ -12,7 +12,8 @@ Runs on the rendered temporary file; each step is named in its error:
 7. ``service``    (system scope) the hardened unit's own user can open the binary, the model
                   and every other file llama-server reads (``launcher.service``);
 8. ``pool``       the pool arithmetic: no over-committed shared pool unless allowed;
-9. ``memory``     KV estimate + weights + prompt cache fit what the box can give.
+9. ``memory``     KV estimate + weights + prompt cache fit what the box can give, on each
+                  side: the host and every device of ``--list-devices`` (``launcher.memory``).
 """
 
 from __future__ import annotations
@@ -22,14 +23,15 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from launcher import (
     binary,
     config,
+    devices,
     envfile,
     filefacts,
     kvbytes,
@@ -256,20 +258,31 @@ def validate_file(
     return info
 
 
+#: The box's devices, passed in: a tuple, or a function that reads them (the binary's
+#: ``--list-devices``, asked only when the memory step is reached).
+Devices = Sequence[devices.Device] | Callable[[], Sequence[devices.Device]]
+Releasable = int | Mapping[str, int] | Callable[[], int | Mapping[str, int]]
+
+
 def validate(
     cfg: config.ServerConfig,
     key_file: str | None = None,
     workdir: Path | None = None,
-    releasable: int | Callable[[], int] = 0,
+    releasable: Releasable = 0,
     force_memory: bool = False,
+    box: Devices | None = None,
+    available: int | None = None,
+    unified: devices.UnifiedSetting = "auto",
     svc: service.ServiceView | None = None,
 ) -> Validated:
     """Render ``cfg`` to a temporary file and run the whole chain on it.
 
-    ``releasable``: bytes the running server frees when it is restarted (memory guard), or
-    a function that gives them, asked only when the guard is reached. ``svc``: the hardened
-    unit's view, whose user must be able to read every file (None: the service reads as
-    the caller).
+    ``releasable``: bytes the running server frees when it is restarted (memory guard), on
+    the host or per side, or a function that gives them, asked only when the guard is
+    reached. ``box``: the devices (default: the binary's ``--list-devices``, each marked
+    unified per ``unified``); ``available``: the host's free memory (default MemAvailable).
+    ``svc``: the hardened unit's view, whose user must be able to read every file (None: the
+    service reads as the caller).
     """
     text = render(cfg, key_file)
     values = env_values(cfg, key_file)
@@ -286,8 +299,10 @@ def validate(
         plan = cfg.check_overcommit(model.get("n_ctx_train"))
     except ConfigInvalid as e:
         raise ValidationFailed("pool", str(e)) from None
-    need = memory.need(cfg, plan, layout, model["weights"], unsupported)
-    memory.guard(need, releasable() if callable(releasable) else releasable, force_memory)
+    need = memory_step(cfg, plan, model, layout, unsupported, info, box, unified)
+    memory.guard(
+        need, releasable() if callable(releasable) else releasable, force_memory, available
+    )
     return Validated(cfg, text, values, expected, plan, model, info, need)
 
 
@@ -297,10 +312,15 @@ def beside_state(
     check: bool,
     force_memory: bool = False,
     svc: service.ServiceView | None = None,
+    box: Devices | None = None,
+    unified: devices.UnifiedSetting = "auto",
+    live_meta: Callable[[], Mapping[str, Any] | None] = lambda: None,
 ) -> tuple[Validated, UnitState | None]:
     """``validate`` with the unit's state (a systemctl) read beside the chain's processes;
-    the state tells the memory guard what the running server frees. Check mode works
-    without a reachable systemd (a build box): the state is None then."""
+    the state tells the memory guard what the running server frees, on the host (its
+    anonymous memory) and on each device (what the live generation's log reported there,
+    ``live_meta``). Check mode works without a reachable systemd (a build box): the state
+    is None then."""
     from concurrent.futures import ThreadPoolExecutor
 
     from launcher.errors import LauncherError
@@ -316,9 +336,86 @@ def beside_state(
                     raise
                 return None
 
-        def releasable() -> int:
+        def releasable() -> dict[str, int]:
             running = unit_state()
-            return memory.releasable_memory(running) if running else 0
+            if not running or not running.running:
+                return {}
+            on_devices = memory.device_releasable(live_meta())
+            return {**on_devices, "host": memory.releasable_memory(running)}
 
-        checked = validate(cfg, releasable=releasable, force_memory=force_memory, svc=svc)
+        checked = validate(
+            cfg,
+            releasable=releasable,
+            force_memory=force_memory,
+            svc=svc,
+            box=box,
+            unified=unified,
+        )
         return checked, unit_state()
+
+
+def box_devices(
+    server: str, unified: devices.UnifiedSetting = "auto"
+) -> tuple[devices.Device, ...]:
+    """The devices of the llama-server at ``server``, each marked unified or not."""
+    found = binary.list_devices(server)
+    return devices.mark_unified(found, memory.mem_total(), unified) if found else ()
+
+
+def memory_step(
+    cfg: config.ServerConfig,
+    plan: kvlayout.PoolPlan,
+    model: dict[str, Any],
+    layout: kvbytes.ModelInfo | None,
+    unsupported: str | None,
+    info: binary.BinaryInfo,
+    box: Devices | None,
+    unified: devices.UnifiedSetting = "auto",
+) -> memory.Need:
+    """Where the bytes go on this box; with devices, llama-fit-params' figures beside."""
+    if box is None:
+        found: Sequence[devices.Device] = box_devices(str(cfg.llama_server), unified)
+    else:
+        found = box() if callable(box) else box
+    tensors = model_tensors(cfg.model) if found else None
+    need = memory.need(cfg, plan, layout, model["weights"], unsupported, tuple(found), tensors)
+    if need.sides and box is None:
+        need = with_fit_params(need, cfg, info)
+    return need
+
+
+def model_tensors(path: Path) -> dict[str, int]:
+    """The model's weight tensors by name and bytes (cached per file identity)."""
+    data = filefacts.cached(
+        "gguf-tensors-v1",
+        filefacts.file_key(path),
+        lambda: {"tensors": _read_tensors(path)},
+        valid=lambda d: isinstance(d.get("tensors"), dict),
+    )
+    return {str(k): int(v) for k, v in data["tensors"].items()}
+
+
+def _read_tensors(path: Path) -> dict[str, int]:
+    try:
+        return kvbytes.read_tensor_sizes(path)
+    except Exception as e:
+        raise ValidationFailed("model", f"the tensors of {path} cannot be read ({e})") from e
+
+
+def with_fit_params(
+    need: memory.Need, cfg: config.ServerConfig, server: binary.BinaryInfo
+) -> memory.Need:
+    """``need`` with llama-fit-params' own figures beside it (where the build ships it)."""
+    tool = binary.fit_params_binary(str(cfg.llama_server))
+    if tool is None:
+        return need
+    try:
+        lines, dropped = binary.fit_print(tool, cfg.server_args(), server)
+    except (ValidationFailed, ConfigInvalid) as e:
+        return replace(need, deferred=(*need.deferred, f"llama-fit-params gave no figures: {e}"))
+    figures = {
+        "tool": tool,
+        "sides": [line.to_dict() for line in lines],
+        "flags_left_out": dropped,
+    }
+    return replace(need, fit_params=figures)

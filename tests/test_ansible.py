@@ -364,3 +364,60 @@ def test_playbooks_pass_ansible_lint(tmp_path: Path) -> None:
     )
     assert p.returncode == 0, p.stdout + p.stderr
     assert "0 failure(s), 0 warning(s)" in p.stdout + p.stderr
+
+
+def _adhoc(host: Host, args: dict[str, Any], *flags: str) -> subprocess.CompletedProcess[str]:
+    """The module alone, as an ad-hoc task on localhost (no playbook, no fleet)."""
+    (host.root / "ansible-remote").mkdir(mode=0o700, exist_ok=True)
+    env = dict(
+        os.environ,
+        ANSIBLE_CONFIG=str(ANSIBLE_DIR / "ansible.cfg"),
+        ANSIBLE_LOCAL_TEMP=str(host.root / "ansible-local"),
+        ANSIBLE_REMOTE_TEMP=str(host.root / "ansible-remote"),
+        ANSIBLE_HOME=str(host.root / "ansible-home"),
+        ANSIBLE_NOCOLOR="1",
+        PATH=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+    )
+    task = {
+        "unit": host.unit,
+        "scope": "user",
+        "env_file": str(host.env_file),
+        "state_dir": str(host.state_dir),
+        "llama_server": host.server,
+        "model": str(host.model),
+        "port": host.port,
+        **args,
+    }
+    return subprocess.run(
+        [
+            str(VENV_BIN / "ansible"),
+            "localhost",
+            "-i",
+            "localhost,",
+            "-c",
+            "local",
+            "-e",
+            f"ansible_python_interpreter={sys.executable}",
+            "-m",
+            "llama_launcher",
+            "-a",
+            json.dumps(task),
+            *flags,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+
+
+def test_module_force_memory_passes_the_memory_guard(host: Host) -> None:
+    rc, out = host.install("-c", "4096", "-np", "2")
+    assert rc == 0, out
+    huge = {"ctx_size": 64 << 20, "parallel": 1}  # 32 GiB of f16 KV on the tiny model
+    refused = _adhoc(host, huge, "--check")
+    assert refused.returncode != 0
+    assert "MemoryGuardError" in refused.stdout and "--force-memory" in refused.stdout
+    forced = _adhoc(host, {**huge, "force_memory": True, "unified_memory": "no"}, "--check")
+    assert forced.returncode == 0, forced.stdout + forced.stderr
+    assert '"outcome": "checked"' in forced.stdout

@@ -358,6 +358,10 @@ def human(result: Result, show_diff: bool = True) -> str:
     if result.memory.get("after"):
         before = result.memory.get("before")
         lines.append(f"  memory of the service: {_mib(before)} -> {_mib(result.memory['after'])}")
+        from launcher.status import sides_line
+
+        if sides := sides_line(result.memory, result.memory.get("estimate")):
+            lines.append(f"  memory per side: {sides}")
     if show_diff and result.diff:
         lines.append("  argv diff:")
         lines += [f"    {d}" for d in result.diff]

@@ -21,7 +21,8 @@ def register(subparsers: Any) -> None:
             "Lay out the options for N clients that each need a W-token window: the "
             "shared over-committed pool, split pools, the per-slot cap at f16/q8_0/q4_0, fewer "
             "slots and a smaller window; with --model, the KV memory of each and what is left "
-            "of MemAvailable. Changes nothing."
+            "of MemAvailable; with --devices (or --llama-server) also on each device, the "
+            "weights and KV placed as -ngl places them, and which side limits. Changes nothing."
         ),
     )
     p.add_argument("--slots", required=True, metavar="N", help="clients served at once (-np)")
@@ -40,6 +41,29 @@ def register(subparsers: Any) -> None:
         metavar="MIB",
         help="llama-server's host prompt cache (-cram) in MiB, counted as used "
         "(default 8192, llama-server's; 0 turns it off and adds --cache-ram 0 to the lines)",
+    )
+    p.add_argument(
+        "--devices",
+        metavar="FILE",
+        help="the output of `llama-server --list-devices` saved to a file: plan for those "
+        "devices (another box's GPUs)",
+    )
+    p.add_argument(
+        "--llama-server",
+        metavar="BIN",
+        help="plan for the devices this llama-server sees now (its --list-devices)",
+    )
+    p.add_argument(
+        "--ngl",
+        metavar="N",
+        help="layers offloaded to the devices (-ngl; default all)",
+    )
+    p.add_argument(
+        "--unified-memory",
+        choices=("auto", "yes", "no"),
+        default="auto",
+        help="whether the devices' memory is the host's (auto: a device as large as the "
+        "host's MemTotal, or Metal)",
     )
     p.add_argument("--json", action="store_true", help="one JSON object")
     p.set_defaults(func=handle)
@@ -74,9 +98,36 @@ def handle(ns: argparse.Namespace) -> int:
     if ns.mem_available is not None:
         available = _count("--mem-available", ns.mem_available, "131072") * MIB
     cram = None if ns.cache_ram is None else _whole("--cache-ram", ns.cache_ram, "0")
-    plan = make_plan(slots, window, ns.cache, ns.model, available, cache_ram_mib=cram)
+    ngl = None
+    if ns.ngl is not None and ns.ngl != "all":
+        ngl = _whole("--ngl", ns.ngl, "all")
+    box = _box(ns)
+    plan = make_plan(
+        slots, window, ns.cache, ns.model, available, cache_ram_mib=cram, box=box, n_gpu_layers=ngl
+    )
     emit({"ok": True, **plan.to_dict()}, ns.json, lambda: render(plan))
     return 0
+
+
+def _box(ns: argparse.Namespace) -> tuple[Any, ...]:
+    """The devices to plan for: --devices FILE, else --llama-server's, else none."""
+    from pathlib import Path
+
+    from launcher import devices
+    from launcher.errors import ConfigInvalid
+    from launcher.memory import mem_total
+
+    if ns.devices and ns.llama_server:
+        raise ConfigInvalid("give --devices FILE or --llama-server BIN, not both")
+    if ns.devices:
+        found = devices.read_list_file(Path(ns.devices))
+    elif ns.llama_server:
+        from launcher import binary
+
+        found = binary.list_devices(ns.llama_server)
+    else:
+        return ()
+    return devices.mark_unified(found, mem_total(), ns.unified_memory)
 
 
 def _gib(value: float | None) -> str:
@@ -96,8 +147,15 @@ def render(plan: Plan) -> str:
             f"memory: {plan.mem_available_bytes / 2**30:.1f} GiB available, "
             f"{plan.headroom_mib} MiB kept as headroom"
         )
+        for d in plan.devices:
+            kind = ", unified: the host's memory" if d.unified else ""
+            lines.append(
+                f"device: {d.name} ({d.description}): {d.free / 2**30:.1f} GiB free of "
+                f"{d.total / 2**30:.1f}{kind}"
+            )
     lines.append("")
-    head = ("option", "window/slot", "promised", "pool cells", "KV GiB", "free GiB", "")
+    head: tuple[str, ...] = ("option", "window/slot", "promised", "pool cells", "KV GiB")
+    head = (*head, "free GiB", *(("limit",) if plan.devices else ()), "")
     rows = [head]
     for o in plan.options:
         mark = "<- recommended" if o.key == plan.recommended else ""
@@ -105,17 +163,17 @@ def render(plan: Plan) -> str:
             mark = "over-committed" + (" " + mark if mark else "")
         elif o.fits(plan.headroom_mib) is False:
             mark = "does not fit" + (" " + mark if mark else "")
-        rows.append(
-            (
-                o.key,
-                str(o.guaranteed_window),
-                str(o.pool.n_ctx_slot),
-                str(o.pool.n_ctx),
-                _gib(o.kv_mib),
-                _gib(o.free_mib),
-                mark,
-            )
+        row: tuple[str, ...] = (
+            o.key,
+            str(o.guaranteed_window),
+            str(o.pool.n_ctx_slot),
+            str(o.pool.n_ctx),
+            _gib(o.kv_mib),
+            _gib(o.free_mib),
         )
+        if plan.devices:
+            row = (*row, o.limit or "-")
+        rows.append((*row, mark))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     for r in rows:
         numbers = zip(r[1:-1], widths[1:-1], strict=True)
@@ -125,6 +183,16 @@ def render(plan: Plan) -> str:
     for o in plan.options:
         lines.append(f"{o.key}: {o.summary}")
         lines.append(f"    {' '.join(o.flags)}")
+        if o.sides:
+            free = dict(o.side_free)
+            lines.append(
+                "    "
+                + ", ".join(
+                    f"{'+'.join(s.members)} needs {(s.need or 0) / 2**30:.1f} GiB "
+                    f"({free[s.name] / 2**30:.1f} left)"
+                    for s in o.sides
+                )
+            )
     lines.append("")
     lines.append(f"recommended ({plan.recommended}): {plan.reason}")
     lines.append(f"    {plan.recommendation.set_command}")

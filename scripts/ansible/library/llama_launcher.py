@@ -96,6 +96,19 @@ options:
   settings_file:
     description: A llama-launcher settings TOML (C(LLAMA_LAUNCHER_SETTINGS)).
     type: path
+  force_memory:
+    description:
+      - Deploy even when the memory guard says the config does not fit the host or a device
+        (C(--force-memory)). The gate still checks the server that starts.
+    type: bool
+    default: false
+  unified_memory:
+    description:
+      - Whether the devices' memory is the host's, so the guard counts it once
+        (C(LLAMA_LAUNCHER_UNIFIED_MEMORY)). V(auto) takes a device as large as the host's
+        MemTotal, or a Metal device, for unified memory.
+    type: str
+    choices: [auto, "yes", "no"]
   llama_server:
     description: The llama-server binary (default the launcher's own lookup).
     type: path
@@ -373,6 +386,8 @@ def argument_spec() -> dict[str, dict[str, Any]]:
         "rollback_to": {"type": "int"},
         "executable": {"type": "str", "default": "llama-launcher"},
         "settings_file": {"type": "path"},
+        "force_memory": {"type": "bool", "default": False},
+        "unified_memory": {"type": "str", "choices": ["auto", "yes", "no"]},
     }
     spec.update(SETTINGS_SPEC)
     spec.update(CONFIG_SPEC)
@@ -423,6 +438,8 @@ class Launcher:
         self.environ: dict[str, str] = {}
         if module.params["settings_file"]:
             self.environ["LLAMA_LAUNCHER_SETTINGS"] = module.params["settings_file"]
+        if module.params["unified_memory"]:
+            self.environ["LLAMA_LAUNCHER_UNIFIED_MEMORY"] = module.params["unified_memory"]
 
     def settings_args(self) -> list[str]:
         args: list[str] = []
@@ -579,6 +596,8 @@ def deploy(module: AnsibleModule, launcher: Launcher) -> None:
         args = ["deploy", "--config", path, *launcher.settings_args()]
         if module.check_mode:
             args.append("--check")
+        if module.params["force_memory"]:
+            args.append("--force-memory")
         rc, result = launcher.json_verb(*args)
         ret = result_for_ansible(rc, result)
         after_argv = before_argv
