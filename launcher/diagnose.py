@@ -23,29 +23,32 @@ What the real server (b11434) taught, beyond LLAMA_SERVER_FACTS §2:
   first view at that offset); a memory-slot line of another size starts a new batch, whose
   first view is the one that counts.
 
-Two readers give the same report. The native one (``launcher._diagscan``, C, built with the
-package) is used when it was built: it reads a 1 GiB log in well under a second. The Python
-one below (``_Scanner``) is its reference and the fallback; ``diagnose(engine=...)`` picks
-one. Both read numbers as 1..10 ASCII digits (``serverlog._compile``).
+What the three eras print differs (``serverlog``): b9093 gives the offset as ``i =``, ends a
+failure with ``srv update_slots: Context size has been exceeded. i = ...`` and per slot
+``send_error`` + ``release``, and prints no ``decode() failed:`` line; b10405 and b11434 print
+``srv decode: ... off = ...``, the same pairs, then ``update_slots: decode() failed: ...``.
+People paste shortened excerpts (seed 000's): no timestamps or task ids, no ``, ret = N``,
+the release lines placed *before* the final ``decode() failed`` line. All of these group into
+failures: release lines that follow a cascade are held until the next line says whether the
+cascade failed (a ``decode() failed`` line) or found room (anything else).
 
-Both stream in constant memory. The Python reader reads binary blocks of whole lines; lines
-holding an event keyword (``serverlog.KEYWORDS``: startup, release, send_error, decode
-errors...) are found with C-level searches over the block and parsed one by one; the
+One reader, in Python, streaming in constant memory. It reads binary blocks of whole lines
+and never parses a line that holds none of the few phrases that matter: the lines holding an
+event keyword (``serverlog.KEYWORDS``: startup, release, send_error, decode errors...) are
+found with C-level searches over the block (``bytes.find``) and parsed one by one; the
 batch-halving cascade lines between two such lines (most of a failing server's log) are taken
-at once from counts and a few searches (``_Scanner.cascade``), falling back to line by line
-when a line does not have the usual form. Only the last ``keep`` failures are kept in detail
-(every failure is counted), and their steps are made from the stored text of the first
-MAX_STEPS tries.
+at once from counts and one compiled regex (``_Scanner.cascade``), falling back to line by
+line when a line does not have the usual form; the release lines of normal traffic (a busy
+server's commonest keyword line) are counted in bulk and checked by one regex per run
+(``_Scanner.releases``). Only the last ``keep`` failures are kept in detail (every failure is
+counted), and their steps are made from the stored text of the first MAX_STEPS tries.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import io
-import os
 import re
-import stat
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -184,6 +187,9 @@ class Report:
     verdicts: tuple[Verdict, ...]
     drift_lines: int
     drift_samples: tuple[str, ...]
+    #: lines holding "Context size has been exceeded" that no failure took, and why
+    unplaced_lines: int = 0
+    unplaced_samples: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -212,12 +218,13 @@ _ANCHORED: tuple[tuple[bytes, tuple[bytes, ...]], ...] = tuple(
 _PLAIN = tuple(kw for kw in _EVENT_KEYWORDS if not any(a in kw for a in _ANCHORS))
 #: The cascade's keywords (``serverlog.KEYWORDS``): its lines are summarised per run.
 _MS_KW, _RT_KW = serverlog.KEYWORDS["memory_slot"][0], serverlog.KEYWORDS["retry"][0]
-#: The fixed text of a memory-slot line and of a retry line, up to the first number.
+#: The fixed text of a memory-slot line and of a retry line, up to their numbers.
 _MS = b"decode: failed to find a memory slot for batch of size "
-_RT = b"failed to find free space in the KV cache, retrying with smaller batch size, off = "
+_RT = serverlog.RETRY_TEXT.encode()
 _MS_B = re.compile(serverlog.MEMORY_SLOT.pattern.encode())
 _RT_B = re.compile(serverlog.DECODE_RETRY.pattern.encode())
-assert _MS_B.match(_MS + b"1") and _RT_B.match(_RT + b"1, n_batch = 1, ret = 1")
+assert _MS_B.match(_MS + b"1") and _RT_B.match(_RT + b"off = 1, n_batch = 1, ret = 1")
+assert _RT_B.match(_RT + b"i = 1, n_batch = 1") and _RT_KW in _RT
 #: The numbers of the cascade lines, in order: a memory-slot size, or a retry's off, n_batch.
 _N = rb"(\d{1,%d})(?!\d)" % serverlog.MAX_DIGITS
 _SIZES = re.compile(
@@ -225,10 +232,11 @@ _SIZES = re.compile(
     + _N
     + b"|"
     + re.escape(_RT)
+    + b"(?:off|i) = "
     + _N
     + b", n_batch = "
     + _N
-    + rb", ret = -?\d{1,%d}(?!\d)" % serverlog.MAX_DIGITS
+    + rb"(?:, ret = -?\d{1,%d}(?!\d))?(?![\d,])" % serverlog.MAX_DIGITS
 )
 #: One match per line holding a cascade keyword.
 _KW_LINES = re.compile(b"^.*?(?:" + re.escape(_MS_KW) + b"|" + re.escape(_RT_KW) + b")", re.M)
@@ -369,6 +377,8 @@ class _Boot:
     n_ctx_seq_over_train: tuple[int, int] | None = None
     capped: tuple[int, int] | None = None  # (per-slot pool capacity, cap)
     fit_reduced: tuple[int, int] | None = None
+    kv_unified: bool | None = None  # llama_context: kv_unified (b9093 prints it at INFO)
+    slots: int | None = None  # b9093: ``initializing slots, n_slots`` until its ``new slot``
 
 
 @dataclass
@@ -386,6 +396,7 @@ class _Pending:
     config: Config | None
     slots: list[SlotShare] = field(default_factory=list)
     requests_failed: int = 0
+    tasks: set[int] = field(default_factory=set)  # the send_error lines' task ids
 
 
 class _Scanner:
@@ -415,6 +426,9 @@ class _Scanner:
         self.recovered = 0
         self.drift = 0
         self.drift_samples: list[str] = []
+        self.unplaced = 0
+        self.unplaced_samples: list[str] = []
+        self.held: list[SlotShare] = []  # release lines after a cascade, not yet placed
         self._cascade_reset()
         self.pending: _Pending | None = None
 
@@ -484,6 +498,7 @@ class _Scanner:
         their text is stored for the steps. Returns False, changing nothing, when a line does
         not have the usual form; the caller then feeds the lines one by one.
         """
+        self._settle()
         found = _SIZES.findall(chunk, lo, hi)
         n_rt = chunk.count(_RT_KW, lo, hi)
         n_kw = chunk.count(_MS_KW, lo, hi) + n_rt
@@ -620,66 +635,122 @@ class _Scanner:
         text = raw.decode("utf-8", "replace")
         if serverlog.CONTEXT_EXCEEDED in text:
             self.exceeded_lines += 1
+        if text.startswith("{"):
+            text = serverlog.normalize(text)  # a JSON record: its message, unescaped
         if not self._dispatch(line_no, text):
             self.drift += 1
             if len(self.drift_samples) < MAX_SAMPLES:
                 self.drift_samples.append(f"{line_no}: {serverlog.normalize(text)}")
+            if serverlog.CONTEXT_EXCEEDED in text:
+                self._unplaced(line_no, text, "its form is not one this reader knows")
+
+    def _unplaced(self, n: int, text: str, why: str) -> None:
+        self.unplaced += 1
+        if len(self.unplaced_samples) < MAX_SAMPLES:
+            self.unplaced_samples.append(f"{n}: {serverlog.normalize(text).strip()} ({why})")
 
     def _dispatch(self, n: int, t: str) -> bool:
+        if "stop processing" in t:
+            if m := serverlog.SLOT_RELEASE.search(t):
+                task = int(m["task"]) if m["task"] is not None else None
+                self._release(int(m["slot"]), task, int(m["n_tokens"]), m["truncated"] or "0")
+                return True
+            return False
+        if "send_error" in t:
+            if m := serverlog.SEND_ERROR.search(t):
+                self._send_error(n, m["error"], int(m["task"]))
+                return True
+            return False
+        # any other line ends a run of release lines held after a cascade
+        if "decode() failed" in t:
+            if m := serverlog.DECODE_FAILED.search(t):
+                self._decode_failed(n, m["error"])
+                return True
+            # pre_decode()/post_decode() failed: other faults in the same wording, no cascade
+            return serverlog.OTHER_DECODE_FAILED.search(t) is not None
+        self._settle()
         if "memory slot" in t:
             if m := serverlog.MEMORY_SLOT.search(t):
                 self._memory_slot(int(m["size"]))
                 return True
             return False
-        if ", ret = " in t:
+        if serverlog.RETRY_TEXT in t:
             if m := serverlog.DECODE_RETRY.search(t):
                 self._retry(int(m["off"]), int(m["n_batch"]))
                 return True
-            if m := serverlog.DECODE_ERROR.search(t):
-                self._decode_error(n, m["error"], int(m["off"]))
-                return True
             return False
-        if "stop processing" in t:
-            if m := serverlog.SLOT_RELEASE.search(t):
-                self._release(int(m["slot"]), int(m["task"]), int(m["n_tokens"]), m["truncated"])
-                return True
-            return False
-        if "send_error" in t:
-            if m := serverlog.SEND_ERROR.search(t):
-                self._send_error(n, m["error"])
-                return True
-            return False
+        if m := serverlog.DECODE_ERROR.search(t):
+            self._decode_error(n, m["error"], int(m["off"]))
+            return True
         if "purging slot" in t:
             if m := serverlog.PURGE.search(t):
                 self._purge(int(m["slot"]), int(m["tokens"]))
                 return True
             return False
-        if "decode() failed" in t:
-            if serverlog.DECODE_FAILED.search(t):
-                self._close()
-                return True
-            # pre_decode()/post_decode() failed: other faults in the same wording, no cascade
-            return serverlog.OTHER_DECODE_FAILED.search(t) is not None
+        if "Invalid input batch" in t or "Compute error" in t:
+            return False  # the error wording without the offsets: a changed format
         if serverlog.CONTEXT_EXCEEDED_BODY in t:
             return True  # a logged 500 body: its send_error line counted the request
         if self._too_long(n, t):
             return True
         return self._startup_line(n, t)
 
-    def _release(self, slot: int, task: int, n_tokens: int, truncated: str) -> None:
-        if self.pending is not None:
-            self.pending.slots.append(SlotShare(slot, task, n_tokens, truncated != "0", None))
-        elif self.n_steps:
-            # a release outside an error means the loop moved on: the cascade found room
+    def _release(self, slot: int, task: int | None, n_tokens: int, truncated: str) -> None:
+        share = SlotShare(slot, -1 if task is None else task, n_tokens, truncated != "0", None)
+        p = self.pending
+        if p is not None:
+            # b9093 prints no line after the failure's releases: a release belongs to it when
+            # its task got the error (send_error), or, without send_error lines (an excerpt),
+            # while no slot repeats; any other release is later traffic and closes it
+            if p.tasks:
+                mine = task in p.tasks
+            else:
+                mine = all(s.slot != slot for s in p.slots)
+            if mine:
+                p.slots.append(share)
+                return
+            self._close()
+        if any(s.slot == slot for s in self.held):
+            self._settle()  # a slot released twice: requests went on after the cascade
+        if self.n_steps:
+            # after a cascade: the loop found room, unless a ``decode() failed`` line follows
+            # (seed 000's excerpt puts the failure's release lines before it)
+            self.held.append(share)
+
+    def _settle(self) -> None:
+        """A line that is not a release: release lines held after a cascade were the loop
+        moving on, so the cascade found room."""
+        if self.held:
+            self.held = []
             self.recovered += 1
             self._cascade_reset()
 
-    def _send_error(self, n: int, error: str) -> None:
+    def _decode_failed(self, n: int, error: str) -> None:
+        """``update_slots: decode() failed: ...``: ends the open failure; after a cascade whose
+        final error line is missing (a shortened excerpt) it is the failure itself."""
+        if self.pending is None and self.n_steps and error.startswith(serverlog.CONTEXT_EXCEEDED):
+            held = self.held
+            self.held = []
+            off = self.last_off if self.last_off is not None else 0
+            self._decode_error(n, error.rstrip(), off)
+            assert self.pending is not None
+            self.pending.slots.extend(held)
+        elif self.pending is None and error.startswith(serverlog.CONTEXT_EXCEEDED):
+            self._unplaced(
+                n, f"decode() failed: {error}", "no batch-halving cascade or error line before it"
+            )
+        self._close()
+
+    def _send_error(self, n: int, error: str, task: int) -> None:
         if error.startswith(serverlog.CONTEXT_EXCEEDED):
             self.requests_failed += 1
             if self.pending is not None:
                 self.pending.requests_failed += 1
+                self.pending.tasks.add(task)
+            else:
+                self._unplaced(n, error, "a request's error with no failure line before it")
             return
+        self._settle()
         self._too_long(n, error)
 
     def _too_long(self, n: int, t: str) -> bool:
@@ -701,6 +772,20 @@ class _Scanner:
             if not (1 <= n_slots <= pool.MAX_SLOTS and n_ctx_slot >= 1):
                 return False  # values no server prints: a damaged line, shown as drift
             self._startup(n, n_slots, n_ctx_slot, m["kv_unified"] == "true")
+        elif m := serverlog.STARTUP_SLOTS.search(t):
+            if not 1 <= int(m["n_slots"]) <= pool.MAX_SLOTS:
+                return False
+            self.boot.slots = int(m["n_slots"])
+        elif m := serverlog.NEW_SLOT.search(t):
+            # b9093: the first ``new slot`` line after ``initializing slots`` completes the
+            # startup; a unified pool unless its context line said otherwise
+            slots, n_ctx_slot = self.boot.slots, int(m["n_ctx_slot"])
+            if slots is not None and n_ctx_slot >= 1:
+                self.boot.slots = None
+                unified = self.boot.kv_unified is not False
+                self._startup(n, slots, n_ctx_slot, unified)
+        elif m := serverlog.LLAMA_CONTEXT_KV_UNIFIED.search(t):
+            self.boot.kv_unified = m["kv_unified"] == "true"
         elif m := serverlog.POOL_SIZING.search(t):
             self.boot.pool_sizing = (int(m["np"]), int(m["per_slot"]), int(m["n_ctx"]))
         elif m := serverlog.LLAMA_CONTEXT_N_CTX.search(t):
@@ -732,6 +817,7 @@ class _Scanner:
     def outcome(self) -> _Outcome:
         """End the input: close the open failure and return what was found."""
         self._close()
+        self.held = []
         if self.n_steps:
             self.recovered += 1
         self.failures = tuple(
@@ -755,6 +841,8 @@ class _Scanner:
             checked=self.checked,
             drift=self.drift,
             drift_samples=tuple(self.drift_samples),
+            unplaced=self.unplaced,
+            unplaced_samples=tuple(self.unplaced_samples),
         )
 
 
@@ -779,6 +867,8 @@ class _Outcome:
     checked: int
     drift: int
     drift_samples: tuple[str, ...]
+    unplaced: int
+    unplaced_samples: tuple[str, ...]
 
 
 def _report(
@@ -814,6 +904,8 @@ def _report(
         verdicts=_verdicts(o, memory),
         drift_lines=o.drift,
         drift_samples=o.drift_samples,
+        unplaced_lines=o.unplaced,
+        unplaced_samples=o.unplaced_samples,
     )
 
 
@@ -1007,6 +1099,19 @@ def _too_long_reason(cfg: Config, needed: int) -> str:
 
 def _verdicts(s: _Outcome, memory: MemoryCost | None) -> tuple[Verdict, ...]:
     out: list[Verdict] = []
+    if s.exceeded_lines and not s.failures_total:
+        # the error is in the input, but nothing could be grouped: say so, never "no failures"
+        out.append(
+            Verdict(
+                FailureClass.UNKNOWN,
+                s.exceeded_lines,
+                f"'{serverlog.CONTEXT_EXCEEDED}' is in {s.exceeded_lines} line(s), but none could "
+                f"be grouped into a failure ({s.unplaced} placed nowhere, listed below); give "
+                "more of the log around them (the batch-halving lines and the slot release "
+                "lines), or the whole journal with --unit",
+                (),
+            )
+        )
     for cls, count in s.by_class.most_common():
         cfg = s.class_config.get(cls)
         try:
@@ -1068,24 +1173,6 @@ def _verdict(
 # Entry points
 
 
-#: The readers ``diagnose`` can use: the C one (``launcher._diagscan``, built with the package
-#: when a C compiler was there) and the Python one it mirrors.
-ENGINES = ("native", "python")
-
-
-def native_available() -> bool:
-    """True when the C reader was built and imports."""
-    return _native_module() is not None
-
-
-def _native_module() -> Any:
-    try:
-        from launcher import _diagscan  # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    return _diagscan
-
-
 def diagnose(
     stream: IO[bytes],
     source: str,
@@ -1095,15 +1182,12 @@ def diagnose(
     keep: int = KEEP,
     memory: MemoryCost | None = None,
     block: int = BLOCK,
-    engine: str | None = None,
 ) -> Report:
     """Read a binary log stream to its end and return the report.
 
     ``pool_hint`` is the pool size from outside the log (``--pool N``, or the live
     generation's config), used when the startup lines do not state it; ``pool_hint_source``
-    names it in the report. ``memory`` prices each fix (see ``MemoryCost``). ``engine`` picks
-    the reader: "native" (the C one; ConfigInvalid when it was not built), "python", or None:
-    the C one when it was built, else Python. Both give the same report.
+    names it in the report. ``memory`` prices each fix (see ``MemoryCost``).
     """
     if pool_hint is not None and pool_hint <= 0:
         raise ConfigInvalid(
@@ -1112,204 +1196,11 @@ def diagnose(
         )
     if block < 1:
         raise ConfigInvalid(f"block {block} is not a positive number of bytes; give 1 or more")
-    if engine not in (None, *ENGINES):
-        raise ConfigInvalid(f"engine {engine!r} is not one of {', '.join(ENGINES)}")
-    native = _native_module() if engine != "python" else None
-    if engine == "native" and native is None:
-        raise ConfigInvalid(
-            "the native reader (launcher._diagscan) was not built; reinstall llama-launcher "
-            "with a C compiler present, or use the python engine"
-        )
-    if native is not None:
-        outcome, count = _read_native(
-            native, stream, source, pool_hint, pool_hint_source, keep, block
-        )
-    else:
-        scanner = _Scanner(pool_hint, pool_hint_source, keep)
-        lines = _Lines(stream, block)
-        for base, chunk in lines:
-            _scan(scanner, base, chunk)
-        outcome, count = scanner.outcome(), lines.count
-    return _report(outcome, source, count, pool_hint, pool_hint_source, memory)
-
-
-#: The native reader's codes, in its order (launcher/_diagscan.c).
-_ERRORS = ("Context size has been exceeded.", "Invalid input batch.", "Compute error.")
-_SOURCES = ("log", "inferred (sum - pool)", "unknown")
-_CLASSES = (
-    FailureClass.SHARED_POOL,
-    FailureClass.TOO_LONG,
-    FailureClass.FIT_REDUCED,
-    FailureClass.UNKNOWN,
-)
-
-
-def _threads() -> int:
-    """Threads the native reader splits a block over: the CPUs this process may use, up to 8."""
-    try:
-        return max(1, min(8, len(os.sched_getaffinity(0))))
-    except (AttributeError, OSError):
-        return max(1, min(8, os.cpu_count() or 1))
-
-
-#: The smallest block (or round of a file) the native reader splits over threads.
-PART_MIN = 1 << 20
-
-
-def _file_span(stream: IO[bytes]) -> tuple[int, int, int] | None:
-    """(fd, where the stream stands, the file's size) when the stream reads a regular file's
-    bytes as they are (not through gzip, bz2...), and there is something left to read."""
-    raw = stream.raw if isinstance(stream, io.BufferedReader) else stream
-    if not isinstance(raw, io.FileIO):
-        return None
-    try:
-        fd = stream.fileno()
-        st = os.fstat(fd)
-        if not (stat.S_ISREG(st.st_mode) and stream.seekable()):
-            return None
-        start = stream.tell()
-    except (OSError, ValueError):
-        return None
-    # a size of 0 may not be the truth (/proc files); a position past the end reads nothing
-    return (fd, start, st.st_size) if start < st.st_size else None
-
-
-def _blocks(stream: IO[bytes], block: int) -> Iterator[memoryview | bytes]:
-    """The stream in blocks, read into two buffers in turn: the native reader goes on reading
-    a block after ``feed`` returns, while the next one is read into the other buffer. A stream
-    that cannot ``readinto`` is read with ``read``."""
-    bufs = (bytearray(block), bytearray(block))
-    turn = 0
-    readinto = getattr(stream, "readinto", None)
-    while True:
-        if readinto is not None:
-            buf = bufs[turn]
-            try:
-                n = readinto(buf)
-            except (NotImplementedError, io.UnsupportedOperation):
-                readinto = None  # a raw stream that implements read() only
-            else:
-                if not n:
-                    return
-                turn ^= 1
-                with memoryview(buf) as view:
-                    yield view[:n]
-                continue
-        data = stream.read(block)
-        if not data:
-            return
-        yield data
-
-
-def _read_native(
-    native: Any,
-    stream: IO[bytes],
-    source: str,
-    pool_hint: int | None,
-    pool_hint_source: str,
-    keep: int,
-    block: int,
-) -> tuple[_Outcome, int]:
-    """Read with the C reader and turn its records into what ``_Scanner.outcome`` returns."""
-    scanner = native.Scanner(
-        pool_hint, keep, MAX_STEPS, MAX_SAMPLES, pool.MAX_SLOTS, pool.CELL_PAD, _threads(), PART_MIN
-    )
-    span = _file_span(stream)
-    if span is None:
-        for data in _blocks(stream, block):
-            scanner.feed(data)
-    else:
-        # a file: the C reader's threads read their own parts of it (pread), from where the
-        # stream stands to the size it has now
-        fd, start, end = span
-        try:
-            scanner.feed_file(fd, start, end, block)
-        except EOFError as e:
-            raise ConfigInvalid(
-                f"the log {source} shrank while it was read ({e}): was it rotated? "
-                "read it again, or the rotated file"
-            ) from e
-        except OSError as e:
-            raise ConfigInvalid(
-                f"cannot read the log: {e.strerror or e} ({source}); "
-                "give a readable file, '-' or --unit"
-            ) from e
-        # what a live log gained meanwhile, read on as a stream (its first line may finish
-        # the last one read)
-        stream.seek(end)
-        if os.fstat(fd).st_size > end:
-            for data in _blocks(stream, block):
-                scanner.feed(data)
-    raw = scanner.finish()
-    configs: dict[tuple[Any, ...], Config] = {}
-
-    def config(rec: tuple[Any, ...] | None) -> Config | None:
-        if rec is None:
-            return None
-        if rec not in configs:
-            line, n_slots, n_ctx_slot, unified, *boot = rec
-            configs[rec] = _config(
-                line, n_slots, n_ctx_slot, unified, _Boot(*boot), pool_hint, pool_hint_source
-            )
-        return configs[rec]
-
-    failures = []
-    for f in raw["failures"]:
-        cells = f["pool_cells"]
-        cfg = config(f["config"])
-        failures.append(
-            Failure(
-                number=f["number"],
-                line=f["line"],
-                error=_ERRORS[f["error"]],
-                off=f["off"],
-                steps=tuple(Step(*step) for step in f["steps"]),
-                n_steps=f["n_steps"],
-                offsets=f["offsets"],
-                first_view=f["first_view"],
-                purges=f["purges"],
-                slots=tuple(
-                    SlotShare(slot, task, n, truncated, n / cells if cells else None)
-                    for slot, task, n, truncated in f["slots"]
-                ),
-                requests_failed=f["requests_failed"],
-                total=f["total"],
-                pool_cells=cells,
-                overflow=f["overflow"],
-                overflow_source=_SOURCES[f["overflow_source"]],
-                adds_up=f["adds_up"],
-                cls=_CLASSES[f["cls"]],
-                config_line=cfg.line if cfg else None,
-            )
-        )
-    by_class: Counter[FailureClass] = Counter()
-    class_config: dict[FailureClass, Config | None] = {}
-    for code, count, rec in raw["by_class"]:
-        by_class[_CLASSES[code]] = count
-        class_config[_CLASSES[code]] = config(rec)
-    outcome = _Outcome(
-        exceeded_lines=raw["exceeded_lines"],
-        failures_total=raw["failures_total"],
-        requests_failed=raw["requests_failed"],
-        rejections_total=raw["rejections_total"],
-        rejections=tuple(Rejection(*r) for r in raw["rejections"]),
-        max_rejected=raw["max_rejected"],
-        recovered=raw["recovered"],
-        startups=raw["startups"],
-        config=config(raw["config"]),
-        failures=tuple(failures),
-        by_class=by_class,
-        class_config=class_config,
-        rejection_config=config(raw["rejection_config"]),
-        adds_up=raw["adds_up"],
-        checked=raw["checked"],
-        drift=raw["drift"],
-        drift_samples=tuple(
-            f"{n}: {serverlog.normalize(text.decode('utf-8', 'replace'))}"
-            for n, text in raw["drift_samples"]
-        ),
-    )
-    return outcome, raw["lines"]
+    scanner = _Scanner(pool_hint, pool_hint_source, keep)
+    lines = _Lines(stream, block)
+    for base, chunk in lines:
+        _scan(scanner, base, chunk)
+    return _report(scanner.outcome(), source, lines.count, pool_hint, pool_hint_source, memory)
 
 
 def journal(unit: str, since: str | None = None) -> contextlib.AbstractContextManager[IO[bytes]]:

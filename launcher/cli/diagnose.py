@@ -227,6 +227,13 @@ def render(r: Report) -> str:
     if not r.verdicts:
         out.append("")
         out.append("Verdict: no context failures in the input")
+    if r.unplaced_lines:
+        out.append("")
+        out.append(
+            f"Not placed in any failure: {r.unplaced_lines:,} line(s) with "
+            "'Context size has been exceeded':"
+        )
+        out.extend(f"  {s}" for s in r.unplaced_samples)
     if r.drift_lines:
         out.append("")
         out.append(f"Possible format drift: {r.drift_lines:,} slot/KV line(s) not understood:")
