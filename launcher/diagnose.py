@@ -702,10 +702,7 @@ class _Scanner:
             # b9093 prints no line after the failure's releases: a release belongs to it when
             # its task got the error (send_error), or, without send_error lines (an excerpt),
             # while no slot repeats; any other release is later traffic and closes it
-            if p.tasks:
-                mine = task in p.tasks
-            else:
-                mine = all(s.slot != slot for s in p.slots)
+            mine = task in p.tasks if p.tasks else all(s.slot != slot for s in p.slots)
             if mine:
                 p.slots.append(share)
                 return

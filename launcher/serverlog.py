@@ -67,6 +67,8 @@ def startup_form(build: int | None) -> str | None:
         if build in builds:
             return form
     return None
+
+
 # server.cpp:184
 POOL_SIZING = _compile(
     r"--kv-unified-per-slot: sizing KV pool to n_parallel \* kv_unified_per_slot = "
@@ -233,6 +235,30 @@ class StartupScan:
         for line in lines:
             self.feed(line)
         return self
+
+
+def startup_from_props(
+    props: dict[str, object], build: str, scan: StartupScan
+) -> tuple[Startup, str]:
+    """The startup values from ``/props`` (``total_slots``, ``default_generation_settings.n_ctx``)
+    when the log held no startup line in a known form, and the warning that says so."""
+    settings = props.get("default_generation_settings")
+    n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
+    slots = props.get("total_slots")
+    startup = Startup(
+        slots if isinstance(slots, int) else 0,
+        n_ctx if isinstance(n_ctx, int) else 0,
+        None,
+        scan.pool_cells,
+        tuple(scan.warnings),
+        scan.config_file,
+    )
+    tested = ", ".join(f"b{b}" for b in TESTED_BUILDS)
+    return startup, (
+        f"llama-server {build} printed no startup line in a form this launcher knows (read "
+        f"from {tested}); the gate took n_slots and n_ctx_slot from /props instead and could "
+        "not check kv_unified - tell the launcher's maintainers which build this is"
+    )
 
 
 def classify_failure(line: str) -> tuple[str, str] | None:

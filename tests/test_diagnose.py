@@ -13,6 +13,7 @@ import pytest
 from launcher import diagnose, pool, systemd
 from launcher.errors import ConfigInvalid
 
+
 def config(n: int, slot: int, cells: int, unified: bool = True) -> diagnose.Config:
     plan = pool.PoolPlan(n, unified, cells, cells if unified else cells // n, slot, 0, False, None)
     return diagnose.Config(1, n, slot, unified, cells, "test", 0, None, None, plan, plan.describe())
