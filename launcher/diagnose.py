@@ -875,6 +875,7 @@ def _report(
     pool_hint: int | None,
     pool_hint_source: str,
     memory: MemoryCost | None,
+    lacks_cap: str | None = None,
 ) -> Report:
     return Report(
         source=source,
@@ -898,7 +899,7 @@ def _report(
         by_class={c.value: k for c, k in o.by_class.most_common()},
         adds_up=o.adds_up,
         checked=o.checked,
-        verdicts=_verdicts(o, memory),
+        verdicts=_verdicts(o, memory, lacks_cap),
         drift_lines=o.drift,
         drift_samples=o.drift_samples,
         unplaced_lines=o.unplaced,
@@ -1014,10 +1015,15 @@ def _fix(
     )
 
 
-def shared_pool_fixes(cfg: Config, memory: MemoryCost | None = None) -> tuple[Fix, ...]:
-    """Seed 000's options A-C and 'no -kvu', sized for this config."""
+def shared_pool_fixes(
+    cfg: Config, memory: MemoryCost | None = None, lacks_cap: str | None = None
+) -> tuple[Fix, ...]:
+    """Seed 000's options A-C and 'no -kvu', sized for this config. ``lacks_cap``: the
+    installed binary has no --kv-unified-per-slot (and why): split pools and fewer slots."""
     n, w = cfg.n_slots, cfg.n_ctx_slot
     cells = cfg.pool_cells or w
+    if lacks_cap:
+        return _uncapped_fixes(cfg, memory)
     keep = pool.resolve(n * w, n, True, w, cfg.n_ctx_train)
     c_keep = ["-c", str(keep.n_ctx), "--kv-unified-per-slot", str(w)]
     share = max(pool.CELL_PAD, cells // n // pool.CELL_PAD * pool.CELL_PAD)
@@ -1048,7 +1054,37 @@ def shared_pool_fixes(cfg: Config, memory: MemoryCost | None = None) -> tuple[Fi
     )
 
 
-def too_long_fixes(cfg: Config, needed: int, memory: MemoryCost | None = None) -> tuple[Fix, ...]:
+def _uncapped_fixes(cfg: Config, memory: MemoryCost | None) -> tuple[Fix, ...]:
+    """Guarantees a build without --kv-unified-per-slot can give: split pools (keeping the
+    promised window, or in the same memory) and one slot that owns the pool."""
+    n, w = cfg.n_slots, cfg.n_ctx_slot
+    cells = cfg.pool_cells or w
+    keep = pool.resolve(n * w, n, False, 0, cfg.n_ctx_train)
+    split = pool.resolve(cells, n, False, 0, cfg.n_ctx_train)
+    one = pool.resolve(cells, 1, True, 0, cfg.n_ctx_train)
+    grow = f"pool x{keep.n_ctx / cells:.3g}" if cells else "larger pool"
+    return (
+        _fix(keep, ["-c", str(keep.n_ctx), "-no-kvu"], f"keeps {w} per slot; {grow}", memory),
+        _fix(
+            keep,
+            ["-c", str(keep.n_ctx), "-no-kvu", "-ctk", "q8_0", "-ctv", "q8_0"],
+            f"keeps {w}; {grow} at 8 bit, about half the memory of f16",
+            memory,
+            "q8_0",
+        ),
+        _fix(
+            split,
+            ["-c", str(cells), "-no-kvu"],
+            f"same memory, split pools of {split.n_ctx_seq}; long sessions fail early and alone",
+            memory,
+        ),
+        _fix(one, ["-c", str(cells), "-np", "1"], "same memory, one client at a time", memory),
+    )
+
+
+def too_long_fixes(
+    cfg: Config, needed: int, memory: MemoryCost | None = None, lacks_cap: str | None = None
+) -> tuple[Fix, ...]:
     """A per-slot window that holds a prompt of ``needed`` tokens (the server rejects >=)."""
     n = cfg.n_slots
     w = pool.pad(needed + 1)
@@ -1056,9 +1092,12 @@ def too_long_fixes(cfg: Config, needed: int, memory: MemoryCost | None = None) -
         if needed >= cfg.n_ctx_train:
             return ()  # the model's training context caps every slot below the request
         w = cfg.n_ctx_train
-    if cfg.kv_unified:
+    if cfg.kv_unified and not lacks_cap:
         plan = pool.resolve(n * w, n, True, w, cfg.n_ctx_train)
         flags = ["-c", str(plan.n_ctx), "--kv-unified-per-slot", str(w)]
+    elif cfg.kv_unified:
+        plan = pool.resolve(n * w, n, False, 0, cfg.n_ctx_train)
+        flags = ["-c", str(plan.n_ctx), "-no-kvu"]
     else:
         plan = pool.resolve(n * w, n, False, 0, cfg.n_ctx_train)
         flags = ["-c", str(plan.n_ctx)]
@@ -1094,7 +1133,9 @@ def _too_long_reason(cfg: Config, needed: int) -> str:
     return ""
 
 
-def _verdicts(s: _Outcome, memory: MemoryCost | None) -> tuple[Verdict, ...]:
+def _verdicts(
+    s: _Outcome, memory: MemoryCost | None, lacks_cap: str | None = None
+) -> tuple[Verdict, ...]:
     out: list[Verdict] = []
     if s.exceeded_lines and not s.failures_total:
         # the error is in the input, but nothing could be grouped: say so, never "no failures"
@@ -1112,7 +1153,7 @@ def _verdicts(s: _Outcome, memory: MemoryCost | None) -> tuple[Verdict, ...]:
     for cls, count in s.by_class.most_common():
         cfg = s.class_config.get(cls)
         try:
-            v = _verdict(cls, count, cfg, s, memory)
+            v = _verdict(cls, count, cfg, s, memory, lacks_cap)
         except ValueError as e:  # startup values no server prints (a damaged log)
             v = Verdict(cls, count, f"no fix can be sized from this log's startup values: {e}", ())
         out.append(dataclasses.replace(v, reason=v.reason + _since(cfg, s.config)))
@@ -1128,25 +1169,46 @@ def _verdicts(s: _Outcome, memory: MemoryCost | None) -> tuple[Verdict, ...]:
                 f"largest needed {needed} tokens, a slot holds {cfg.n_ctx_slot}"
                 + _too_long_reason(cfg, needed)
                 + _since(cfg, s.config),
-                too_long_fixes(cfg, needed, memory) if cfg.n_slots else (),
+                too_long_fixes(cfg, needed, memory, lacks_cap) if cfg.n_slots else (),
             )
         )
     return tuple(out)
 
 
 def _verdict(
-    cls: FailureClass, count: int, cfg: Config | None, s: _Outcome, memory: MemoryCost | None
+    cls: FailureClass,
+    count: int,
+    cfg: Config | None,
+    s: _Outcome,
+    memory: MemoryCost | None,
+    lacks_cap: str | None = None,
+) -> Verdict:
+    v = _verdict_of(cls, count, cfg, s, memory, lacks_cap)
+    if lacks_cap and v.fixes:
+        v = dataclasses.replace(v, reason=f"{v.reason} (no per-slot cap offered: {lacks_cap})")
+    return v
+
+
+def _verdict_of(
+    cls: FailureClass,
+    count: int,
+    cfg: Config | None,
+    s: _Outcome,
+    memory: MemoryCost | None,
+    lacks_cap: str | None,
 ) -> Verdict:
     if cls is FailureClass.SHARED_POOL:
         reason = (
             "several slots together filled the shared pool; the request that hit the wall "
             "may have been small"
         )
-        return Verdict(cls, count, reason, shared_pool_fixes(cfg, memory) if cfg else ())
+        fixes = shared_pool_fixes(cfg, memory, lacks_cap) if cfg else ()
+        return Verdict(cls, count, reason, fixes)
     if cls is FailureClass.TOO_LONG:
         needed = max((f.total for f in s.failures if f.cls is cls), default=0)
         reason = "one slot alone filled the pool" + (_too_long_reason(cfg, needed) if cfg else "")
-        return Verdict(cls, count, reason, too_long_fixes(cfg, needed, memory) if cfg else ())
+        fixes = too_long_fixes(cfg, needed, memory, lacks_cap) if cfg else ()
+        return Verdict(cls, count, reason, fixes)
     if cls is FailureClass.FIT_REDUCED and cfg is not None and cfg.fit_reduced is not None:
         wanted, got = cfg.fit_reduced
         reason = (
@@ -1179,12 +1241,15 @@ def diagnose(
     keep: int = KEEP,
     memory: MemoryCost | None = None,
     block: int = BLOCK,
+    lacks_cap: str | None = None,
 ) -> Report:
     """Read a binary log stream to its end and return the report.
 
     ``pool_hint`` is the pool size from outside the log (``--pool N``, or the live
     generation's config), used when the startup lines do not state it; ``pool_hint_source``
-    names it in the report. ``memory`` prices each fix (see ``MemoryCost``).
+    names it in the report. ``memory`` prices each fix (see ``MemoryCost``). ``lacks_cap``:
+    the installed llama-server has no --kv-unified-per-slot (``BinaryInfo.lacks``), so the
+    fixes use split pools and fewer slots instead.
     """
     if pool_hint is not None and pool_hint <= 0:
         raise ConfigInvalid(
@@ -1197,7 +1262,8 @@ def diagnose(
     lines = _Lines(stream, block)
     for base, chunk in lines:
         _scan(scanner, base, chunk)
-    return _report(scanner.outcome(), source, lines.count, pool_hint, pool_hint_source, memory)
+    outcome = scanner.outcome()
+    return _report(outcome, source, lines.count, pool_hint, pool_hint_source, memory, lacks_cap)
 
 
 def journal(unit: str, since: str | None = None) -> contextlib.AbstractContextManager[IO[bytes]]:

@@ -7,6 +7,10 @@ f16 / q8_0 / q4_0, fewer slots and a smaller window. With a model it estimates t
 (``launcher.kvmem``) and what is left of ``MemAvailable`` after the weights and the KV; it
 recommends one option as a ``llama-launcher set ...`` line. Pure apart from reading the GGUF
 and /proc/meminfo; returns frozen results and never prints.
+
+Only flags the installed llama-server has are offered: on a build without
+``--kv-unified-per-slot`` (before b10901) the guaranteed rows are split pools of W each
+(``-c N*W -np N -no-kvu``, the same cells as the cap), fewer slots or a smaller window.
 """
 
 from __future__ import annotations
@@ -16,11 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from launcher import kvmem, pool
+from launcher import binary, kvmem, pool
 from launcher.errors import ConfigInvalid
 from launcher.memory import DEFAULT_CACHE_RAM_MIB, mem_available
 
 MIB = 1024 * 1024
+#: The per-slot cap of seed 000 (b10901 and later).
+CAP = "--kv-unified-per-slot"
 #: Memory left free for what the estimate leaves out (compute buffers, output buffer, the
 #: prompt cache's first entries): llama-server's own --fit-target default, 1024 MiB
 #: (common/arg.cpp:2899-2922).
@@ -187,10 +193,15 @@ def _flags(
 class _Builder:
     """Builds options for one model and box."""
 
-    def __init__(self, model: ModelSummary | None, available: int, cram: int) -> None:
+    def __init__(
+        self, model: ModelSummary | None, available: int, cram: int, capped: bool = True
+    ) -> None:
         self.model, self.available, self.cram = model, available, cram
         self.info = model.info if model else None
         self.n_ctx_train = model.n_ctx_train if model else None
+        #: the binary has --kv-unified-per-slot; else the guarantee is a split pool of W each
+        self.capped = capped
+        self.guarded = "per-slot" if capped else "split"
 
     def option(
         self,
@@ -202,7 +213,7 @@ class _Builder:
         per_slot: bool,
         cache: str,
     ) -> Option:
-        c = slots * window if per_slot else window
+        c = slots * window if per_slot or (not unified and key.startswith("split-")) else window
         cap = window if per_slot else 0
         plan = pool.resolve(c, slots, unified, cap, self.n_ctx_train)
         kv = kvmem.estimate(self.info, plan, cache, cache) if self.info else None
@@ -215,6 +226,18 @@ class _Builder:
         return Option(key, summary, cache, flags, plan, kv, free)
 
     def per_slot(self, slots: int, window: int, cache: str, key: str = "") -> Option:
+        """The option that guarantees ``window`` to each of ``slots``: the per-slot cap, or
+        on a build without it, split pools of ``window`` each."""
+        if not self.capped:
+            return self.option(
+                f"split-{cache}" if not key else f"split-{key}",
+                f"split the pool: {slots} pools of {window}, one per slot ({cache})",
+                slots,
+                window,
+                False,
+                False,
+                cache,
+            )
         return self.option(
             key or f"per-slot-{cache}",
             f"cap every slot at {window} and size the pool for all {slots} ({cache})",
@@ -256,13 +279,16 @@ def make_plan(
     available: int | None = None,
     headroom_mib: int = HEADROOM_MIB,
     cache_ram_mib: int | None = None,
+    server: binary.BinaryInfo | None = None,
 ) -> Plan:
     """Seed 000's options for ``slots`` clients that each need ``window`` tokens.
 
     ``model`` is a GGUF path (or an already loaded ``ModelSummary``); without one only the
     pool arithmetic is done. ``available`` is the memory to plan for in bytes (default: this
     machine's MemAvailable). ``cache_ram_mib`` is llama-server's host prompt cache (-cram),
-    counted as used (None: its default). Raises ``ConfigInvalid`` for bad input.
+    counted as used (None: its default). ``server`` is the installed llama-server: only its
+    flags are offered (None: a build with --kv-unified-per-slot is assumed, and a note says
+    so). Raises ``ConfigInvalid`` for bad input.
     """
     if isinstance(model, (str, Path)):
         model = load_model(model)
@@ -270,7 +296,8 @@ def make_plan(
     kvmem.check_cache_types(model.info if model else None, cache, cache, "auto")
     avail = mem_available() if available is None else available
     cram = DEFAULT_CACHE_RAM_MIB if cache_ram_mib is None else cache_ram_mib
-    b = _Builder(model, avail, cram)
+    lacks = server.lacks(CAP) if server is not None else None
+    b = _Builder(model, avail, cram, capped=lacks is None)
     w, n = window, slots
     opts = [
         b.option(
@@ -291,11 +318,18 @@ def make_plan(
         per_slot.append(b.per_slot(n, w, cache))
     opts += per_slot
     notes: list[str] = []
+    if lacks:
+        notes.append(f"{lacks}: the guaranteed rows split the pool instead")
+    elif server is None:
+        notes.append(
+            f"no --llama-server: the rows assume a build with {CAP} "
+            f"(b{binary.FLAG_ADDED_IN[CAP]} or later)"
+        )
     if b.info is not None and not b.per_slot(n, w, cache).fits(headroom_mib):
         opts += _alternatives(b, n, w, cache, headroom_mib)
     elif b.info is not None:
         notes.append(f"{n} x {w} fits at {cache}: no need for fewer slots or a smaller window")
-    key, reason = _recommend(opts, headroom_mib, n, w, cache)
+    key, reason = _recommend(opts, headroom_mib, n, w, cache, b.guarded)
     if model is None:
         notes.append("no --model: the KV memory cannot be estimated; pass the GGUF to get it")
     elif model.info is None and model.unsupported:
@@ -349,21 +383,25 @@ def _same_or_smaller(cache: str) -> list[str]:
 
 
 def _recommend(
-    opts: list[Option], headroom_mib: int, n: int, w: int, cache: str
+    opts: list[Option], headroom_mib: int, n: int, w: int, cache: str, guarded: str = "per-slot"
 ) -> tuple[str, str]:
     by_key = {o.key: o for o in opts}
     if all(o.kv is None for o in opts):
-        return f"per-slot-{cache}", (
-            f"caps every slot at {w} and sizes the pool for all {n}: no slot can starve another"
+        how = (
+            f"caps every slot at {w} and sizes the pool for all {n}"
+            if guarded == "per-slot"
+            else f"gives each of the {n} slots a pool of {w} of its own"
         )
+        return f"{guarded}-{cache}", f"{how}: no slot can starve another"
     for t in _same_or_smaller(cache):
-        opt = by_key.get(f"per-slot-{t}")
+        opt = by_key.get(f"{guarded}-{t}")
         if opt is not None and opt.fits(headroom_mib):
             why = f"guarantees {w} to all {n} slots at {t} and leaves {opt.free_mib:.0f} MiB free"
             if t != cache:
                 why += f" ({cache} does not fit)"
             return opt.key, why
-    alternatives = [by_key[k] for k in ("fewer-slots", "smaller-window") if k in by_key]
+    keys = ("fewer-slots", "smaller-window")
+    alternatives = [by_key[k] for k in (*keys, *(f"split-{k}" for k in keys)) if k in by_key]
     if alternatives:
         # the one that guarantees the most context at once
         best = max(alternatives, key=lambda o: o.pool.n_slots * o.guaranteed_window)

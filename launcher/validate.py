@@ -26,6 +26,8 @@ from typing import Any
 from launcher import binary, cache, config, envfile, kvmem, launch, memory, pool, proc, units
 from launcher.errors import CommandError, ConfigInvalid, ValidationFailed
 
+#: The per-slot cap: offered only where the binary has it (b10901 and later).
+CAP = "--kv-unified-per-slot"
 STEPS = ("lint", "bash -n", "subshell", "argv", "flags", "model", "pool", "memory")
 
 
@@ -130,13 +132,20 @@ def _step_argv(path: Path, expected: list[str]) -> None:
 def check_flags(info: binary.BinaryInfo, args: list[str]) -> None:
     """Refuse flags the installed llama-server does not know, with a did-you-mean."""
     for name in binary.unknown_flags(info, args):
-        if name in config.REMOVED:
-            hint = f"it was removed; use {config.REMOVED[name]}"
+        if replaced := info.replacement(name):
+            hint = f"this build dropped it; use {replaced}"
+        elif name == CAP:
+            hint = (
+                f"it came with b{binary.FLAG_ADDED_IN[CAP]} ({binary.FLAG_ADDED_BY[CAP]}); on this "
+                "build guarantee each slot its window with split pools (-no-kvu, -c slots x "
+                "window), fewer slots (-np) or a smaller window, or install b"
+                f"{binary.FLAG_ADDED_IN[CAP]} or later"
+            )
         else:
             close = info.suggest(name)
             hint = f"did you mean {' or '.join(close)}?" if close else "see llama-server --help"
         raise ValidationFailed(
-            "flags", f"{name} is not a flag of {info.path} ({info.version}); {hint}"
+            "flags", f"{name} is not a flag of {info.path} ({info.name}); {hint}"
         )
 
 
@@ -236,7 +245,7 @@ def validate(
         info = validate_file(path, cfg, values, expected)
     model, layout, unsupported = model_facts(cfg.model)
     try:
-        plan = cfg.check_overcommit(model.get("n_ctx_train"))
+        plan = cfg.check_overcommit(model.get("n_ctx_train"), info.lacks(CAP), info.np_default)
     except ConfigInvalid as e:
         raise ValidationFailed("pool", str(e)) from None
     need = memory.need(cfg, plan, layout, model["weights"], unsupported)

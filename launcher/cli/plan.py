@@ -41,6 +41,12 @@ def register(subparsers: Any) -> None:
         help="llama-server's host prompt cache (-cram) in MiB, counted as used "
         "(default 8192, llama-server's; 0 turns it off and adds --cache-ram 0 to the lines)",
     )
+    p.add_argument(
+        "--llama-server",
+        metavar="PATH",
+        help="the llama-server to plan for: only its flags are offered (default: "
+        "$LLAMA_SERVER_BIN; without either a build with --kv-unified-per-slot is assumed)",
+    )
     p.add_argument("--json", action="store_true", help="one JSON object")
     p.set_defaults(func=handle)
 
@@ -74,7 +80,15 @@ def handle(ns: argparse.Namespace) -> int:
     if ns.mem_available is not None:
         available = _count("--mem-available", ns.mem_available, "131072") * MIB
     cram = None if ns.cache_ram is None else _whole("--cache-ram", ns.cache_ram, "0")
-    plan = make_plan(slots, window, ns.cache, ns.model, available, cache_ram_mib=cram)
+    import os
+
+    from launcher import binary
+
+    path = ns.llama_server or os.environ.get("LLAMA_SERVER_BIN")
+    server = binary.inspect(path) if path else None
+    plan = make_plan(
+        slots, window, ns.cache, ns.model, available, cache_ram_mib=cram, server=server
+    )
     emit({"ok": True, **plan.to_dict()}, ns.json, lambda: render(plan))
     return 0
 
