@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import re
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
@@ -245,33 +246,39 @@ _RAW_MAX = 1 << 16
 
 
 class _Lines:
-    """Whole-line chunks of a binary stream, read in blocks; counts all lines."""
+    """Whole-line chunks of a binary stream, read in blocks, as (block, end): the lines are
+    block[:end]. A seekable stream is read again from the cut line, so no block is copied;
+    another one carries the cut line over into the next block."""
 
     def __init__(self, stream: IO[bytes], block: int = BLOCK) -> None:
         self.stream = stream
         self.block = block
-        self.count = 0
+        try:
+            self.seekable = stream.seekable()
+        except (AttributeError, OSError, ValueError):
+            self.seekable = False
 
-    def __iter__(self) -> Iterator[tuple[int, bytes]]:
-        """(lines before the chunk, chunk ending in a newline)."""
+    def __iter__(self) -> Iterator[tuple[bytes, int]]:
         rest = b""
         while True:
             data = self.stream.read(self.block)
             if not data:
                 break
-            cut = data.rfind(b"\n")
-            if cut < 0:
+            cut = data.rfind(b"\n") + 1
+            if cut == 0:
                 rest += data
                 continue
-            chunk = rest + data[: cut + 1] if rest else data[: cut + 1]
-            rest = data[cut + 1 :]
-            base = self.count
-            self.count += chunk.count(b"\n")
-            yield base, chunk
+            if rest:
+                data, cut = rest + data, cut + len(rest)
+                rest = b""
+            if cut < len(data):
+                if self.seekable and cut > 0:
+                    self.stream.seek(cut - len(data), os.SEEK_CUR)
+                else:
+                    rest = data[cut:]
+            yield data, cut
         if rest:
-            base = self.count
-            self.count += 1
-            yield base, rest + b"\n"
+            yield rest + b"\n", len(rest) + 1
 
 
 def _line_starts(chunk: bytes, keywords: tuple[bytes, ...], lo: int, hi: int) -> list[int]:
@@ -286,12 +293,12 @@ def _line_starts(chunk: bytes, keywords: tuple[bytes, ...], lo: int, hi: int) ->
     return sorted(starts)
 
 
-def _event_starts(chunk: bytes) -> list[int]:
-    """Sorted starts of the lines of ``chunk`` holding an event keyword."""
-    starts = set(_line_starts(chunk, _PLAIN, 0, len(chunk)))
+def _event_starts(chunk: bytes, lo: int, hi: int) -> list[int]:
+    """Sorted starts of the lines of chunk[lo:hi] (whole lines) holding an event keyword."""
+    starts = set(_line_starts(chunk, _PLAIN, lo, hi))
     find, rfind = chunk.find, chunk.rfind
     for anchor, keywords in _ANCHORED:
-        i = find(anchor)
+        i = find(anchor, lo, hi)
         while i >= 0:
             start = rfind(b"\n", 0, i) + 1
             end = find(b"\n", i)
@@ -300,29 +307,129 @@ def _event_starts(chunk: bytes) -> list[int]:
                 if kw in line:
                     starts.add(start)
                     break
-            i = find(anchor, end + 1)
+            i = find(anchor, end + 1, hi)
     return sorted(starts)
 
 
-def _scan(scanner: _Scanner, base: int, chunk: bytes) -> None:
-    """Feed one chunk: event lines one by one, the cascade lines between them per run."""
+#: The phrases looked for over whole blocks (``bytes.find``). Every line the report needs holds
+#: one of them or lies in a window around one, so the rest of a busy server's log (slot
+#: selection, timings, the release lines of requests that went well) is never parsed.
+_BLOCK_ANCHORS: tuple[tuple[bytes, str], ...] = (
+    (serverlog.CONTEXT_EXCEEDED.encode(), "failure"),  # error, send_error, decode() failed
+    (b"the KV cache, retrying with", "failure"),  # every retry line, all builds
+    (b"exceeds the available context size (", "line"),  # request-time rejections
+    (b"is larger than the max context size (", "line"),
+    (b"initializing", "startup"),  # the startup line (both forms), a server's first line
+)
+#: Around a failure anchor: the memory-slot line before a retry, and after the last one the
+#: purges, send_error/release pairs and the ``decode() failed`` line.
+_BEFORE, _AFTER = 4 << 10, 64 << 10
+#: Before a startup line: the boot facts printed while the model loaded (pool sizing, the
+#: context lines, fit); after it, b9093's ``new slot`` lines.
+_BOOT_BEFORE, _BOOT_AFTER = 2 << 20, 16 << 10
+#: Keywords of the boot facts, searched in the previous block's tail when a startup line
+#: lies near the start of a block.
+_BOOT_KEYWORDS = tuple(serverlog.KEYWORDS["startup"])
+
+
+def _windows(chunk: bytes, size: int) -> list[tuple[int, int]]:
+    """The merged byte ranges of chunk[:size] (whole lines) around its anchors."""
+    find, rfind = chunk.find, chunk.rfind
+    spans: list[tuple[int, int]] = []
+    for needle, kind in _BLOCK_ANCHORS:
+        i = find(needle, 0, size)
+        while i >= 0:
+            end = find(b"\n", i, size) + 1 or size
+            if kind == "failure":
+                lo, hi = max(0, i - _BEFORE), min(size, end + _AFTER)
+            elif kind == "startup":
+                lo, hi = max(0, i - _BOOT_BEFORE), min(size, end + _BOOT_AFTER)
+            else:
+                lo, hi = i, end
+            lo = rfind(b"\n", 0, lo) + 1
+            hi = find(b"\n", hi - 1, size) + 1 if hi < size else size
+            spans.append((lo, hi or size))
+            i = find(needle, max(end, hi if kind != "line" else end), size)
+    spans.sort()
+    merged: list[tuple[int, int]] = []
+    for lo, hi in spans:
+        if merged and lo <= merged[-1][1]:
+            if hi > merged[-1][1]:
+                merged[-1] = (merged[-1][0], hi)
+        else:
+            merged.append((lo, hi))
+    return merged
+
+
+def _scan(scanner: _Scanner, chunk: bytes, size: int) -> None:
+    """Feed chunk[:size] (whole lines): the windows around its anchors, and after a window
+    that leaves a cascade or a failure open, up to the next release line (it says how the
+    cascade ended)."""
+    count, find = chunk.count, chunk.find
+    line, pos = scanner.lines, 0  # lines before pos
+    windows = _windows(chunk, size)
+    if windows and scanner.tail and windows[0][0] < _BOOT_BEFORE:
+        first = find(b"initializing", windows[0][0], windows[0][1])
+        if first >= 0 and first < _BOOT_BEFORE:
+            _boot_tail(scanner)
+    queue = deque(windows)
+    while queue or (scanner.open() and pos < size):
+        if queue and (not scanner.open() or queue[0][0] <= pos):
+            lo, hi = queue.popleft()
+            lo = max(lo, pos)
+        else:
+            # an open cascade or failure: read on to the next release line
+            nxt = find(b"stop processing", pos, size)
+            lo = pos
+            hi = size if nxt < 0 else find(b"\n", nxt, size) + 1
+            if queue and queue[0][0] < hi:
+                hi = queue[0][0]
+        if hi <= lo:
+            continue
+        line += count(b"\n", pos, lo)
+        _scan_region(scanner, chunk, lo, hi, line)
+        line += count(b"\n", lo, hi)
+        pos = hi
+    line += count(b"\n", pos, size)
+    scanner.lines = line
+    keep = max(0, size - _BOOT_BEFORE)
+    keep = find(b"\n", keep - 1, size) + 1 if keep else 0
+    scanner.tail, scanner.tail_base = chunk[keep:size], line - count(b"\n", keep, size)
+
+
+def _boot_tail(scanner: _Scanner) -> None:
+    """The boot facts in the previous block's tail (a startup line early in this block):
+    their setters are idempotent, so lines already read there change nothing."""
+    tail, line = scanner.tail, scanner.tail_base
+    prev = 0
+    for start in _line_starts(tail, _BOOT_KEYWORDS, 0, len(tail)):
+        line += tail.count(b"\n", prev, start) + 1
+        prev = tail.find(b"\n", start) + 1
+        text = tail[start : prev - 1].decode("utf-8", "replace")
+        if text.startswith("{"):
+            text = serverlog.normalize(text)
+        scanner.boot_fact(text)
+
+
+def _scan_region(scanner: _Scanner, chunk: bytes, lo: int, hi: int, base: int) -> None:
+    """Feed chunk[lo:hi] (whole lines; ``base`` lines precede ``lo``): event lines one by
+    one, the cascade lines between them per run."""
     find, count = chunk.find, chunk.count
-    size = len(chunk)
-    next_ms, next_rt = find(_MS_KW), find(_RT_KW)
-    pos, line = 0, base  # line: lines before pos
-    for start in [*_event_starts(chunk), size]:
+    next_ms, next_rt = find(_MS_KW, lo, hi), find(_RT_KW, lo, hi)
+    pos, line = lo, base  # line: lines before pos
+    for start in [*_event_starts(chunk, lo, hi), hi]:
         cascade = 0 <= next_ms < start or 0 <= next_rt < start
         if cascade and not scanner.cascade(chunk, pos, start):
             _scan_slow(scanner, chunk, pos, start, line)
-        if start == size:
+        if start == hi:
             break
         line += count(b"\n", pos, start) + 1
         pos = find(b"\n", start) + 1
         scanner.feed(line, chunk[start : pos - 1])
         if 0 <= next_ms < pos:
-            next_ms = find(_MS_KW, pos)
+            next_ms = find(_MS_KW, pos, hi)
         if 0 <= next_rt < pos:
-            next_rt = find(_RT_KW, pos)
+            next_rt = find(_RT_KW, pos, hi)
 
 
 def _scan_slow(scanner: _Scanner, chunk: bytes, lo: int, hi: int, line: int) -> None:
@@ -429,6 +536,9 @@ class _Scanner:
         self.unplaced = 0
         self.unplaced_samples: list[str] = []
         self.held: list[SlotShare] = []  # release lines after a cascade, not yet placed
+        self.lines = 0  # lines read so far
+        self.tail = b""  # the end of the previous block (its boot facts, see ``_boot_tail``)
+        self.tail_base = 0  # lines before the tail
         self._cascade_reset()
         self.pending: _Pending | None = None
 
@@ -630,6 +740,15 @@ class _Scanner:
         self._cascade_reset()
 
     # -- dispatch --------------------------------------------------------------------------
+
+    def open(self) -> bool:
+        """A cascade or failure whose end the next release line may tell."""
+        return self.pending is not None or (self.n_steps > 0 and not self.held)
+
+    def boot_fact(self, t: str) -> None:
+        """A boot line from a block already read: only the facts, no other state."""
+        if not any(k in t for k in ("n_slots", "initializing")):
+            self._startup_line(0, t)
 
     def feed(self, line_no: int, raw: bytes) -> None:
         text = raw.decode("utf-8", "replace")
@@ -1259,11 +1378,10 @@ def diagnose(
     if block < 1:
         raise ConfigInvalid(f"block {block} is not a positive number of bytes; give 1 or more")
     scanner = _Scanner(pool_hint, pool_hint_source, keep)
-    lines = _Lines(stream, block)
-    for base, chunk in lines:
-        _scan(scanner, base, chunk)
+    for chunk, size in _Lines(stream, block):
+        _scan(scanner, chunk, size)
     outcome = scanner.outcome()
-    return _report(outcome, source, lines.count, pool_hint, pool_hint_source, memory, lacks_cap)
+    return _report(outcome, source, scanner.lines, pool_hint, pool_hint_source, memory, lacks_cap)
 
 
 def journal(unit: str, since: str | None = None) -> contextlib.AbstractContextManager[IO[bytes]]:
