@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 import realserver
 import repro
 
-from launcher import binary, diagnose, plan
+from launcher import binary, diagnose, plan, systemd  # noqa: E402
 
 pytestmark = pytest.mark.real
 
@@ -197,8 +197,10 @@ def test_the_seed_overflow_is_reproduced_and_diagnosed_from_the_journal(
     assert (CAP in fixes) is (build >= CAP_BUILD)
     # the same journal in every form journalctl prints reads the same
     for form in ("short", "short-precise", "cat", "json"):
+        argv = systemd.journal_argv(unit)
+        argv[argv.index("-o") + 1] = form
         text = subprocess.run(
-            ["journalctl", "--user", "-u", unit, "-o", form, "--no-pager"],
+            argv,
             capture_output=True,
             timeout=60,
             check=True,
