@@ -332,24 +332,32 @@ _BOOT_BEFORE, _BOOT_AFTER = 2 << 20, 16 << 10
 _BOOT_KEYWORDS = tuple(serverlog.KEYWORDS["startup"])
 
 
-def _windows(chunk: bytes, size: int) -> list[tuple[int, int]]:
-    """The merged byte ranges of chunk[:size] (whole lines) around its anchors."""
+def _windows(chunk: bytes, size: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """The merged byte ranges of chunk[:size] (whole lines) around its anchors, and the ranges
+    before each startup line where its boot facts are looked for (from the previous
+    ``initializing`` line, at most _BOOT_BEFORE back)."""
     find, rfind = chunk.find, chunk.rfind
     spans: list[tuple[int, int]] = []
+    boots: list[tuple[int, int]] = []
     for needle, kind in _BLOCK_ANCHORS:
         i = find(needle, 0, size)
+        last = 0  # the end of the previous anchor of this kind
         while i >= 0:
+            start = rfind(b"\n", 0, i) + 1
             end = find(b"\n", i, size) + 1 or size
             if kind == "failure":
                 lo, hi = max(0, i - _BEFORE), min(size, end + _AFTER)
             elif kind == "startup":
-                lo, hi = max(0, i - _BOOT_BEFORE), min(size, end + _BOOT_AFTER)
+                lo, hi = max(0, i - _BEFORE), min(size, end + _BOOT_AFTER)
+                if b"n_slots" in chunk[start:end]:
+                    boots.append((max(last, start - _BOOT_BEFORE), start))
             else:
-                lo, hi = i, end
+                lo, hi = start, end
             lo = rfind(b"\n", 0, lo) + 1
             hi = find(b"\n", hi - 1, size) + 1 if hi < size else size
             spans.append((lo, hi or size))
-            i = find(needle, max(end, hi if kind != "line" else end), size)
+            last = end
+            i = find(needle, end, size)
     spans.sort()
     merged: list[tuple[int, int]] = []
     for lo, hi in spans:
@@ -358,20 +366,19 @@ def _windows(chunk: bytes, size: int) -> list[tuple[int, int]]:
                 merged[-1] = (merged[-1][0], hi)
         else:
             merged.append((lo, hi))
-    return merged
+    return merged, boots
 
 
 def _scan(scanner: _Scanner, chunk: bytes, size: int) -> None:
     """Feed chunk[:size] (whole lines): the windows around its anchors, and after a window
     that leaves a cascade or a failure open, up to the next release line (it says how the
-    cascade ended)."""
+    cascade ended). A window at the start of the chunk reaches back into the previous
+    chunks' tail (``_Scanner.tail``)."""
     count, find = chunk.count, chunk.find
     line, pos = scanner.lines, 0  # lines before pos
-    windows = _windows(chunk, size)
-    if windows and scanner.tail and windows[0][0] < _BOOT_BEFORE:
-        first = find(b"initializing", windows[0][0], windows[0][1])
-        if first >= 0 and first < _BOOT_BEFORE:
-            _boot_tail(scanner)
+    windows, boots = _windows(chunk, size)
+    if windows and windows[0][0] == 0 and scanner.tail:
+        _tail_window(scanner)
     queue = deque(windows)
     while queue or (scanner.open() and pos < size):
         if queue and (not scanner.open() or queue[0][0] <= pos):
@@ -384,6 +391,11 @@ def _scan(scanner: _Scanner, chunk: bytes, size: int) -> None:
             hi = size if nxt < 0 else find(b"\n", nxt, size) + 1
             if queue and queue[0][0] < hi:
                 hi = queue[0][0]
+        while boots and boots[0][1] <= hi:
+            blo, bhi = boots.pop(0)
+            if blo == 0:
+                _boot_lines(scanner, scanner.tail, scanner.tail.rfind(b"initializing") + 1)
+            _boot_lines(scanner, chunk, blo, bhi)
         if hi <= lo:
             continue
         line += count(b"\n", pos, lo)
@@ -391,21 +403,46 @@ def _scan(scanner: _Scanner, chunk: bytes, size: int) -> None:
         line += count(b"\n", lo, hi)
         pos = hi
     line += count(b"\n", pos, size)
+    _keep_tail(scanner, chunk, size, pos, line)
     scanner.lines = line
-    keep = max(0, size - _BOOT_BEFORE)
-    keep = find(b"\n", keep - 1, size) + 1 if keep else 0
-    scanner.tail, scanner.tail_base = chunk[keep:size], line - count(b"\n", keep, size)
 
 
-def _boot_tail(scanner: _Scanner) -> None:
-    """The boot facts in the previous block's tail (a startup line early in this block):
-    their setters are idempotent, so lines already read there change nothing."""
-    tail, line = scanner.tail, scanner.tail_base
-    prev = 0
-    for start in _line_starts(tail, _BOOT_KEYWORDS, 0, len(tail)):
-        line += tail.count(b"\n", prev, start) + 1
-        prev = tail.find(b"\n", start) + 1
-        text = tail[start : prev - 1].decode("utf-8", "replace")
+def _keep_tail(scanner: _Scanner, chunk: bytes, size: int, done: int, lines: int) -> None:
+    """Keep the last _BOOT_BEFORE bytes read (whole lines), and how far they were fed."""
+    if size >= _BOOT_BEFORE:
+        keep = chunk.find(b"\n", size - _BOOT_BEFORE, size) + 1
+        scanner.tail = chunk[keep:size]
+        scanner.tail_done = max(0, done - keep)
+    else:
+        old = scanner.tail
+        joined = old + chunk[:size]
+        cut = 0
+        if len(joined) > _BOOT_BEFORE:
+            cut = joined.find(b"\n", len(joined) - _BOOT_BEFORE) + 1
+        scanner.tail = joined[cut:]
+        scanner.tail_done = max(0, (len(old) + done if done else scanner.tail_done) - cut)
+    scanner.tail_base = lines - scanner.tail.count(b"\n")
+
+
+def _tail_window(scanner: _Scanner) -> None:
+    """The lines of the previous chunks' tail within _BEFORE of this chunk that no window fed
+    yet (a memory-slot line before a retry line that starts this chunk)."""
+    tail = scanner.tail
+    lo = max(scanner.tail_done, tail.rfind(b"\n", 0, max(0, len(tail) - _BEFORE)) + 1)
+    if lo >= len(tail):
+        return
+    base = scanner.tail_base + tail.count(b"\n", 0, lo)
+    _scan_region(scanner, tail, lo, len(tail), base)
+    scanner.tail_done = len(tail)
+
+
+def _boot_lines(scanner: _Scanner, data: bytes, lo: int, hi: int | None = None) -> None:
+    """The boot facts in data[lo:hi] (a startup line follows): their setters are idempotent,
+    so lines a window fed already change nothing."""
+    hi = len(data) if hi is None else hi
+    for start in _line_starts(data, _BOOT_KEYWORDS, lo, hi):
+        end = data.find(b"\n", start, hi)
+        text = data[start : end if end >= 0 else hi].decode("utf-8", "replace")
         if text.startswith("{"):
             text = serverlog.normalize(text)
         scanner.boot_fact(text)
@@ -539,6 +576,7 @@ class _Scanner:
         self.lines = 0  # lines read so far
         self.tail = b""  # the end of the previous block (its boot facts, see ``_boot_tail``)
         self.tail_base = 0  # lines before the tail
+        self.tail_done = 0  # the tail's bytes before this were fed by a window
         self._cascade_reset()
         self.pending: _Pending | None = None
 
