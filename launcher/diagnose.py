@@ -421,7 +421,7 @@ def _keep_tail(scanner: _Scanner, chunk: bytes, size: int, done: int, lines: int
             cut = joined.find(b"\n", len(joined) - _BOOT_BEFORE) + 1
         scanner.tail = joined[cut:]
         scanner.tail_done = max(0, (len(old) + done if done else scanner.tail_done) - cut)
-    scanner.tail_base = lines - scanner.tail.count(b"\n")
+    scanner.tail_end = lines  # tail_base is counted only when a window needs it
 
 
 def _tail_window(scanner: _Scanner) -> None:
@@ -431,7 +431,7 @@ def _tail_window(scanner: _Scanner) -> None:
     lo = max(scanner.tail_done, tail.rfind(b"\n", 0, max(0, len(tail) - _BEFORE)) + 1)
     if lo >= len(tail):
         return
-    base = scanner.tail_base + tail.count(b"\n", 0, lo)
+    base = scanner.tail_end - tail.count(b"\n", lo)
     _scan_region(scanner, tail, lo, len(tail), base)
     scanner.tail_done = len(tail)
 
@@ -575,7 +575,7 @@ class _Scanner:
         self.held: list[SlotShare] = []  # release lines after a cascade, not yet placed
         self.lines = 0  # lines read so far
         self.tail = b""  # the end of the previous block (its boot facts, see ``_boot_tail``)
-        self.tail_base = 0  # lines before the tail
+        self.tail_end = 0  # lines up to the tail's end
         self.tail_done = 0  # the tail's bytes before this were fed by a window
         self._cascade_reset()
         self.pending: _Pending | None = None

@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 import realserver
 import repro
 
-from launcher import binary, diagnose, plan, systemd  # noqa: E402
+from launcher import binary, diagnose, plan, systemd
 
 pytestmark = pytest.mark.real
 
