@@ -131,6 +131,13 @@ def _step_argv(path: Path, expected: list[str]) -> None:
 
 def check_flags(info: binary.BinaryInfo, args: list[str]) -> None:
     """Refuse flags the installed llama-server does not know, with a did-you-mean."""
+    if info.log_colors_off() != ["--log-colors", "off"]:
+        # the launcher turns colours off with "--log-colors off" (launch.py, config.argv)
+        raise ValidationFailed(
+            "flags",
+            f"{info.path} ({info.name}) takes --log-colors without a value; llama-launcher "
+            "needs a build whose --log-colors takes on|off|auto (b9093 and later do)",
+        )
     for name in binary.unknown_flags(info, args):
         if replaced := info.replacement(name):
             hint = f"this build dropped it; use {replaced}"

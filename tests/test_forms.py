@@ -126,3 +126,15 @@ def test_a_binary_without_the_cap_names_the_build_that_adds_it() -> None:
     why = info.lacks("--kv-unified-per-slot")
     assert why is not None and "b10901" in why and "PR #24124" in why and "b9093" in why
     assert info.replacement("--no-mmap") is None  # no --load-mode: --no-mmap was not replaced
+
+
+def test_a_build_whose_log_colors_is_a_switch_is_refused_by_name() -> None:
+    from launcher import validate
+    from launcher.errors import ValidationFailed
+
+    flags = binary.parse_help("--log-colors                            enable colors\n")
+    info = binary.BinaryInfo("/x/llama-server", "k", "v", flags, 4000, "test")
+    assert info.log_colors_off() == []
+    with pytest.raises(ValidationFailed) as e:
+        validate.check_flags(info, ["--log-colors", "off"])
+    assert "--log-colors without a value" in str(e.value) and "b4000" in str(e.value)
