@@ -20,7 +20,7 @@ TESTED_BUILDS = (9093, 10405, 11434)
 #: A number in a named group: ``(?P<name>\d+)`` or ``(?P<name>-?\d+)``.
 _NUMBER_GROUP = re.compile(r"(\(\?P<\w+>(?:-\?)?)\\d\+\)")
 #: The most digits a number may have. llama-server prints 32-bit counts (10 digits); a longer
-#: run is damage, not a number, and the native scanner (``launcher._diagscan``) agrees.
+#: run is damage, not a number.
 MAX_DIGITS = 10
 
 
@@ -28,8 +28,7 @@ def _compile(pattern: str, flags: int = 0) -> re.Pattern[str]:
     """Compile a log pattern: ASCII classes, and every named number at most MAX_DIGITS long.
 
     A run of more digits does not match, so a damaged line is counted as drift instead of
-    giving a number no server prints. The C scanner in ``launcher._diagscan`` reads lines
-    under the same rules, which keeps its reports identical to the Python reader's.
+    giving a number no server prints.
     """
     return re.compile(
         _NUMBER_GROUP.sub(rf"\1\\d{{1,{MAX_DIGITS}}})(?!\\d)", pattern), flags | re.ASCII
