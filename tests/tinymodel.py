@@ -69,6 +69,9 @@ class Shape:
 TEXT_BYTES = (0x0A, *range(0x20, 0x7F))
 
 
+FILLER = 256 - len(TEXT_BYTES)
+
+
 def _vocab() -> tuple[list[str], list[float], list[int]]:
     tokens = ["<unk>", "<s>", "</s>"]
     types = [2, 3, 3]  # UNKNOWN, CONTROL, CONTROL
@@ -77,7 +80,12 @@ def _vocab() -> tuple[list[str], list[float], list[int]]:
     for w in WORDS:
         tokens.append("\u2581" + w if not w.startswith("<|") else w)
         types.append(1)  # NORMAL
+    # filler text tokens keep the vocabulary at its old size (276), so end-of-sequence is as
+    # rare in a random completion as it was with all 256 byte tokens
+    tokens += [f"w{i}" for i in range(FILLER)]
+    types += [1] * FILLER
     scores = [0.0] * 3 + [0.0] * len(TEXT_BYTES) + [-float(i + 1) for i in range(len(WORDS))]
+    scores += [-float(len(WORDS) + i + 1) for i in range(FILLER)]
     return tokens, scores, types
 
 
