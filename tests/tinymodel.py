@@ -80,7 +80,7 @@ def _vocab() -> tuple[list[str], list[float], list[int]]:
     for w in WORDS:
         tokens.append("\u2581" + w if not w.startswith("<|") else w)
         types.append(1)  # NORMAL
-    # filler text tokens keep the vocabulary at its old size (276), so end-of-sequence is as
+    # filler text tokens keep the vocabulary about its old size (276), so end-of-sequence is as
     # rare in a random completion as it was with all 256 byte tokens
     tokens += [f"w{i}" for i in range(FILLER)]
     types += [1] * FILLER
