@@ -99,11 +99,6 @@ OWNED = {
     "--api-key-file": "set api_key_file in a config file (deploy --config FILE)",
     "--log-colors": "the launcher passes --log-colors off itself",
 }
-#: Flags removed before b11434, with their replacement (common/arg.cpp:2694-2711).
-REMOVED = {
-    "--no-mmap": "-lm none (--load-mode none)",
-    "--mlock": "-lm mmap+mlock (--load-mode mmap+mlock)",
-}
 
 
 def _hint_choices(value: object, choices: Iterable[str]) -> str:
@@ -216,10 +211,6 @@ class ServerConfig(BaseModel):
                 )
             if name in OWNED:  # named without its value: it may be a secret
                 raise ValueError(f"{name!r} cannot go through extra_args: {OWNED[name]}")
-            if name in REMOVED:
-                raise ValueError(
-                    f"{name} was removed from llama-server (b11434); use {REMOVED[name]}"
-                )
         return v
 
     # -- views -----------------------------------------------------------------------------
@@ -264,8 +255,9 @@ class ServerConfig(BaseModel):
                 return value == "off"
         return False
 
-    def pool_plan(self, n_ctx_train: int | None = None) -> kvlayout.PoolPlan:
-        """The pool llama-server will build for this config."""
+    def pool_plan(self, n_ctx_train: int | None = None, np_default: int = -1) -> kvlayout.PoolPlan:
+        """The pool llama-server will build for this config. ``np_default``: what the binary
+        takes when -np is not given (``BinaryInfo.np_default``; -1, auto, in b9093..b11434)."""
         ctx = self.ctx_size if self.ctx_size is not None else self.derived_ctx_size()
         if ctx is None and n_ctx_train is not None and self.fit_off():
             # -c from the model: n_ctx_train per stream with fit on, n_ctx_train in all with
@@ -274,7 +266,7 @@ class ServerConfig(BaseModel):
         try:
             return kvlayout.resolve(
                 ctx,
-                -1 if self.parallel is None else self.parallel,
+                np_default if self.parallel is None else self.parallel,
                 self.kv_unified,
                 self.kv_unified_per_slot or 0,
                 n_ctx_train,
@@ -282,11 +274,14 @@ class ServerConfig(BaseModel):
         except ValueError as e:
             raise ConfigInvalid(str(e)) from None
 
-    def check_overcommit(self, n_ctx_train: int | None) -> kvlayout.PoolPlan:
-        """Refuse a shared pool whose slots can exhaust it, unless allow_overcommit."""
-        plan = self.pool_plan(n_ctx_train)
+    def check_overcommit(
+        self, n_ctx_train: int | None, lacks_cap: str | None = None, np_default: int = -1
+    ) -> kvlayout.PoolPlan:
+        """Refuse a shared pool whose slots can exhaust it, unless allow_overcommit.
+        ``lacks_cap``: the binary has no --kv-unified-per-slot, and why (``BinaryInfo.lacks``)."""
+        plan = self.pool_plan(n_ctx_train, np_default)
         if plan.overcommitted and not self.allow_overcommit:
-            raise OvercommitError(overcommit_message(plan))
+            raise OvercommitError(overcommit_message(plan, self, lacks_cap))
         return plan
 
     def masked(self) -> dict[str, Any]:
@@ -297,14 +292,31 @@ class ServerConfig(BaseModel):
         return data
 
 
-def overcommit_message(plan: kvlayout.PoolPlan) -> str:
-    """The over-commit diagnosis and its three fixes, with the numbers of this config."""
+def overcommit_message(
+    plan: kvlayout.PoolPlan, config: ServerConfig | None = None, lacks_cap: str | None = None
+) -> str:
+    """The over-commit diagnosis and its three fixes, with the numbers of this config.
+
+    ``lacks_cap``: why the installed binary cannot take --kv-unified-per-slot (it names the
+    build that adds it); the fixes are then the ones that build can apply."""
     w, n = plan.n_ctx_slot, plan.n_slots
-    return (
+    head = (
         f"over-committed shared KV pool: {n} slots x n_ctx_slot {w} = {plan.promised} cells "
         f"promised, but the unified pool holds {plan.n_ctx}; when the slots fill up together, "
         f"every session fails with 'Context size has been exceeded' (only "
         f"{plan.guaranteed_window} per slot is guaranteed). Fixes:\n"
+    )
+    if lacks_cap:
+        return head + (
+            f"  1. split the pool, same memory (each slot gets {kvlayout.pad(plan.n_ctx // n)}): "
+            f"llama-launcher set -np {n} -no-kvu\n"
+            f"  2. split pools that keep every slot's {w}, {n} times the cells: "
+            f"llama-launcher set -c {n * w} -np {n} -no-kvu\n"
+            f"  3. one slot, which owns the whole pool: llama-launcher set -np 1\n"
+            f"or accept the risk with allow_overcommit = true (--allow-overcommit). "
+            f"The per-slot cap of seed 000 is not offered: {lacks_cap}."
+        )
+    return head + (
         f"  1. cap each slot and size the pool for all of them: "
         f"llama-launcher set --kv-unified-per-slot {w} -c {n * w}\n"
         f"  2. the same at 8-bit, about half the KV memory: "

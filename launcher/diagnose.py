@@ -23,29 +23,33 @@ What the real server (b11434) taught:
   first view at that offset); a memory-slot line of another size starts a new batch, whose
   first view is the one that counts.
 
-Two readers give the same report. The native one (``launcher._diagscan``, C, built with the
-package) is used when it was built: it reads a 1 GiB log in well under a second. The Python
-one below (``_Scanner``) is its reference and the fallback; ``diagnose(engine=...)`` picks
-one. Both read numbers as 1..10 ASCII digits (``serverlog._compile``).
+What the three eras print differs (``serverlog``): b9093 gives the offset as ``i =``, ends a
+failure with ``srv update_slots: Context size has been exceeded. i = ...`` and per slot
+``send_error`` + ``release``, and prints no ``decode() failed:`` line; b10405 and b11434 print
+``srv decode: ... off = ...``, the same pairs, then ``update_slots: decode() failed: ...``.
+People paste shortened excerpts (seed 000's): no timestamps or task ids, no ``, ret = N``,
+the release lines placed *before* the final ``decode() failed`` line. All of these group into
+failures: release lines that follow a cascade are held until the next line says whether the
+cascade failed (a ``decode() failed`` line) or found room (anything else).
 
-Both stream in constant memory. The Python reader reads binary blocks of whole lines; lines
-holding an event keyword (``serverlog.KEYWORDS``: startup, release, send_error, decode
-errors...) are found with C-level searches over the block and parsed one by one; the
+One reader, in Python, streaming in constant memory. It reads binary blocks of whole lines
+and never parses a line that holds none of the few phrases that matter: the lines holding an
+event keyword (``serverlog.KEYWORDS``: startup, release, send_error, decode errors...) are
+found with C-level searches over the block (``bytes.find``) and parsed one by one; the
 batch-halving cascade lines between two such lines (most of a failing server's log) are taken
-at once from counts and a few searches (``_Scanner.cascade``), falling back to line by line
-when a line does not have the usual form. Only the last ``keep`` failures are kept in detail
-(every failure is counted), and their steps are made from the stored text of the first
-MAX_STEPS tries.
+at once from counts and one compiled regex (``_Scanner.cascade``), falling back to line by
+line when a line does not have the usual form; the release lines of normal traffic (a busy
+server's commonest keyword line) are counted in bulk and checked by one regex per run
+(``_Scanner.releases``). Only the last ``keep`` failures are kept in detail (every failure is
+counted), and their steps are made from the stored text of the first MAX_STEPS tries.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import io
 import os
 import re
-import stat
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -184,6 +188,9 @@ class Report:
     verdicts: tuple[Verdict, ...]
     drift_lines: int
     drift_samples: tuple[str, ...]
+    #: lines holding "Context size has been exceeded" that no failure took, and why
+    unplaced_lines: int = 0
+    unplaced_samples: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -212,12 +219,13 @@ _ANCHORED: tuple[tuple[bytes, tuple[bytes, ...]], ...] = tuple(
 _PLAIN = tuple(kw for kw in _EVENT_KEYWORDS if not any(a in kw for a in _ANCHORS))
 #: The cascade's keywords (``serverlog.KEYWORDS``): its lines are summarised per run.
 _MS_KW, _RT_KW = serverlog.KEYWORDS["memory_slot"][0], serverlog.KEYWORDS["retry"][0]
-#: The fixed text of a memory-slot line and of a retry line, up to the first number.
+#: The fixed text of a memory-slot line and of a retry line, up to their numbers.
 _MS = b"decode: failed to find a memory slot for batch of size "
-_RT = b"failed to find free space in the KV cache, retrying with smaller batch size, off = "
+_RT = serverlog.RETRY_TEXT.encode()
 _MS_B = re.compile(serverlog.MEMORY_SLOT.pattern.encode())
 _RT_B = re.compile(serverlog.DECODE_RETRY.pattern.encode())
-assert _MS_B.match(_MS + b"1") and _RT_B.match(_RT + b"1, n_batch = 1, ret = 1")
+assert _MS_B.match(_MS + b"1") and _RT_B.match(_RT + b"off = 1, n_batch = 1, ret = 1")
+assert _RT_B.match(_RT + b"i = 1, n_batch = 1") and _RT_KW in _RT
 #: The numbers of the cascade lines, in order: a memory-slot size, or a retry's off, n_batch.
 _N = rb"(\d{1,%d})(?!\d)" % serverlog.MAX_DIGITS
 _SIZES = re.compile(
@@ -225,10 +233,11 @@ _SIZES = re.compile(
     + _N
     + b"|"
     + re.escape(_RT)
+    + b"(?:off|i) = "
     + _N
     + b", n_batch = "
     + _N
-    + rb", ret = -?\d{1,%d}(?!\d)" % serverlog.MAX_DIGITS
+    + rb"(?:, ret = -?\d{1,%d}(?!\d))?(?![\d,])" % serverlog.MAX_DIGITS
 )
 #: One match per line holding a cascade keyword.
 _KW_LINES = re.compile(b"^.*?(?:" + re.escape(_MS_KW) + b"|" + re.escape(_RT_KW) + b")", re.M)
@@ -237,33 +246,39 @@ _RAW_MAX = 1 << 16
 
 
 class _Lines:
-    """Whole-line chunks of a binary stream, read in blocks; counts all lines."""
+    """Whole-line chunks of a binary stream, read in blocks, as (block, end): the lines are
+    block[:end]. A seekable stream is read again from the cut line, so no block is copied;
+    another one carries the cut line over into the next block."""
 
     def __init__(self, stream: IO[bytes], block: int = BLOCK) -> None:
         self.stream = stream
         self.block = block
-        self.count = 0
+        try:
+            self.seekable = stream.seekable()
+        except (AttributeError, OSError, ValueError):
+            self.seekable = False
 
-    def __iter__(self) -> Iterator[tuple[int, bytes]]:
-        """(lines before the chunk, chunk ending in a newline)."""
+    def __iter__(self) -> Iterator[tuple[bytes, int]]:
         rest = b""
         while True:
             data = self.stream.read(self.block)
             if not data:
                 break
-            cut = data.rfind(b"\n")
-            if cut < 0:
+            cut = data.rfind(b"\n") + 1
+            if cut == 0:
                 rest += data
                 continue
-            chunk = rest + data[: cut + 1] if rest else data[: cut + 1]
-            rest = data[cut + 1 :]
-            base = self.count
-            self.count += chunk.count(b"\n")
-            yield base, chunk
+            if rest:
+                data, cut = rest + data, cut + len(rest)
+                rest = b""
+            if cut < len(data):
+                if self.seekable and cut > 0:
+                    self.stream.seek(cut - len(data), os.SEEK_CUR)
+                else:
+                    rest = data[cut:]
+            yield data, cut
         if rest:
-            base = self.count
-            self.count += 1
-            yield base, rest + b"\n"
+            yield rest + b"\n", len(rest) + 1
 
 
 def _line_starts(chunk: bytes, keywords: tuple[bytes, ...], lo: int, hi: int) -> list[int]:
@@ -278,12 +293,12 @@ def _line_starts(chunk: bytes, keywords: tuple[bytes, ...], lo: int, hi: int) ->
     return sorted(starts)
 
 
-def _event_starts(chunk: bytes) -> list[int]:
-    """Sorted starts of the lines of ``chunk`` holding an event keyword."""
-    starts = set(_line_starts(chunk, _PLAIN, 0, len(chunk)))
+def _event_starts(chunk: bytes, lo: int, hi: int) -> list[int]:
+    """Sorted starts of the lines of chunk[lo:hi] (whole lines) holding an event keyword."""
+    starts = set(_line_starts(chunk, _PLAIN, lo, hi))
     find, rfind = chunk.find, chunk.rfind
     for anchor, keywords in _ANCHORED:
-        i = find(anchor)
+        i = find(anchor, lo, hi)
         while i >= 0:
             start = rfind(b"\n", 0, i) + 1
             end = find(b"\n", i)
@@ -292,29 +307,166 @@ def _event_starts(chunk: bytes) -> list[int]:
                 if kw in line:
                     starts.add(start)
                     break
-            i = find(anchor, end + 1)
+            i = find(anchor, end + 1, hi)
     return sorted(starts)
 
 
-def _scan(scanner: _Scanner, base: int, chunk: bytes) -> None:
-    """Feed one chunk: event lines one by one, the cascade lines between them per run."""
+#: The phrases looked for over whole blocks (``bytes.find``). Every line the report needs holds
+#: one of them or lies in a window around one, so the rest of a busy server's log (slot
+#: selection, timings, the release lines of requests that went well) is never parsed.
+_BLOCK_ANCHORS: tuple[tuple[bytes, str], ...] = (
+    (serverlog.CONTEXT_EXCEEDED.encode(), "failure"),  # error, send_error, decode() failed
+    (b"the KV cache, retrying with", "failure"),  # every retry line, all builds
+    (b"exceeds the available context size (", "line"),  # request-time rejections
+    (b"is larger than the max context size (", "line"),
+    (b"initializing", "startup"),  # the startup line (both forms), a server's first line
+)
+#: Around a failure anchor: the memory-slot line before a retry, and after the last one the
+#: purges, send_error/release pairs and the ``decode() failed`` line.
+_BEFORE, _AFTER = 4 << 10, 64 << 10
+#: Before a startup line: the boot facts printed while the model loaded (pool sizing, the
+#: context lines, fit); after it, b9093's ``new slot`` lines.
+_BOOT_BEFORE, _BOOT_AFTER = 2 << 20, 16 << 10
+#: Keywords of the boot facts, searched in the previous block's tail when a startup line
+#: lies near the start of a block.
+_BOOT_KEYWORDS = tuple(serverlog.KEYWORDS["startup"])
+
+
+def _windows(chunk: bytes, size: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """The merged byte ranges of chunk[:size] (whole lines) around its anchors, and the ranges
+    before each startup line where its boot facts are looked for (from the previous
+    ``initializing`` line, at most _BOOT_BEFORE back)."""
+    find, rfind = chunk.find, chunk.rfind
+    spans: list[tuple[int, int]] = []
+    boots: list[tuple[int, int]] = []
+    for needle, kind in _BLOCK_ANCHORS:
+        i = find(needle, 0, size)
+        last = 0  # the end of the previous anchor of this kind
+        while i >= 0:
+            start = rfind(b"\n", 0, i) + 1
+            end = find(b"\n", i, size) + 1 or size
+            if kind == "failure":
+                lo, hi = max(0, i - _BEFORE), min(size, end + _AFTER)
+            elif kind == "startup":
+                lo, hi = max(0, i - _BEFORE), min(size, end + _BOOT_AFTER)
+                if b"n_slots" in chunk[start:end]:
+                    boots.append((max(last, start - _BOOT_BEFORE), start))
+            else:
+                lo, hi = start, end
+            lo = rfind(b"\n", 0, lo) + 1
+            hi = find(b"\n", hi - 1, size) + 1 if hi < size else size
+            spans.append((lo, hi or size))
+            last = end
+            i = find(needle, end, size)
+    spans.sort()
+    merged: list[tuple[int, int]] = []
+    for lo, hi in spans:
+        if merged and lo <= merged[-1][1]:
+            if hi > merged[-1][1]:
+                merged[-1] = (merged[-1][0], hi)
+        else:
+            merged.append((lo, hi))
+    return merged, boots
+
+
+def _scan(scanner: _Scanner, chunk: bytes, size: int) -> None:
+    """Feed chunk[:size] (whole lines): the windows around its anchors, and after a window
+    that leaves a cascade or a failure open, up to the next release line (it says how the
+    cascade ended). A window at the start of the chunk reaches back into the previous
+    chunks' tail (``_Scanner.tail``)."""
+    count, find = chunk.count, chunk.find
+    line, pos = scanner.lines, 0  # lines before pos
+    windows, boots = _windows(chunk, size)
+    if windows and windows[0][0] == 0 and scanner.tail:
+        _tail_window(scanner)
+    queue = deque(windows)
+    while queue or (scanner.open() and pos < size):
+        if queue and (not scanner.open() or queue[0][0] <= pos):
+            lo, hi = queue.popleft()
+            lo = max(lo, pos)
+        else:
+            # an open cascade or failure: read on to the next release line
+            nxt = find(b"stop processing", pos, size)
+            lo = pos
+            hi = size if nxt < 0 else find(b"\n", nxt, size) + 1
+            if queue and queue[0][0] < hi:
+                hi = queue[0][0]
+        while boots and boots[0][1] <= hi:
+            blo, bhi = boots.pop(0)
+            if blo == 0:
+                _boot_lines(scanner, scanner.tail, scanner.tail.rfind(b"initializing") + 1)
+            _boot_lines(scanner, chunk, blo, bhi)
+        if hi <= lo:
+            continue
+        line += count(b"\n", pos, lo)
+        _scan_region(scanner, chunk, lo, hi, line)
+        line += count(b"\n", lo, hi)
+        pos = hi
+    line += count(b"\n", pos, size)
+    _keep_tail(scanner, chunk, size, pos, line)
+    scanner.lines = line
+
+
+def _keep_tail(scanner: _Scanner, chunk: bytes, size: int, done: int, lines: int) -> None:
+    """Keep the last _BOOT_BEFORE bytes read (whole lines), and how far they were fed."""
+    if size >= _BOOT_BEFORE:
+        keep = chunk.find(b"\n", size - _BOOT_BEFORE, size) + 1
+        scanner.tail = chunk[keep:size]
+        scanner.tail_done = max(0, done - keep)
+    else:
+        old = scanner.tail
+        joined = old + chunk[:size]
+        cut = 0
+        if len(joined) > _BOOT_BEFORE:
+            cut = joined.find(b"\n", len(joined) - _BOOT_BEFORE) + 1
+        scanner.tail = joined[cut:]
+        scanner.tail_done = max(0, (len(old) + done if done else scanner.tail_done) - cut)
+    scanner.tail_end = lines  # tail_base is counted only when a window needs it
+
+
+def _tail_window(scanner: _Scanner) -> None:
+    """The lines of the previous chunks' tail within _BEFORE of this chunk that no window fed
+    yet (a memory-slot line before a retry line that starts this chunk)."""
+    tail = scanner.tail
+    lo = max(scanner.tail_done, tail.rfind(b"\n", 0, max(0, len(tail) - _BEFORE)) + 1)
+    if lo >= len(tail):
+        return
+    base = scanner.tail_end - tail.count(b"\n", lo)
+    _scan_region(scanner, tail, lo, len(tail), base)
+    scanner.tail_done = len(tail)
+
+
+def _boot_lines(scanner: _Scanner, data: bytes, lo: int, hi: int | None = None) -> None:
+    """The boot facts in data[lo:hi] (a startup line follows): their setters are idempotent,
+    so lines a window fed already change nothing."""
+    hi = len(data) if hi is None else hi
+    for start in _line_starts(data, _BOOT_KEYWORDS, lo, hi):
+        end = data.find(b"\n", start, hi)
+        text = data[start : end if end >= 0 else hi].decode("utf-8", "replace")
+        if text.startswith("{"):
+            text = serverlog.normalize(text)
+        scanner.boot_fact(text)
+
+
+def _scan_region(scanner: _Scanner, chunk: bytes, lo: int, hi: int, base: int) -> None:
+    """Feed chunk[lo:hi] (whole lines; ``base`` lines precede ``lo``): event lines one by
+    one, the cascade lines between them per run."""
     find, count = chunk.find, chunk.count
-    size = len(chunk)
-    next_ms, next_rt = find(_MS_KW), find(_RT_KW)
-    pos, line = 0, base  # line: lines before pos
-    for start in [*_event_starts(chunk), size]:
+    next_ms, next_rt = find(_MS_KW, lo, hi), find(_RT_KW, lo, hi)
+    pos, line = lo, base  # line: lines before pos
+    for start in [*_event_starts(chunk, lo, hi), hi]:
         cascade = 0 <= next_ms < start or 0 <= next_rt < start
         if cascade and not scanner.cascade(chunk, pos, start):
             _scan_slow(scanner, chunk, pos, start, line)
-        if start == size:
+        if start == hi:
             break
         line += count(b"\n", pos, start) + 1
         pos = find(b"\n", start) + 1
         scanner.feed(line, chunk[start : pos - 1])
         if 0 <= next_ms < pos:
-            next_ms = find(_MS_KW, pos)
+            next_ms = find(_MS_KW, pos, hi)
         if 0 <= next_rt < pos:
-            next_rt = find(_RT_KW, pos)
+            next_rt = find(_RT_KW, pos, hi)
 
 
 def _scan_slow(scanner: _Scanner, chunk: bytes, lo: int, hi: int, line: int) -> None:
@@ -369,6 +521,8 @@ class _Boot:
     n_ctx_seq_over_train: tuple[int, int] | None = None
     capped: tuple[int, int] | None = None  # (per-slot pool capacity, cap)
     fit_reduced: tuple[int, int] | None = None
+    kv_unified: bool | None = None  # llama_context: kv_unified (b9093 prints it at INFO)
+    slots: int | None = None  # b9093: ``initializing slots, n_slots`` until its ``new slot``
 
 
 @dataclass
@@ -386,6 +540,7 @@ class _Pending:
     config: Config | None
     slots: list[SlotShare] = field(default_factory=list)
     requests_failed: int = 0
+    tasks: set[int] = field(default_factory=set)  # the send_error lines' task ids
 
 
 class _Scanner:
@@ -415,6 +570,13 @@ class _Scanner:
         self.recovered = 0
         self.drift = 0
         self.drift_samples: list[str] = []
+        self.unplaced = 0
+        self.unplaced_samples: list[str] = []
+        self.held: list[SlotShare] = []  # release lines after a cascade, not yet placed
+        self.lines = 0  # lines read so far
+        self.tail = b""  # the end of the previous block (its boot facts, see ``_boot_tail``)
+        self.tail_end = 0  # lines up to the tail's end
+        self.tail_done = 0  # the tail's bytes before this were fed by a window
         self._cascade_reset()
         self.pending: _Pending | None = None
 
@@ -484,6 +646,7 @@ class _Scanner:
         their text is stored for the steps. Returns False, changing nothing, when a line does
         not have the usual form; the caller then feeds the lines one by one.
         """
+        self._settle()
         found = _SIZES.findall(chunk, lo, hi)
         n_rt = chunk.count(_RT_KW, lo, hi)
         n_kw = chunk.count(_MS_KW, lo, hi) + n_rt
@@ -616,70 +779,132 @@ class _Scanner:
 
     # -- dispatch --------------------------------------------------------------------------
 
+    def open(self) -> bool:
+        """A cascade or failure whose end the next release line may tell."""
+        return self.pending is not None or (self.n_steps > 0 and not self.held)
+
+    def boot_fact(self, t: str) -> None:
+        """A boot line from a block already read: only the facts, no other state."""
+        if not any(k in t for k in ("n_slots", "initializing")):
+            self._startup_line(0, t)
+
     def feed(self, line_no: int, raw: bytes) -> None:
         text = raw.decode("utf-8", "replace")
         if serverlog.CONTEXT_EXCEEDED in text:
             self.exceeded_lines += 1
+        if text.startswith("{"):
+            text = serverlog.normalize(text)  # a JSON record: its message, unescaped
         if not self._dispatch(line_no, text):
             self.drift += 1
             if len(self.drift_samples) < MAX_SAMPLES:
                 self.drift_samples.append(f"{line_no}: {serverlog.normalize(text)}")
+            if serverlog.CONTEXT_EXCEEDED in text:
+                self._unplaced(line_no, text, "its form is not one this reader knows")
+
+    def _unplaced(self, n: int, text: str, why: str) -> None:
+        self.unplaced += 1
+        if len(self.unplaced_samples) < MAX_SAMPLES:
+            self.unplaced_samples.append(f"{n}: {serverlog.normalize(text).strip()} ({why})")
 
     def _dispatch(self, n: int, t: str) -> bool:
+        if "stop processing" in t:
+            if m := serverlog.SLOT_RELEASE.search(t):
+                task = int(m["task"]) if m["task"] is not None else None
+                self._release(int(m["slot"]), task, int(m["n_tokens"]), m["truncated"] or "0")
+                return True
+            return False
+        if "send_error" in t:
+            if m := serverlog.SEND_ERROR.search(t):
+                self._send_error(n, m["error"], int(m["task"]))
+                return True
+            return False
+        # any other line ends a run of release lines held after a cascade
+        if "decode() failed" in t:
+            if m := serverlog.DECODE_FAILED.search(t):
+                self._decode_failed(n, m["error"])
+                return True
+            # pre_decode()/post_decode() failed: other faults in the same wording, no cascade
+            return serverlog.OTHER_DECODE_FAILED.search(t) is not None
+        self._settle()
         if "memory slot" in t:
             if m := serverlog.MEMORY_SLOT.search(t):
                 self._memory_slot(int(m["size"]))
                 return True
             return False
-        if ", ret = " in t:
+        if serverlog.RETRY_TEXT in t:
             if m := serverlog.DECODE_RETRY.search(t):
                 self._retry(int(m["off"]), int(m["n_batch"]))
                 return True
-            if m := serverlog.DECODE_ERROR.search(t):
-                self._decode_error(n, m["error"], int(m["off"]))
-                return True
             return False
-        if "stop processing" in t:
-            if m := serverlog.SLOT_RELEASE.search(t):
-                self._release(int(m["slot"]), int(m["task"]), int(m["n_tokens"]), m["truncated"])
-                return True
-            return False
-        if "send_error" in t:
-            if m := serverlog.SEND_ERROR.search(t):
-                self._send_error(n, m["error"])
-                return True
-            return False
+        if m := serverlog.DECODE_ERROR.search(t):
+            self._decode_error(n, m["error"], int(m["off"]))
+            return True
         if "purging slot" in t:
             if m := serverlog.PURGE.search(t):
                 self._purge(int(m["slot"]), int(m["tokens"]))
                 return True
             return False
-        if "decode() failed" in t:
-            if serverlog.DECODE_FAILED.search(t):
-                self._close()
-                return True
-            # pre_decode()/post_decode() failed: other faults in the same wording, no cascade
-            return serverlog.OTHER_DECODE_FAILED.search(t) is not None
+        if "Invalid input batch" in t or "Compute error" in t:
+            return False  # the error wording without the offsets: a changed format
         if serverlog.CONTEXT_EXCEEDED_BODY in t:
             return True  # a logged 500 body: its send_error line counted the request
         if self._too_long(n, t):
             return True
         return self._startup_line(n, t)
 
-    def _release(self, slot: int, task: int, n_tokens: int, truncated: str) -> None:
-        if self.pending is not None:
-            self.pending.slots.append(SlotShare(slot, task, n_tokens, truncated != "0", None))
-        elif self.n_steps:
-            # a release outside an error means the loop moved on: the cascade found room
+    def _release(self, slot: int, task: int | None, n_tokens: int, truncated: str) -> None:
+        share = SlotShare(slot, -1 if task is None else task, n_tokens, truncated != "0", None)
+        p = self.pending
+        if p is not None:
+            # b9093 prints no line after the failure's releases: a release belongs to it when
+            # its task got the error (send_error), or, without send_error lines (an excerpt),
+            # while no slot repeats; any other release is later traffic and closes it
+            mine = task in p.tasks if p.tasks else all(s.slot != slot for s in p.slots)
+            if mine:
+                p.slots.append(share)
+                return
+            self._close()
+        if any(s.slot == slot for s in self.held):
+            self._settle()  # a slot released twice: requests went on after the cascade
+        if self.n_steps:
+            # after a cascade: the loop found room, unless a ``decode() failed`` line follows
+            # (seed 000's excerpt puts the failure's release lines before it)
+            self.held.append(share)
+
+    def _settle(self) -> None:
+        """A line that is not a release: release lines held after a cascade were the loop
+        moving on, so the cascade found room."""
+        if self.held:
+            self.held = []
             self.recovered += 1
             self._cascade_reset()
 
-    def _send_error(self, n: int, error: str) -> None:
+    def _decode_failed(self, n: int, error: str) -> None:
+        """``update_slots: decode() failed: ...``: ends the open failure; after a cascade whose
+        final error line is missing (a shortened excerpt) it is the failure itself."""
+        if self.pending is None and self.n_steps and error.startswith(serverlog.CONTEXT_EXCEEDED):
+            held = self.held
+            self.held = []
+            off = self.last_off if self.last_off is not None else 0
+            self._decode_error(n, error.rstrip(), off)
+            assert self.pending is not None
+            self.pending.slots.extend(held)
+        elif self.pending is None and error.startswith(serverlog.CONTEXT_EXCEEDED):
+            self._unplaced(
+                n, f"decode() failed: {error}", "no batch-halving cascade or error line before it"
+            )
+        self._close()
+
+    def _send_error(self, n: int, error: str, task: int) -> None:
         if error.startswith(serverlog.CONTEXT_EXCEEDED):
             self.requests_failed += 1
             if self.pending is not None:
                 self.pending.requests_failed += 1
+                self.pending.tasks.add(task)
+            else:
+                self._unplaced(n, error, "a request's error with no failure line before it")
             return
+        self._settle()
         self._too_long(n, error)
 
     def _too_long(self, n: int, t: str) -> bool:
@@ -701,6 +926,20 @@ class _Scanner:
             if not (1 <= n_slots <= kvlayout.MAX_SLOTS and n_ctx_slot >= 1):
                 return False  # values no server prints: a damaged line, shown as drift
             self._startup(n, n_slots, n_ctx_slot, m["kv_unified"] == "true")
+        elif m := serverlog.STARTUP_SLOTS.search(t):
+            if not 1 <= int(m["n_slots"]) <= kvlayout.MAX_SLOTS:
+                return False
+            self.boot.slots = int(m["n_slots"])
+        elif m := serverlog.NEW_SLOT.search(t):
+            # b9093: the first ``new slot`` line after ``initializing slots`` completes the
+            # startup; a unified pool unless its context line said otherwise
+            slots, n_ctx_slot = self.boot.slots, int(m["n_ctx_slot"])
+            if slots is not None and n_ctx_slot >= 1:
+                self.boot.slots = None
+                unified = self.boot.kv_unified is not False
+                self._startup(n, slots, n_ctx_slot, unified)
+        elif m := serverlog.LLAMA_CONTEXT_KV_UNIFIED.search(t):
+            self.boot.kv_unified = m["kv_unified"] == "true"
         elif m := serverlog.POOL_SIZING.search(t):
             self.boot.pool_sizing = (int(m["np"]), int(m["per_slot"]), int(m["n_ctx"]))
         elif m := serverlog.LLAMA_CONTEXT_N_CTX.search(t):
@@ -732,6 +971,7 @@ class _Scanner:
     def outcome(self) -> _Outcome:
         """End the input: close the open failure and return what was found."""
         self._close()
+        self.held = []
         if self.n_steps:
             self.recovered += 1
         self.failures = tuple(
@@ -755,6 +995,8 @@ class _Scanner:
             checked=self.checked,
             drift=self.drift,
             drift_samples=tuple(self.drift_samples),
+            unplaced=self.unplaced,
+            unplaced_samples=tuple(self.unplaced_samples),
         )
 
 
@@ -779,6 +1021,8 @@ class _Outcome:
     checked: int
     drift: int
     drift_samples: tuple[str, ...]
+    unplaced: int
+    unplaced_samples: tuple[str, ...]
 
 
 def _report(
@@ -788,6 +1032,7 @@ def _report(
     pool_hint: int | None,
     pool_hint_source: str,
     memory: MemoryCost | None,
+    lacks_cap: str | None = None,
 ) -> Report:
     return Report(
         source=source,
@@ -811,9 +1056,11 @@ def _report(
         by_class={c.value: k for c, k in o.by_class.most_common()},
         adds_up=o.adds_up,
         checked=o.checked,
-        verdicts=_verdicts(o, memory),
+        verdicts=_verdicts(o, memory, lacks_cap),
         drift_lines=o.drift,
         drift_samples=o.drift_samples,
+        unplaced_lines=o.unplaced,
+        unplaced_samples=o.unplaced_samples,
     )
 
 
@@ -925,10 +1172,16 @@ def _fix(
     )
 
 
-def shared_pool_fixes(cfg: Config, memory: MemoryCost | None = None) -> tuple[Fix, ...]:
-    """The fixes (cap each slot, grow the pool, fewer slots) and no -kvu, sized for this config."""
+def shared_pool_fixes(
+    cfg: Config, memory: MemoryCost | None = None, lacks_cap: str | None = None
+) -> tuple[Fix, ...]:
+    """The fixes (cap each slot, grow the pool, fewer slots) and no -kvu, sized for this
+    config. ``lacks_cap``: the installed binary has no --kv-unified-per-slot (and why): split
+    pools and fewer slots."""
     n, w = cfg.n_slots, cfg.n_ctx_slot
     cells = cfg.pool_cells or w
+    if lacks_cap:
+        return _uncapped_fixes(cfg, memory)
     keep = kvlayout.resolve(n * w, n, True, w, cfg.n_ctx_train)
     c_keep = ["-c", str(keep.n_ctx), "--kv-unified-per-slot", str(w)]
     share = max(kvlayout.CELL_PAD, cells // n // kvlayout.CELL_PAD * kvlayout.CELL_PAD)
@@ -959,7 +1212,37 @@ def shared_pool_fixes(cfg: Config, memory: MemoryCost | None = None) -> tuple[Fi
     )
 
 
-def too_long_fixes(cfg: Config, needed: int, memory: MemoryCost | None = None) -> tuple[Fix, ...]:
+def _uncapped_fixes(cfg: Config, memory: MemoryCost | None) -> tuple[Fix, ...]:
+    """Guarantees a build without --kv-unified-per-slot can give: split pools (keeping the
+    promised window, or in the same memory) and one slot that owns the pool."""
+    n, w = cfg.n_slots, cfg.n_ctx_slot
+    cells = cfg.pool_cells or w
+    keep = kvlayout.resolve(n * w, n, False, 0, cfg.n_ctx_train)
+    split = kvlayout.resolve(cells, n, False, 0, cfg.n_ctx_train)
+    one = kvlayout.resolve(cells, 1, True, 0, cfg.n_ctx_train)
+    grow = f"pool x{keep.n_ctx / cells:.3g}" if cells else "larger pool"
+    return (
+        _fix(keep, ["-c", str(keep.n_ctx), "-no-kvu"], f"keeps {w} per slot; {grow}", memory),
+        _fix(
+            keep,
+            ["-c", str(keep.n_ctx), "-no-kvu", "-ctk", "q8_0", "-ctv", "q8_0"],
+            f"keeps {w}; {grow} at 8 bit, about half the memory of f16",
+            memory,
+            "q8_0",
+        ),
+        _fix(
+            split,
+            ["-c", str(cells), "-no-kvu"],
+            f"same memory, split pools of {split.n_ctx_seq}; long sessions fail early and alone",
+            memory,
+        ),
+        _fix(one, ["-c", str(cells), "-np", "1"], "same memory, one client at a time", memory),
+    )
+
+
+def too_long_fixes(
+    cfg: Config, needed: int, memory: MemoryCost | None = None, lacks_cap: str | None = None
+) -> tuple[Fix, ...]:
     """A per-slot window that holds a prompt of ``needed`` tokens (the server rejects >=)."""
     n = cfg.n_slots
     w = kvlayout.pad(needed + 1)
@@ -967,9 +1250,12 @@ def too_long_fixes(cfg: Config, needed: int, memory: MemoryCost | None = None) -
         if needed >= cfg.n_ctx_train:
             return ()  # the model's training context caps every slot below the request
         w = cfg.n_ctx_train
-    if cfg.kv_unified:
+    if cfg.kv_unified and not lacks_cap:
         plan = kvlayout.resolve(n * w, n, True, w, cfg.n_ctx_train)
         flags = ["-c", str(plan.n_ctx), "--kv-unified-per-slot", str(w)]
+    elif cfg.kv_unified:
+        plan = kvlayout.resolve(n * w, n, False, 0, cfg.n_ctx_train)
+        flags = ["-c", str(plan.n_ctx), "-no-kvu"]
     else:
         plan = kvlayout.resolve(n * w, n, False, 0, cfg.n_ctx_train)
         flags = ["-c", str(plan.n_ctx)]
@@ -1005,12 +1291,27 @@ def _too_long_reason(cfg: Config, needed: int) -> str:
     return ""
 
 
-def _verdicts(s: _Outcome, memory: MemoryCost | None) -> tuple[Verdict, ...]:
+def _verdicts(
+    s: _Outcome, memory: MemoryCost | None, lacks_cap: str | None = None
+) -> tuple[Verdict, ...]:
     out: list[Verdict] = []
+    if s.exceeded_lines and not s.failures_total:
+        # the error is in the input, but nothing could be grouped: say so, never "no failures"
+        out.append(
+            Verdict(
+                FailureClass.UNKNOWN,
+                s.exceeded_lines,
+                f"'{serverlog.CONTEXT_EXCEEDED}' is in {s.exceeded_lines} line(s), but none could "
+                f"be grouped into a failure ({s.unplaced} placed nowhere, listed below); give "
+                "more of the log around them (the batch-halving lines and the slot release "
+                "lines), or the whole journal with --unit",
+                (),
+            )
+        )
     for cls, count in s.by_class.most_common():
         cfg = s.class_config.get(cls)
         try:
-            v = _verdict(cls, count, cfg, s, memory)
+            v = _verdict(cls, count, cfg, s, memory, lacks_cap)
         except ValueError as e:  # startup values no server prints (a damaged log)
             v = Verdict(cls, count, f"no fix can be sized from this log's startup values: {e}", ())
         out.append(dataclasses.replace(v, reason=v.reason + _since(cfg, s.config)))
@@ -1026,25 +1327,46 @@ def _verdicts(s: _Outcome, memory: MemoryCost | None) -> tuple[Verdict, ...]:
                 f"largest needed {needed} tokens, a slot holds {cfg.n_ctx_slot}"
                 + _too_long_reason(cfg, needed)
                 + _since(cfg, s.config),
-                too_long_fixes(cfg, needed, memory) if cfg.n_slots else (),
+                too_long_fixes(cfg, needed, memory, lacks_cap) if cfg.n_slots else (),
             )
         )
     return tuple(out)
 
 
 def _verdict(
-    cls: FailureClass, count: int, cfg: Config | None, s: _Outcome, memory: MemoryCost | None
+    cls: FailureClass,
+    count: int,
+    cfg: Config | None,
+    s: _Outcome,
+    memory: MemoryCost | None,
+    lacks_cap: str | None = None,
+) -> Verdict:
+    v = _verdict_of(cls, count, cfg, s, memory, lacks_cap)
+    if lacks_cap and v.fixes:
+        v = dataclasses.replace(v, reason=f"{v.reason} (no per-slot cap offered: {lacks_cap})")
+    return v
+
+
+def _verdict_of(
+    cls: FailureClass,
+    count: int,
+    cfg: Config | None,
+    s: _Outcome,
+    memory: MemoryCost | None,
+    lacks_cap: str | None,
 ) -> Verdict:
     if cls is FailureClass.SHARED_POOL:
         reason = (
             "several slots together filled the shared pool; the request that hit the wall "
             "may have been small"
         )
-        return Verdict(cls, count, reason, shared_pool_fixes(cfg, memory) if cfg else ())
+        fixes = shared_pool_fixes(cfg, memory, lacks_cap) if cfg else ()
+        return Verdict(cls, count, reason, fixes)
     if cls is FailureClass.TOO_LONG:
         needed = max((f.total for f in s.failures if f.cls is cls), default=0)
         reason = "one slot alone filled the pool" + (_too_long_reason(cfg, needed) if cfg else "")
-        return Verdict(cls, count, reason, too_long_fixes(cfg, needed, memory) if cfg else ())
+        fixes = too_long_fixes(cfg, needed, memory, lacks_cap) if cfg else ()
+        return Verdict(cls, count, reason, fixes)
     if cls is FailureClass.FIT_REDUCED and cfg is not None and cfg.fit_reduced is not None:
         wanted, got = cfg.fit_reduced
         reason = (
@@ -1070,24 +1392,6 @@ def _verdict(
 # Entry points
 
 
-#: The readers ``diagnose`` can use: the C one (``launcher._diagscan``, built with the package
-#: when a C compiler was there) and the Python one it mirrors.
-ENGINES = ("native", "python")
-
-
-def native_available() -> bool:
-    """True when the C reader was built and imports."""
-    return _native_module() is not None
-
-
-def _native_module() -> Any:
-    try:
-        from launcher import _diagscan  # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    return _diagscan
-
-
 def diagnose(
     stream: IO[bytes],
     source: str,
@@ -1097,15 +1401,15 @@ def diagnose(
     keep: int = KEEP,
     memory: MemoryCost | None = None,
     block: int = BLOCK,
-    engine: str | None = None,
+    lacks_cap: str | None = None,
 ) -> Report:
     """Read a binary log stream to its end and return the report.
 
     ``pool_hint`` is the pool size from outside the log (``--pool N``, or the live
     generation's config), used when the startup lines do not state it; ``pool_hint_source``
-    names it in the report. ``memory`` prices each fix (see ``MemoryCost``). ``engine`` picks
-    the reader: "native" (the C one; ConfigInvalid when it was not built), "python", or None:
-    the C one when it was built, else Python. Both give the same report.
+    names it in the report. ``memory`` prices each fix (see ``MemoryCost``). ``lacks_cap``:
+    the installed llama-server has no --kv-unified-per-slot (``BinaryInfo.lacks``), so the
+    fixes use split pools and fewer slots instead.
     """
     if pool_hint is not None and pool_hint <= 0:
         raise ConfigInvalid(
@@ -1114,211 +1418,11 @@ def diagnose(
         )
     if block < 1:
         raise ConfigInvalid(f"block {block} is not a positive number of bytes; give 1 or more")
-    if engine not in (None, *ENGINES):
-        raise ConfigInvalid(f"engine {engine!r} is not one of {', '.join(ENGINES)}")
-    native = _native_module() if engine != "python" else None
-    if engine == "native" and native is None:
-        raise ConfigInvalid(
-            "the native reader (launcher._diagscan) was not built; reinstall llama-launcher "
-            "with a C compiler present, or use the python engine"
-        )
-    if native is not None:
-        outcome, count = _read_native(
-            native, stream, source, pool_hint, pool_hint_source, keep, block
-        )
-    else:
-        scanner = _Scanner(pool_hint, pool_hint_source, keep)
-        lines = _Lines(stream, block)
-        for base, chunk in lines:
-            _scan(scanner, base, chunk)
-        outcome, count = scanner.outcome(), lines.count
-    return _report(outcome, source, count, pool_hint, pool_hint_source, memory)
-
-
-#: The native reader's codes, in its order (launcher/_diagscan.c).
-_ERRORS = ("Context size has been exceeded.", "Invalid input batch.", "Compute error.")
-_SOURCES = ("log", "inferred (sum - pool)", "unknown")
-_CLASSES = (
-    FailureClass.SHARED_POOL,
-    FailureClass.TOO_LONG,
-    FailureClass.FIT_REDUCED,
-    FailureClass.UNKNOWN,
-)
-
-
-def _threads() -> int:
-    """Threads the native reader splits a block over: the CPUs this process may use, up to 8."""
-    try:
-        return max(1, min(8, len(os.sched_getaffinity(0))))
-    except (AttributeError, OSError):
-        return max(1, min(8, os.cpu_count() or 1))
-
-
-#: The smallest block (or round of a file) the native reader splits over threads.
-PART_MIN = 1 << 20
-
-
-def _file_span(stream: IO[bytes]) -> tuple[int, int, int] | None:
-    """(fd, where the stream stands, the file's size) when the stream reads a regular file's
-    bytes as they are (not through gzip, bz2...), and there is something left to read."""
-    raw = stream.raw if isinstance(stream, io.BufferedReader) else stream
-    if not isinstance(raw, io.FileIO):
-        return None
-    try:
-        fd = stream.fileno()
-        st = os.fstat(fd)
-        if not (stat.S_ISREG(st.st_mode) and stream.seekable()):
-            return None
-        start = stream.tell()
-    except (OSError, ValueError):
-        return None
-    # a size of 0 may not be the truth (/proc files); a position past the end reads nothing
-    return (fd, start, st.st_size) if start < st.st_size else None
-
-
-def _blocks(stream: IO[bytes], block: int) -> Iterator[memoryview | bytes]:
-    """The stream in blocks, read into two buffers in turn: the native reader goes on reading
-    a block after ``feed`` returns, while the next one is read into the other buffer. A stream
-    that cannot ``readinto`` is read with ``read``."""
-    bufs = (bytearray(block), bytearray(block))
-    turn = 0
-    readinto = getattr(stream, "readinto", None)
-    while True:
-        if readinto is not None:
-            buf = bufs[turn]
-            try:
-                n = readinto(buf)
-            except (NotImplementedError, io.UnsupportedOperation):
-                readinto = None  # a raw stream that implements read() only
-            else:
-                if not n:
-                    return
-                turn ^= 1
-                with memoryview(buf) as view:
-                    yield view[:n]
-                continue
-        data = stream.read(block)
-        if not data:
-            return
-        yield data
-
-
-def _read_native(
-    native: Any,
-    stream: IO[bytes],
-    source: str,
-    pool_hint: int | None,
-    pool_hint_source: str,
-    keep: int,
-    block: int,
-) -> tuple[_Outcome, int]:
-    """Read with the C reader and turn its records into what ``_Scanner.outcome`` returns."""
-    scanner = native.Scanner(
-        pool_hint,
-        keep,
-        MAX_STEPS,
-        MAX_SAMPLES,
-        kvlayout.MAX_SLOTS,
-        kvlayout.CELL_PAD,
-        _threads(),
-        PART_MIN,
-    )
-    span = _file_span(stream)
-    if span is None:
-        for data in _blocks(stream, block):
-            scanner.feed(data)
-    else:
-        # a file: the C reader's threads read their own parts of it (pread), from where the
-        # stream stands to the size it has now
-        fd, start, end = span
-        try:
-            scanner.feed_file(fd, start, end, block)
-        except EOFError as e:
-            raise ConfigInvalid(
-                f"the log {source} shrank while it was read ({e}): was it rotated? "
-                "read it again, or the rotated file"
-            ) from e
-        except OSError as e:
-            raise ConfigInvalid(
-                f"cannot read the log: {e.strerror or e} ({source}); "
-                "give a readable file, '-' or --unit"
-            ) from e
-        # what a live log gained meanwhile, read on as a stream (its first line may finish
-        # the last one read)
-        stream.seek(end)
-        if os.fstat(fd).st_size > end:
-            for data in _blocks(stream, block):
-                scanner.feed(data)
-    raw = scanner.finish()
-    configs: dict[tuple[Any, ...], Config] = {}
-
-    def config(rec: tuple[Any, ...] | None) -> Config | None:
-        if rec is None:
-            return None
-        if rec not in configs:
-            line, n_slots, n_ctx_slot, unified, *boot = rec
-            configs[rec] = _config(
-                line, n_slots, n_ctx_slot, unified, _Boot(*boot), pool_hint, pool_hint_source
-            )
-        return configs[rec]
-
-    failures = []
-    for f in raw["failures"]:
-        cells = f["pool_cells"]
-        cfg = config(f["config"])
-        failures.append(
-            Failure(
-                number=f["number"],
-                line=f["line"],
-                error=_ERRORS[f["error"]],
-                off=f["off"],
-                steps=tuple(Step(*step) for step in f["steps"]),
-                n_steps=f["n_steps"],
-                offsets=f["offsets"],
-                first_view=f["first_view"],
-                purges=f["purges"],
-                slots=tuple(
-                    SlotShare(slot, task, n, truncated, n / cells if cells else None)
-                    for slot, task, n, truncated in f["slots"]
-                ),
-                requests_failed=f["requests_failed"],
-                total=f["total"],
-                pool_cells=cells,
-                overflow=f["overflow"],
-                overflow_source=_SOURCES[f["overflow_source"]],
-                adds_up=f["adds_up"],
-                cls=_CLASSES[f["cls"]],
-                config_line=cfg.line if cfg else None,
-            )
-        )
-    by_class: Counter[FailureClass] = Counter()
-    class_config: dict[FailureClass, Config | None] = {}
-    for code, count, rec in raw["by_class"]:
-        by_class[_CLASSES[code]] = count
-        class_config[_CLASSES[code]] = config(rec)
-    outcome = _Outcome(
-        exceeded_lines=raw["exceeded_lines"],
-        failures_total=raw["failures_total"],
-        requests_failed=raw["requests_failed"],
-        rejections_total=raw["rejections_total"],
-        rejections=tuple(Rejection(*r) for r in raw["rejections"]),
-        max_rejected=raw["max_rejected"],
-        recovered=raw["recovered"],
-        startups=raw["startups"],
-        config=config(raw["config"]),
-        failures=tuple(failures),
-        by_class=by_class,
-        class_config=class_config,
-        rejection_config=config(raw["rejection_config"]),
-        adds_up=raw["adds_up"],
-        checked=raw["checked"],
-        drift=raw["drift"],
-        drift_samples=tuple(
-            f"{n}: {serverlog.normalize(text.decode('utf-8', 'replace'))}"
-            for n, text in raw["drift_samples"]
-        ),
-    )
-    return outcome, raw["lines"]
+    scanner = _Scanner(pool_hint, pool_hint_source, keep)
+    for chunk, size in _Lines(stream, block):
+        _scan(scanner, chunk, size)
+    outcome = scanner.outcome()
+    return _report(outcome, source, scanner.lines, pool_hint, pool_hint_source, memory, lacks_cap)
 
 
 def journal(unit: str, since: str | None = None) -> contextlib.AbstractContextManager[IO[bytes]]:

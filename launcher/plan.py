@@ -11,6 +11,10 @@ llama-server places them with ``-ngl`` (all layers by default: ``launcher.offloa
 every side, the host and each device, is checked; the option's free memory is that of the
 side that limits it. Pure apart from reading the GGUF and /proc/meminfo; returns frozen
 results and never prints.
+
+Only flags the installed llama-server has are offered: on a build without
+``--kv-unified-per-slot`` (before b10901) the guaranteed rows are split pools of W each
+(``-c N*W -np N -no-kvu``, the same cells as the cap), fewer slots or a smaller window.
 """
 
 from __future__ import annotations
@@ -20,12 +24,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from launcher import kvbytes, kvlayout, memory, offload
+from launcher import binary, kvbytes, kvlayout, memory, offload
 from launcher.devices import Device
 from launcher.errors import ConfigInvalid
 from launcher.memory import DEFAULT_CACHE_RAM_MIB, mem_available
 
 MIB = 1024 * 1024
+#: The per-slot cap of seed 000 (b10901 and later).
+CAP = "--kv-unified-per-slot"
 #: Memory left free for what the estimate leaves out (compute buffers, output buffer, the
 #: prompt cache's first entries): llama-server's own --fit-target default, 1024 MiB
 #: (common/arg.cpp:2899-2922).
@@ -212,6 +218,7 @@ class _Builder:
         cram: int,
         box: Sequence[Device] = (),
         n_gpu_layers: int | None = None,
+        capped: bool = True,
     ) -> None:
         self.model, self.available, self.cram = model, available, cram
         self.info = model.info if model else None
@@ -223,6 +230,9 @@ class _Builder:
             n_gpu_layers=n_gpu_layers, all_layers=n_gpu_layers is None, fit_target_mib=(0,)
         )
         self.deferred: list[str] = []
+        #: the binary has --kv-unified-per-slot; else the guarantee is a split pool of W each
+        self.capped = capped
+        self.guarded = "per-slot" if capped else "split"
 
     def option(
         self,
@@ -234,7 +244,7 @@ class _Builder:
         per_slot: bool,
         cache: str,
     ) -> Option:
-        c = slots * window if per_slot else window
+        c = slots * window if per_slot or (not unified and key.startswith("split-")) else window
         cap = window if per_slot else 0
         plan = kvlayout.resolve(c, slots, unified, cap, self.n_ctx_train)
         kv = kvbytes.estimate(self.info, plan, cache, cache) if self.info else None
@@ -263,6 +273,18 @@ class _Builder:
         return replace(opt, free_bytes=free, sides=sides, side_free=left, limit=limit)
 
     def per_slot(self, slots: int, window: int, cache: str, key: str = "") -> Option:
+        """The option that guarantees ``window`` to each of ``slots``: the per-slot cap, or
+        on a build without it, split pools of ``window`` each."""
+        if not self.capped:
+            return self.option(
+                f"split-{cache}" if not key else f"split-{key}",
+                f"split the pool: {slots} pools of {window}, one per slot ({cache})",
+                slots,
+                window,
+                False,
+                False,
+                cache,
+            )
         return self.option(
             key or f"per-slot-{cache}",
             f"cap every slot at {window} and size the pool for all {slots} ({cache})",
@@ -306,6 +328,7 @@ def make_plan(
     cache_ram_mib: int | None = None,
     box: Sequence[Device] = (),
     n_gpu_layers: int | None = None,
+    server: binary.BinaryInfo | None = None,
 ) -> Plan:
     """The options for ``slots`` clients that each need ``window`` tokens.
 
@@ -314,7 +337,9 @@ def make_plan(
     this machine's MemAvailable). ``cache_ram_mib`` is llama-server's host prompt cache
     (-cram), counted as used (None: its default). ``box`` is the devices (their free memory
     is planned for) and ``n_gpu_layers`` the ``-ngl`` to place with (None: all layers).
-    Raises ``ConfigInvalid`` for bad input.
+    ``server`` is the installed llama-server: only its flags are offered (None: a build with
+    --kv-unified-per-slot is assumed, and a note says so). Raises ``ConfigInvalid`` for bad
+    input.
     """
     if isinstance(model, (str, Path)):
         model = load_model(model)
@@ -324,7 +349,8 @@ def make_plan(
     kvbytes.check_cache_types(model.info if model else None, cache, cache, "auto")
     avail = mem_available() if available is None else available
     cram = DEFAULT_CACHE_RAM_MIB if cache_ram_mib is None else cache_ram_mib
-    b = _Builder(model, avail, cram, box, n_gpu_layers)
+    lacks = server.lacks(CAP) if server is not None else None
+    b = _Builder(model, avail, cram, box, n_gpu_layers, capped=lacks is None)
     w, n = window, slots
     opts = [
         b.option(
@@ -345,11 +371,18 @@ def make_plan(
         per_slot.append(b.per_slot(n, w, cache))
     opts += per_slot
     notes: list[str] = []
+    if lacks:
+        notes.append(f"{lacks}: the guaranteed rows split the pool instead")
+    elif server is None:
+        notes.append(
+            f"no --llama-server: the rows assume a build with {CAP} "
+            f"(b{binary.FLAG_ADDED_IN[CAP]} or later)"
+        )
     if b.info is not None and not b.per_slot(n, w, cache).fits(headroom_mib):
         opts += _alternatives(b, n, w, cache, headroom_mib)
     elif b.info is not None:
         notes.append(f"{n} x {w} fits at {cache}: no need for fewer slots or a smaller window")
-    key, reason = _recommend(opts, headroom_mib, n, w, cache)
+    key, reason = _recommend(opts, headroom_mib, n, w, cache, b.guarded)
     if box and b.info is not None:
         notes += _fewer_layers(b, next(o for o in opts if o.key == key), headroom_mib)
     if model is None:
@@ -451,21 +484,25 @@ def _same_or_smaller(cache: str) -> list[str]:
 
 
 def _recommend(
-    opts: list[Option], headroom_mib: int, n: int, w: int, cache: str
+    opts: list[Option], headroom_mib: int, n: int, w: int, cache: str, guarded: str = "per-slot"
 ) -> tuple[str, str]:
     by_key = {o.key: o for o in opts}
     if all(o.kv is None for o in opts):
-        return f"per-slot-{cache}", (
-            f"caps every slot at {w} and sizes the pool for all {n}: no slot can starve another"
+        how = (
+            f"caps every slot at {w} and sizes the pool for all {n}"
+            if guarded == "per-slot"
+            else f"gives each of the {n} slots a pool of {w} of its own"
         )
+        return f"{guarded}-{cache}", f"{how}: no slot can starve another"
     for t in _same_or_smaller(cache):
-        opt = by_key.get(f"per-slot-{t}")
+        opt = by_key.get(f"{guarded}-{t}")
         if opt is not None and opt.fits(headroom_mib):
             why = f"guarantees {w} to all {n} slots at {t} and leaves {opt.free_mib:.0f} MiB free"
             if t != cache:
                 why += f" ({cache} does not fit)"
             return opt.key, why
-    alternatives = [by_key[k] for k in ("fewer-slots", "smaller-window") if k in by_key]
+    keys = ("fewer-slots", "smaller-window")
+    alternatives = [by_key[k] for k in (*keys, *(f"split-{k}" for k in keys)) if k in by_key]
     if alternatives:
         # the one that guarantees the most context at once
         best = max(alternatives, key=lambda o: o.pool.n_slots * o.guaranteed_window)

@@ -1,7 +1,9 @@
 """Every llama-server log line the tool reads, in one place.
 
-Read from llama.cpp build b11434 (tools/server/*, common/*, src/*) and confirmed against the
-real server by the tests.
+Read from llama.cpp builds b9093, b10405 and b11434 (tools/server/*, common/*, src/*) and
+confirmed against each real server by the tests. Where the builds differ, each form is here
+with the builds it was read from, and the readers accept every form (a log may hold several
+builds' starts).
 Lines may carry llama-server's prefix (``0.00.035.060 I ``) and, if colours were left on,
 ANSI escapes; ``clean`` strips both.
 """
@@ -12,13 +14,13 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-#: The build these patterns were read from and tested against.
-TESTED_BUILD = 11434
+#: The builds these patterns were read from and tested against.
+TESTED_BUILDS = (9093, 10405, 11434)
 
 #: A number in a named group: ``(?P<name>\d+)`` or ``(?P<name>-?\d+)``.
 _NUMBER_GROUP = re.compile(r"(\(\?P<\w+>(?:-\?)?)\\d\+\)")
 #: The most digits a number may have. llama-server prints 32-bit counts (10 digits); a longer
-#: run is damage, not a number, and the native scanner (``launcher._diagscan``) agrees.
+#: run is damage, not a number.
 MAX_DIGITS = 10
 
 
@@ -26,8 +28,7 @@ def _compile(pattern: str, flags: int = 0) -> re.Pattern[str]:
     """Compile a log pattern: ASCII classes, and every named number at most MAX_DIGITS long.
 
     A run of more digits does not match, so a damaged line is counted as drift instead of
-    giving a number no server prints. The C scanner in ``launcher._diagscan`` reads lines
-    under the same rules, which keeps its reports identical to the Python reader's.
+    giving a number no server prints.
     """
     return re.compile(
         _NUMBER_GROUP.sub(rf"\1\\d{{1,{MAX_DIGITS}}})(?!\\d)", pattern), flags | re.ASCII
@@ -38,11 +39,35 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # "%d.%02d.%03d.%03d " timestamp, then a level letter (common/log.cpp:125-155).
 _PREFIX = re.compile(r"^(?:\d+\.\d{2}\.\d{3}\.\d{3} )?(?:[IWED] )?")
 
-# server-context.cpp:1383-1384
+# b10405, b11434: server-context.cpp:1383-1384 (INFO), the whole promise in one line
 STARTUP = _compile(
     r"initializing, n_slots = (?P<n_slots>\d+), n_ctx_slot = (?P<n_ctx_slot>\d+), "
     r"kv_unified = '(?P<kv_unified>true|false)'"
 )
+# b9093: the promise in three lines. server-context.cpp:872 ``initializing slots, n_slots =
+# %d``, then per slot :919 ``slot load_model: id 0 | task -1 | new slot, n_ctx = %d``; the pool
+# from src/llama-context.cpp:200,206 (INFO, printed before them): ``llama_context: n_ctx =
+# 1024``, ``llama_context: kv_unified = true``.
+STARTUP_SLOTS = _compile(r"initializing slots, n_slots = (?P<n_slots>\d+)")
+NEW_SLOT = _compile(r"new slot, n_ctx = (?P<n_ctx_slot>\d+)")
+LLAMA_CONTEXT_KV_UNIFIED = _compile(r"llama_context: kv_unified += *(?P<kv_unified>true|false)")
+
+#: The startup-line forms, with the builds each was read from.
+STARTUP_FORMS = {
+    "one line": (10405, 11434),  # initializing, n_slots = .., n_ctx_slot = .., kv_unified = ..
+    "slots, new slot": (9093,),  # initializing slots, n_slots = ..; new slot, n_ctx = ..
+}
+
+
+def startup_form(build: int | None) -> str | None:
+    """The startup-line form ``build`` prints; None when the build is not one of the tested
+    ones (a build between two tested ones may print either, a newer one anything)."""
+    for form, builds in STARTUP_FORMS.items():
+        if build in builds:
+            return form
+    return None
+
+
 # server.cpp:184
 POOL_SIZING = _compile(
     r"--kv-unified-per-slot: sizing KV pool to n_parallel \* kv_unified_per_slot = "
@@ -150,7 +175,7 @@ class Startup:
 
     n_slots: int
     n_ctx_slot: int
-    kv_unified: bool
+    kv_unified: bool | None  # None: the log did not say (b9093 form without its context line)
     pool_cells: int | None = None  # from the per-slot sizing line, when printed
     warnings: tuple[str, ...] = ()
     config_file: str | None = None
@@ -166,20 +191,32 @@ class StartupScan:
     config_file: str | None = None
     model_loaded: bool = False
     failure: tuple[str, str] | None = None  # (class, sentence)
+    slots: int | None = None  # b9093: ``initializing slots`` seen, waiting for ``new slot``
+    kv_unified: bool | None = None  # b9093: from ``llama_context: kv_unified``
+
+    def _found(self, n_slots: int, n_ctx_slot: int, kv_unified: bool | None) -> None:
+        self.startup = Startup(
+            n_slots,
+            n_ctx_slot,
+            kv_unified,
+            self.pool_cells,
+            tuple(self.warnings),
+            self.config_file,
+        )
 
     def feed(self, raw: str) -> None:
         line = clean(raw)
         if m := STARTUP.search(line):
-            self.startup = Startup(
-                int(m["n_slots"]),
-                int(m["n_ctx_slot"]),
-                m["kv_unified"] == "true",
-                self.pool_cells,
-                tuple(self.warnings),
-                self.config_file,
-            )
+            self._found(int(m["n_slots"]), int(m["n_ctx_slot"]), m["kv_unified"] == "true")
             return
-        if m := POOL_SIZING.search(line):
+        if m := STARTUP_SLOTS.search(line):
+            self.slots = int(m["n_slots"])
+        elif self.slots is not None and (m := NEW_SLOT.search(line)):
+            self._found(self.slots, int(m["n_ctx_slot"]), self.kv_unified)
+            self.slots = None
+        elif m := LLAMA_CONTEXT_KV_UNIFIED.search(line):
+            self.kv_unified = m["kv_unified"] == "true"
+        elif m := POOL_SIZING.search(line):
             self.pool_cells = int(m["n_ctx"])
         elif m := CONFIG_FILE.search(line):
             self.config_file = m["path"].strip()
@@ -197,6 +234,30 @@ class StartupScan:
         for line in lines:
             self.feed(line)
         return self
+
+
+def startup_from_props(
+    props: dict[str, object], build: str, scan: StartupScan
+) -> tuple[Startup, str]:
+    """The startup values from ``/props`` (``total_slots``, ``default_generation_settings.n_ctx``)
+    when the log held no startup line in a known form, and the warning that says so."""
+    settings = props.get("default_generation_settings")
+    n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
+    slots = props.get("total_slots")
+    startup = Startup(
+        slots if isinstance(slots, int) else 0,
+        n_ctx if isinstance(n_ctx, int) else 0,
+        None,
+        scan.pool_cells,
+        tuple(scan.warnings),
+        scan.config_file,
+    )
+    tested = ", ".join(f"b{b}" for b in TESTED_BUILDS)
+    return startup, (
+        f"llama-server {build} printed no startup line in a form this launcher knows (read "
+        f"from {tested}); the gate took n_slots and n_ctx_slot from /props instead and could "
+        "not check kv_unified - tell the launcher's maintainers which build this is"
+    )
 
 
 def classify_failure(line: str) -> tuple[str, str] | None:
@@ -230,28 +291,34 @@ def classify(lines: Iterable[str]) -> tuple[str, str] | None:
 # src/llama-context.cpp:1843 (WARN, libllama; ``llama_context::decode`` then returns 1)
 MEMORY_SLOT = _compile(r"decode: failed to find a memory slot for batch of size (?P<size>\d+)")
 # tools/server/server-context.cpp:4061 (SRV_WRN). n_batch is the size of the NEXT try: it is
-# halved, or kept when try_clear_idle_slots purged an idle slot (unified pools only).
+# halved, or kept when try_clear_idle_slots purged an idle slot (unified pools only). The
+# offset is ``off =`` from b10405 on, ``i =`` in b9093 (server-context.cpp:2850); a shortened
+# excerpt (seed 000's) may drop ``, ret = N``.
+RETRY_TEXT = "failed to find free space in the KV cache, retrying with smaller batch size, "
 DECODE_RETRY = _compile(
-    r"failed to find free space in the KV cache, retrying with smaller batch size, "
-    r"off = (?P<off>\d+), n_batch = (?P<n_batch>\d+), ret = (?P<ret>-?\d+)"
+    re.escape(RETRY_TEXT)
+    + r"(?:off|i) = (?P<off>\d+), n_batch = (?P<n_batch>\d+)(?:, ret = (?P<ret>-?\d+))?(?![\d,])"
 )
 # server-context.cpp:1813 (SRV_WRN, try_clear_idle_slots; the function name prints as
 # ``try_clear_id``)
 PURGE = _compile(r"purging slot (?P<slot>\d+) with (?P<tokens>\d+) tokens")
-# server-context.cpp:4019-4038 (SRV_ERR): the error that ends a cascade. Only
-# "Context size has been exceeded." is KV exhaustion; the other two are other faults.
+# server-context.cpp:4019-4038 (SRV_ERR, ``srv decode:``; b9093 :2813-2827 ``srv
+# update_slots:`` with ``i =``): the error that ends a cascade. Only "Context size has been
+# exceeded." is KV exhaustion; the other two are other faults.
 DECODE_ERROR = _compile(
     r"(?P<error>Context size has been exceeded\.|Invalid input batch\.|Compute error\.) "
-    r"off = (?P<off>\d+), n_batch = (?P<n_batch>\d+), ret = (?P<ret>-?\d+)"
+    r"(?:off|i) = (?P<off>\d+), n_batch = (?P<n_batch>\d+)(?:, ret = (?P<ret>-?\d+))?(?![\d,])"
 )
 # server-context.cpp:2163 (SRV_ERR), once per request that gets an error
 SEND_ERROR = _compile(r"send_error: task id = (?P<task>-?\d+), error: (?P<error>.*?)(?:\\n)?$")
-# server-context.cpp:586 (SLT_INF): ``slot      release: id  0 | task 12 | stop processing: ...``
+# server-context.cpp:586 (SLT_INF; b9093 :418): ``slot      release: id  0 | task 12 | stop
+# processing: n_tokens = 401, truncated = 0``. Shortened excerpts drop the task and truncated.
 SLOT_RELEASE = _compile(
-    r"release: id +(?P<slot>\d+) \| task (?P<task>-?\d+) \| stop processing: "
-    r"n_tokens = (?P<n_tokens>\d+), truncated = (?P<truncated>\d+)"
+    r"release: id +(?P<slot>\d+) (?:\| task (?P<task>-?\d+) )?\| stop processing: "
+    r"n_tokens = (?P<n_tokens>\d+)(?:, truncated = (?P<truncated>\d+))?"
 )
-# server-context.cpp:3096 (SRV_ERR): after every slot was released
+# server-context.cpp:3096 (SRV_ERR): after every slot was released (b10405 on; b9093 prints
+# no such line)
 DECODE_FAILED = _compile(r"update_slots: decode\(\) failed: (?P<error>.*?)(?:\\n)?$")
 # server-context.cpp:3043, :3105: other faults in the same wording (no KV cascade)
 OTHER_DECODE_FAILED = _compile(r"update_slots: (?:pre|post)_decode\(\) failed: ")
@@ -314,19 +381,21 @@ _JOURNAL_PREFIX = re.compile(
 def normalize(line: str) -> str:
     """The bare message of one log line, whatever carried it.
 
-    Unwraps a ``--log-jsonl`` record (``{"type":"log",...,"msg":"..."}``), strips a journald
+    Unwraps a ``--log-jsonl`` record (``{"type":"log",...,"msg":"..."}``) or a ``journalctl -o
+    json`` one (``{..., "MESSAGE":"..."}``), strips a journald
     ``-o short`` prefix, then does what ``clean`` does (ANSI colours, the timestamp and level
     letter, the line ending).
     """
     text = line.rstrip("\r\n")
-    if text.startswith('{"type":'):
+    if text.startswith("{"):
         import json
 
         try:
             record = json.loads(text)
         except ValueError:
             return clean(text)
-        msg = record.get("msg") if isinstance(record, dict) else None
+        # --log-jsonl's "msg", journalctl -o json's "MESSAGE"
+        msg = record.get("msg", record.get("MESSAGE")) if isinstance(record, dict) else None
         return clean(msg) if isinstance(msg, str) else clean(text)
     return clean(_JOURNAL_PREFIX.sub("", _ANSI.sub("", text), count=1))
 
@@ -336,7 +405,8 @@ def normalize(line: str) -> str:
 #: patterns above is reported as possible format drift.
 KEYWORDS: dict[str, tuple[bytes, ...]] = {
     "memory_slot": (b"memory slot",),
-    "retry": (b", ret = ",),  # the retry and the decode error lines
+    "retry": (b"retrying with smaller batch",),
+    "decode_error": (b"Invalid input batch", b"Compute error"),
     "purge": (b"purging slot",),
     "send_error": (b"send_error",),
     "release": (b"stop processing",),
@@ -349,6 +419,8 @@ KEYWORDS: dict[str, tuple[bytes, ...]] = {
     ),
     "startup": (
         b"n_slots = ",
+        b"new slot, n_ctx",
+        b"llama_context: kv_unified",
         b"sizing KV pool",
         b"n_ctx_seq (",
         b"capping per-slot",

@@ -47,6 +47,8 @@ from launcher.errors import CommandError, ConfigInvalid, ValidationFailed
 if TYPE_CHECKING:
     from launcher.systemd import UnitState
 
+#: The per-slot cap: offered only where the binary has it (b10901 and later).
+CAP = "--kv-unified-per-slot"
 STEPS = ("lint", "bash -n", "subshell", "argv", "flags", "model", "service", "pool", "memory")
 
 
@@ -173,14 +175,28 @@ def _step_argv(path: Path, expected: list[str]) -> None:
 
 def check_flags(info: binary.BinaryInfo, args: list[str]) -> None:
     """Refuse flags the installed llama-server does not know, with a did-you-mean."""
+    if info.log_colors_off() != ["--log-colors", "off"]:
+        # the launcher turns colours off with "--log-colors off" (launch.py, config.argv)
+        raise ValidationFailed(
+            "flags",
+            f"{info.path} ({info.name}) takes --log-colors without a value; llama-launcher "
+            "needs a build whose --log-colors takes on|off|auto (b9093 and later do)",
+        )
     for name in binary.unknown_flags(info, args):
-        if name in config.REMOVED:
-            hint = f"it was removed; use {config.REMOVED[name]}"
+        if replaced := info.replacement(name):
+            hint = f"this build dropped it; use {replaced}"
+        elif name == CAP:
+            hint = (
+                f"it came with b{binary.FLAG_ADDED_IN[CAP]} ({binary.FLAG_ADDED_BY[CAP]}); on this "
+                "build guarantee each slot its window with split pools (-no-kvu, -c slots x "
+                "window), fewer slots (-np) or a smaller window, or install b"
+                f"{binary.FLAG_ADDED_IN[CAP]} or later"
+            )
         else:
             close = info.suggest(name)
             hint = f"did you mean {' or '.join(close)}?" if close else "see llama-server --help"
         raise ValidationFailed(
-            "flags", f"{name} is not a flag of {info.path} ({info.version}); {hint}"
+            "flags", f"{name} is not a flag of {info.path} ({info.name}); {hint}"
         )
 
 
@@ -296,7 +312,7 @@ def validate(
     if svc is not None:
         service.check(svc, cfg)
     try:
-        plan = cfg.check_overcommit(model.get("n_ctx_train"))
+        plan = cfg.check_overcommit(model.get("n_ctx_train"), info.lacks(CAP), info.np_default)
     except ConfigInvalid as e:
         raise ValidationFailed("pool", str(e)) from None
     need = memory_step(cfg, plan, model, layout, unsupported, info, box, unified)

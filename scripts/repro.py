@@ -99,10 +99,11 @@ def scenario(
     tokens: Sequence[int],
     warmup: int = 0,
     extra: Sequence[str] = (),
+    binary: str | None = None,
 ) -> Run:
     """Start the server with ``args``, optionally warm one slot, then send ``tokens`` at once."""
     argv = (*args, *extra)
-    with realserver.run_server(model, argv, log_path=log) as server:
+    with realserver.run_server(model, argv, log_path=log, binary=binary) as server:
         warm = 0
         if warmup:
             text, warm = sized_prompt(server.url, warmup, 99)
@@ -112,7 +113,9 @@ def scenario(
     return Run(log, tuple(argv), tuple(n for _, n in sized), statuses, warm)
 
 
-def overflow(model: Path, log: Path, extra: Sequence[str] = (), tries: int = 3) -> Run:
+def overflow(
+    model: Path, log: Path, extra: Sequence[str] = (), tries: int = 3, binary: str | None = None
+) -> Run:
     """Seed 000 in miniature: a warm idle slot (purged first), then 3 x 400 tokens > 1024.
 
     The overflow needs the three requests to overlap in the server; on a loaded machine one
@@ -120,15 +123,19 @@ def overflow(model: Path, log: Path, extra: Sequence[str] = (), tries: int = 3) 
     and log (at most ``tries`` times), so the log always matches the statuses it returns.
     """
     for _ in range(tries):
-        run = scenario(model, log, OVERFLOW_ARGS, (400, 400, 400), warmup=300, extra=extra)
+        run = scenario(
+            model, log, OVERFLOW_ARGS, (400, 400, 400), warmup=300, extra=extra, binary=binary
+        )
         if run.statuses.count(500) >= 2:
             break
     return run
 
 
-def too_long(model: Path, log: Path, extra: Sequence[str] = ()) -> Run:
+def too_long(
+    model: Path, log: Path, extra: Sequence[str] = (), binary: str | None = None
+) -> Run:
     """One 400-token prompt against 256-cell split slots: refused with HTTP 400."""
-    return scenario(model, log, TOO_LONG_ARGS, (400,), extra=extra)
+    return scenario(model, log, TOO_LONG_ARGS, (400,), extra=extra, binary=binary)
 
 
 def healthy(model: Path, log: Path, extra: Sequence[str] = ()) -> Run:

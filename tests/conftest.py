@@ -41,19 +41,6 @@ def logs(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[str
     }
 
 
-@pytest.fixture(params=["native", "python"])
-def engine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Run a diagnose test with each reader: the C one, and the Python one as a machine
-    without a C compiler gets it (the native module treated as not built)."""
-    from launcher import diagnose
-
-    if request.param == "python":
-        monkeypatch.setattr(diagnose, "_native_module", lambda: None)
-    elif not diagnose.native_available():
-        pytest.fail("launcher._diagscan was not built (scripts/setup builds it with the package)")
-    return str(request.param)
-
-
 @pytest.fixture(scope="session")
 def llama_server_bin() -> str:
     path = realserver.server_binary()

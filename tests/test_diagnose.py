@@ -13,8 +13,6 @@ import pytest
 from launcher import diagnose, kvlayout, systemd
 from launcher.errors import ConfigInvalid
 
-pytestmark = pytest.mark.usefixtures("engine")  # every test with the C and the Python reader
-
 
 def config(n: int, slot: int, cells: int, unified: bool = True) -> diagnose.Config:
     plan = kvlayout.PoolPlan(
@@ -235,15 +233,13 @@ VARIANTS = {
 def test_cascade_runs_give_what_line_by_line_gives(
     name: str, block: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The run-at-once path (``_Scanner.cascade``) changes nothing in the report, and the C
-    reader gives the same report as both."""
+    """The run-at-once path (``_Scanner.cascade``) changes nothing in the report."""
     data = VARIANTS[name]
     kw: dict[str, Any] = dict(block=block, keep=3, pool_hint=1024)
-    fast = diagnose.diagnose(io.BytesIO(data), "x", engine="python", **kw)
-    native = diagnose.diagnose(io.BytesIO(data), "x", **kw)  # the engine fixture's reader
+    fast = diagnose.diagnose(io.BytesIO(data), "x", **kw)
     monkeypatch.setattr(diagnose._Scanner, "cascade", lambda *a: False)
-    slow = diagnose.diagnose(io.BytesIO(data), "x", engine="python", **kw)
-    assert fast == slow == native
+    slow = diagnose.diagnose(io.BytesIO(data), "x", **kw)
+    assert fast == slow
     assert fast.lines == len(data.splitlines())
     assert fast.exceeded_lines == sum(
         b"Context size has been exceeded" in line for line in data.splitlines()

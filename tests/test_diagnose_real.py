@@ -24,7 +24,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 import realserver  # noqa: E402
 import repro  # noqa: E402
 
-pytestmark = [pytest.mark.real, pytest.mark.usefixtures("engine")]
+pytestmark = pytest.mark.real
 
 
 def run_cli(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess[bytes]:

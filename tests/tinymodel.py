@@ -34,7 +34,7 @@ CHATML = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 # fmt: off
-WORDS = ["the", "a", "river", "model", "token", "cache", "slot", "pool", "hello", "world",
+WORDS = ["", "the", "a", "river", "model", "token", "cache", "slot", "pool", "hello", "world",
          "agent", "server", "<|im_start|>", "<|im_end|>", "user", "assistant", "system"]
 # fmt: on
 
@@ -61,15 +61,31 @@ class Shape:
         return self.kv_heads[il] if isinstance(self.kv_heads, list) else self.kv_heads
 
 
+#: The bytes that have a byte token: printable ASCII and the newline. Whatever the random
+#: weights generate then decodes to valid text; b9093 answers 500 ``Failed to parse input``
+#: when a completion holds a lone byte of a UTF-8 sequence (0x80-0xFF), as a vocabulary with
+#: all 256 byte tokens produces. The bare "\u2581" (a space, WORDS[0]) keeps the tokenizer
+#: from falling back to the bytes of that character, which have no token then.
+TEXT_BYTES = (0x0A, *range(0x20, 0x7F))
+
+
+FILLER = 256 - len(TEXT_BYTES)
+
+
 def _vocab() -> tuple[list[str], list[float], list[int]]:
     tokens = ["<unk>", "<s>", "</s>"]
     types = [2, 3, 3]  # UNKNOWN, CONTROL, CONTROL
-    tokens += [f"<0x{b:02X}>" for b in range(256)]
-    types += [6] * 256  # BYTE
+    tokens += [f"<0x{b:02X}>" for b in TEXT_BYTES]
+    types += [6] * len(TEXT_BYTES)  # BYTE
     for w in WORDS:
         tokens.append("\u2581" + w if not w.startswith("<|") else w)
         types.append(1)  # NORMAL
-    scores = [0.0] * 3 + [0.0] * 256 + [-float(i + 1) for i in range(len(WORDS))]
+    # filler text tokens keep the vocabulary about its old size (276), so end-of-sequence is as
+    # rare in a random completion as it was with all 256 byte tokens
+    tokens += [f"w{i}" for i in range(FILLER)]
+    types += [1] * FILLER
+    scores = [0.0] * 3 + [0.0] * len(TEXT_BYTES) + [-float(i + 1) for i in range(len(WORDS))]
+    scores += [-float(len(WORDS) + i + 1) for i in range(FILLER)]
     return tokens, scores, types
 
 

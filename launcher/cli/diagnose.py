@@ -40,6 +40,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         metavar="GGUF",
         help="the model, to price each fix in KV memory (default: the live generation's)",
     )
+    p.add_argument(
+        "--llama-server",
+        metavar="PATH",
+        help="the llama-server the fixes are for: only its flags are offered (default: the "
+        "live generation's, else $LLAMA_SERVER_BIN)",
+    )
     p.add_argument("--json", action="store_true", help="one JSON object")
     p.set_defaults(func=run)
 
@@ -107,6 +113,21 @@ def _pricer(model: str | None) -> MemoryCost | None:
     return cost
 
 
+def _lacks_cap(path: str | None, live: Generation | None) -> str | None:
+    """Why the llama-server the fixes are for has no --kv-unified-per-slot (None: it has it,
+    or no binary is known)."""
+    import os
+
+    from launcher import binary
+
+    if path is None and live is not None:
+        path = live.meta.get("config", {}).get("llama_server")
+    path = path or os.environ.get("LLAMA_SERVER_BIN")
+    if not path:
+        return None
+    return binary.inspect(path).lacks("--kv-unified-per-slot")
+
+
 def run(ns: argparse.Namespace) -> int:
     from launcher import diagnose
     from launcher.cli import emit
@@ -123,7 +144,12 @@ def run(ns: argparse.Namespace) -> int:
         model = model or live.meta.get("config", {}).get("model")
     with _open(ns) as (stream, source):
         report = diagnose.diagnose(
-            stream, source, pool_hint=pool_hint, pool_hint_source=hint_source, memory=_pricer(model)
+            stream,
+            source,
+            pool_hint=pool_hint,
+            pool_hint_source=hint_source,
+            memory=_pricer(model),
+            lacks_cap=_lacks_cap(ns.llama_server, live),
         )
     emit(report.to_dict(), ns.json, lambda: render(report))
     return 0
@@ -227,6 +253,13 @@ def render(r: Report) -> str:
     if not r.verdicts:
         out.append("")
         out.append("Verdict: no context failures in the input")
+    if r.unplaced_lines:
+        out.append("")
+        out.append(
+            f"Not placed in any failure: {r.unplaced_lines:,} line(s) with "
+            "'Context size has been exceeded':"
+        )
+        out.extend(f"  {s}" for s in r.unplaced_samples)
     if r.drift_lines:
         out.append("")
         out.append(f"Possible format drift: {r.drift_lines:,} slot/KV line(s) not understood:")

@@ -51,7 +51,9 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--llama-server",
         metavar="BIN",
-        help="plan for the devices this llama-server sees now (its --list-devices)",
+        help="the llama-server to plan for: only its flags are offered, and without --devices "
+        "the devices it sees now (its --list-devices); default for the flags: "
+        "$LLAMA_SERVER_BIN; without either a build with --kv-unified-per-slot is assumed",
     )
     p.add_argument(
         "--ngl",
@@ -102,8 +104,22 @@ def handle(ns: argparse.Namespace) -> int:
     if ns.ngl is not None and ns.ngl != "all":
         ngl = _whole("--ngl", ns.ngl, "all")
     box = _box(ns)
+    import os
+
+    from launcher import binary
+
+    path = ns.llama_server or os.environ.get("LLAMA_SERVER_BIN")
+    server = binary.inspect(path) if path else None
     plan = make_plan(
-        slots, window, ns.cache, ns.model, available, cache_ram_mib=cram, box=box, n_gpu_layers=ngl
+        slots,
+        window,
+        ns.cache,
+        ns.model,
+        available,
+        cache_ram_mib=cram,
+        box=box,
+        n_gpu_layers=ngl,
+        server=server,
     )
     emit({"ok": True, **plan.to_dict()}, ns.json, lambda: render(plan))
     return 0
