@@ -33,7 +33,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from launcher import config, envfile, launch, pool, serverlog, store, validate
+from launcher import config, envfile, handover, launch, pool, serverlog, store, validate
 from launcher.errors import (
     ConfigInvalid,
     DeployFailed,
@@ -80,6 +80,7 @@ class Result:
     failure: dict[str, Any] | None = None
     rollback: dict[str, Any] | None = None
     recovered: dict[str, Any] | None = None
+    handover: dict[str, Any] | None = None  # drain, slots, front, stop (launcher/handover.py)
 
     @property
     def ok(self) -> bool:
@@ -173,6 +174,7 @@ class Deployer:
         self.spawn_warnings: list[str] = []
         #: deploy even when the memory guard says the config does not fit (--force-memory)
         self.force_memory = False
+        self.handover = handover.Handover()  # handover: replaced by prepare() per restart
 
     # -- entry points ----------------------------------------------------------------------
 
@@ -397,6 +399,7 @@ class Deployer:
             with contextlib.suppress(StoreError):
                 gen = self.store.get(int(txn["to"]))
                 self.store.update(gen, outcome="interrupted")
+        report.update(handover.recover(self.store.root, self.systemd.unit))  # handover
         if not report.get("gate", {"ok": True}).get("ok") and txn.get("from") is not None:
             with contextlib.suppress(StoreError):
                 self.store.update(self.store.get(int(txn["from"])), gate_failed_at=time.time())
@@ -613,6 +616,19 @@ class Deployer:
             gen = self.store.new(checked.env_text, meta)
             self.store.mark(to=gen.number)
             self._checkpoint("stored")
+            # handover: hold the front, drain, save the slots (nothing live is changed yet)
+            old = handover.Endpoint(
+                self.url_for(self._argv_of(live_text)), self._key_for_text(live_text)
+            )
+            self.handover = handover.prepare(
+                self.store.root,
+                self.systemd.unit,
+                old if live_text is not None else None,
+                self.store.get(prev_number).meta if prev_number else None,
+                before,
+                self.settings.drain_timeout,
+                self._say,
+            )
         except (OSError, Interrupted) as e:
             # nothing live was touched: the record goes, a stored generation stays as a trace
             with self._deferred_signals(), contextlib.suppress(OSError, StoreError):
@@ -647,6 +663,14 @@ class Deployer:
             )
             timings.update(gate.timings)
             timings["restart_to_serving"] = round(time.monotonic() - t_restart, 3)
+            result.handover = self.handover.after_gate(  # handover: front, restore, release
+                meta,
+                handover.Endpoint(
+                    self.url_for(checked.argv), read_api_key(checked.config.api_key_file)
+                ),
+                checked.plan.n_slots,
+            )
+            result.warnings += self.handover.warnings
         except (LauncherError, OSError, Interrupted) as e:
             return self._fail(e, gen, live_text, prev_number, result, t0)
         # the gate passed: the bookkeeping is finished before a signal is acted on
@@ -709,6 +733,7 @@ class Deployer:
                 }
             else:
                 rb = self._restart_old(prev_number, live_text)
+            result.handover = self.handover.after_rollback(bool(rb.get("ok")))  # handover
             with contextlib.suppress(OSError):
                 self.store.update(gen, outcome="failed", failure=failure)
                 if restored:

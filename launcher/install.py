@@ -7,10 +7,13 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from launcher import config, units
+from launcher import config, front, units
 from launcher.deploy import Deployer, Progress, Result, client_window_path
 from launcher.errors import ConfigInvalid, LauncherError
 from launcher.systemd import Systemd
+
+#: The fronts ``install --front`` knows.
+FRONTS = ("none", "haproxy")
 
 
 def install(
@@ -20,12 +23,20 @@ def install(
     progress: Progress | None = None,
     systemd: Systemd | None = None,
     force_memory: bool = False,
+    front_kind: str = "none",
 ) -> Result:
     """Install the unit, create folders with safe modes, enable it, deploy through the gate.
 
     A failed first deploy leaves the unit stopped (and says why); on a host that already
     serves a config, a failed deploy leaves that config serving (the deployer rolls back).
+    The config gets a ``--slot-save-path`` under the state dir unless it names one (the
+    handover carries the slots' caches across restarts). ``front_kind="haproxy"``: HAProxy
+    holds the config's address and llama-server moves to a private one (``launcher.front``).
     """
+    if front_kind not in FRONTS:
+        raise ConfigInvalid(
+            f"--front {front_kind!r} is not a front; use one of {', '.join(FRONTS)}"
+        )
     env_file = settings.resolved_env_file()
     unit_dir = settings.resolved_unit_dir()
     if template:
@@ -34,6 +45,15 @@ def install(
     state_dir = settings.resolved_state_dir()
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(state_dir, 0o700)
+    cfg = _with_slot_save_path(cfg, state_dir)
+    the_front = front.Front(state_dir, settings.unit_name)
+    spec = the_front.spec()
+    if front_kind == "haproxy":
+        spec = _front_spec(cfg, spec)
+        # llama-server listens on the private address; the front holds the config's one
+        cfg = cfg.model_copy(update={"host": spec.private_host, "port": spec.private_port})
+    elif spec is not None:
+        cfg = cfg.model_copy(update={"host": spec.private_host, "port": spec.private_port})
     unit_dir.mkdir(parents=True, exist_ok=True)
     if template:
         unit_file = unit_dir / "llama-server@.service"
@@ -52,7 +72,70 @@ def install(
     deployer.force_memory = force_memory
     # no stop on failure here: with no previous config the rollback stops the unit itself,
     # and with one it serves that config again
-    return deployer.deploy(cfg, origin="install")
+    result = deployer.deploy(cfg, origin="install")
+    if front_kind == "haproxy" and spec is not None:
+        slots = int((result.planned or {}).get("n_slots") or 1)
+        result.handover = {
+            **(result.handover or {}),
+            "front": install_front(the_front, spec, slots, settings.scope, unit_dir),
+        }
+    return result
+
+
+def _with_slot_save_path(cfg: config.ServerConfig, state_dir: Path) -> config.ServerConfig:
+    """A save path for the slots under the state dir, unless the config names one. The
+    service must be able to write it (under a service user: its StateDirectory=)."""
+    if cfg.slot_save_path is not None:
+        return cfg
+    folder = state_dir / "slots"
+    folder.mkdir(exist_ok=True, mode=0o700)
+    return cfg.model_copy(update={"slot_save_path": folder})
+
+
+def _front_spec(cfg: config.ServerConfig, old: front.FrontSpec | None) -> front.FrontSpec:
+    """The config's address becomes the public one; the private one is kept across
+    re-installs (the server may be listening on it)."""
+    host = "127.0.0.1"
+    if old is not None and (old.public_host, old.public_port) == (cfg.host, cfg.port):
+        return old
+    if old is not None:
+        return front.FrontSpec(cfg.host, cfg.port, old.private_host, old.private_port)
+    return front.FrontSpec(cfg.host, cfg.port, host, front.free_port(host))
+
+
+def install_front(
+    the_front: front.Front,
+    spec: front.FrontSpec,
+    slots: int,
+    scope: str,
+    unit_dir: Path,
+) -> dict[str, Any]:
+    """HAProxy's config (validated, swapped), its socket and service units, started."""
+    text = the_front.render(spec, slots)
+    the_front.validate(text, spec)
+    changed = the_front.live_text() != text
+    the_front.swap(text)
+    the_front.save_spec(spec)
+    (unit_dir / the_front.socket_unit).write_text(the_front.socket_text(spec))
+    (unit_dir / the_front.service).write_text(the_front.service_text(spec))
+    sock = Systemd(the_front.socket_unit, "user" if scope == "user" else "system")
+    service = Systemd(the_front.service, sock.scope)
+    sock.daemon_reload()
+    sock.enable()
+    sock.run([*sock_ctl(sock), "start", "--", the_front.socket_unit], timeout=60, env=sock.env)
+    verb = "restart" if changed else "start"
+    service.run([*sock_ctl(service), verb, "--", the_front.service], timeout=60, env=service.env)
+    return {
+        "kind": "haproxy",
+        "public": f"{spec.public_host}:{spec.public_port}",
+        "private": f"{spec.private_host}:{spec.private_port}",
+        "units": [the_front.socket_unit, the_front.service],
+        "config": str(the_front.config_path),
+    }
+
+
+def sock_ctl(systemd: Systemd) -> list[str]:
+    return ["systemctl", *(["--user"] if systemd.scope == "user" else [])]
 
 
 def _check_template(settings: config.ToolSettings, env_file: Path, unit_dir: Path) -> None:
@@ -99,6 +182,7 @@ def uninstall(
             f.unlink()
             done.setdefault("removed", []).append(str(f))
     state = settings.resolved_state_dir()
+    done.update(_uninstall_front(settings, systemd))
     if purge and state.exists():
         shutil.rmtree(state)
         done["purged"] = str(state)
@@ -107,3 +191,19 @@ def uninstall(
     systemd.daemon_reload()
     systemd.reset_failed()
     return done
+
+
+def _uninstall_front(settings: config.ToolSettings, systemd: Systemd) -> dict[str, Any]:
+    the_front = front.Front(settings.resolved_state_dir(), settings.unit_name)
+    unit_dir = settings.resolved_unit_dir()
+    files = [unit_dir / the_front.service, unit_dir / the_front.socket_unit]
+    if not any(f.exists() for f in files):
+        return {}
+    for unit in (the_front.service, the_front.socket_unit):
+        systemd.run(
+            [*sock_ctl(systemd), "disable", "--now", "--", unit], check=False, env=systemd.env
+        )
+    for f in files:
+        f.unlink(missing_ok=True)
+    the_front.spec_path.unlink(missing_ok=True)
+    return {"removed_front": [str(f) for f in files]}

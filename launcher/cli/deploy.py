@@ -52,6 +52,22 @@ def _memory_option(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _drain_options(p: argparse.ArgumentParser) -> None:
+    """The handover of a restart (launcher/handover.py)."""
+    g = p.add_argument_group("before the restart")
+    g.add_argument(
+        "--drain-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="wait at most this long for requests in flight to finish (default 120)",
+    )
+    g.add_argument(
+        "--no-drain",
+        action="store_true",
+        help="restart at once, cutting requests in flight (and saving no slot caches)",
+    )
+
+
 def _parser(sub: Any, name: str, help: str, flags: bool = False) -> argparse.ArgumentParser:
     from launcher.cli import EPILOG
 
@@ -94,6 +110,7 @@ def register(sub: Any) -> None:
     )
     _config_options(p)
     _mode_options(p)
+    _drain_options(p)
     _settings_options(p)
     _memory_option(p)
     p.set_defaults(func=cmd_deploy)
@@ -111,6 +128,7 @@ def register(sub: Any) -> None:
         help="accept a shared KV pool whose slots can exhaust it",
     )
     _mode_options(p)
+    _drain_options(p)
     _settings_options(p)
     _memory_option(p)
     p.set_defaults(func=cmd_set)
@@ -122,6 +140,7 @@ def register(sub: Any) -> None:
         True,
     )
     _mode_options(p)
+    _drain_options(p)
     _settings_options(p)
     _memory_option(p)
     p.set_defaults(func=cmd_unset)
@@ -132,6 +151,7 @@ def register(sub: Any) -> None:
         "go back to the last known-good generation (or --to N) through the same gate",
     )
     p.add_argument("--to", type=int, metavar="N", help="generation number (see history)")
+    _drain_options(p)
     _settings_options(p)
     p.set_defaults(func=cmd_rollback)
 
@@ -167,6 +187,14 @@ def register(sub: Any) -> None:
     _config_options(p)
     p.add_argument("--instance", help="install llama-server@INSTANCE.service (template unit)")
     p.add_argument("--unit-dir", type=Path, help="where the unit file goes")
+    p.add_argument(
+        "--front",
+        choices=["none", "haproxy"],
+        default="none",
+        help="haproxy: HAProxy holds the address and holds requests during deploys; "
+        "llama-server moves to a private one (default none)",
+    )
+    _drain_options(p)
     _settings_options(p)
     _memory_option(p)
     p.set_defaults(func=cmd_install)
@@ -215,6 +243,7 @@ def settings_from(ns: argparse.Namespace) -> ToolSettings:
         probe_timeout=ns.probe_timeout,
         lock_timeout=ns.lock_timeout,
         unit_dir=getattr(ns, "unit_dir", None),
+        drain_timeout=0.0 if getattr(ns, "no_drain", False) else getattr(ns, "drain_timeout", None),
     )
 
 
@@ -304,6 +333,7 @@ def human(result: Result, show_diff: bool = True) -> str:
         lines.append(
             f"  completion: {result.probe['completion_tokens']} tokens in {result.probe['ms']} ms"
         )
+    lines += handover_lines(result.handover)
     for w in result.warnings:
         lines.append(f"  warning: {w}")
     if result.memory.get("after"):
@@ -319,6 +349,37 @@ def human(result: Result, show_diff: bool = True) -> str:
     if result.recovered:
         lines.append(f"  recovered an interrupted deploy first: {result.recovered}")
     return "\n".join(lines)
+
+
+def handover_lines(data: dict[str, Any] | None) -> list[str]:
+    """The drain, the slots carried and the front, one line each."""
+    if not data:
+        return []
+    lines = []
+    drained = data.get("drain") or {}
+    if drained:
+        lines.append(
+            "  drain: " + str(drained.get("message") or f"no drain: {drained.get('skipped')}")
+        )
+    carried = data.get("slots") or {}
+    if carried.get("saved") or carried.get("skipped"):
+        restored = carried.get("restored", [])
+        tokens = sum(int(r.get("tokens", 0)) for r in restored)
+        lines.append(
+            f"  slots: {len(carried.get('saved', []))} saved, {len(restored)} restored "
+            f"({tokens} tokens), {len(carried.get('skipped', []))} skipped"
+        )
+        for s in carried.get("skipped", [])[:4]:
+            lines.append(f"    skipped slot {s.get('slot')}: {s.get('reason')}")
+    elif carried.get("note"):
+        lines.append(f"  slots: {carried['note']}")
+    held = (data.get("front") or {}).get("held_seconds")
+    if held is not None:
+        lines.append(f"  front: new requests were held for {held:.2f}s, then released")
+    stop = data.get("stop") or {}
+    if stop.get("exited_after") is not None:
+        lines.append(f"  old process: exited {stop['exited_after']:.2f}s after the restart began")
+    return lines
 
 
 def _mib(value: Any) -> str:
@@ -416,6 +477,7 @@ def cmd_install(ns: argparse.Namespace) -> int:
         template=bool(ns.instance),
         progress=None if ns.json else _progress(),
         force_memory=ns.force_memory,
+        front_kind=ns.front,
     )
     return _finish(ns, result)
 
