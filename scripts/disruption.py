@@ -28,6 +28,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from datetime import date
 from pathlib import Path
 from typing import Any
 
@@ -41,10 +42,11 @@ import tinymodel  # noqa: E402
 
 UNIT_DIR = Path(os.environ["LLAMA_LAUNCHER_SANDBOX"]) / "units"
 AGENTS = 4
-SYSTEM_WORDS = 1200  # each word of tinymodel.WORDS is one token
-TURN_WORDS = 60
+# the tiny vocabulary spells a word byte by byte: about 7.5 tokens a word
+SYSTEM_WORDS = 150
+TURN_WORDS = 12
 REPLY_TOKENS = 16
-HISTORY_LIMIT = 2400  # then the agent starts a new conversation
+HISTORY_LIMIT = 2000  # prompt tokens (the server's usage); then a new conversation
 THINK = (0.3, 1.2)  # seconds between turns
 BETWEEN_DEPLOYS = 6.0
 BAD_TEMPLATE = (
@@ -66,6 +68,8 @@ class Turn:
     status: int | None = None
     complete: bool = False
     error: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
 
 
 @dataclass
@@ -92,23 +96,24 @@ class Agent(threading.Thread):
     def new_conversation(self) -> None:
         self.conversation += 1
         self.messages = [{"role": "system", "content": self.words(SYSTEM_WORDS)}]
-        self.tokens = SYSTEM_WORDS
+        self.tokens = 0
 
     def run(self) -> None:
         self.new_conversation()
+        pending = False
         with httpx.Client(timeout=httpx.Timeout(120, connect=120)) as client:
             while not self.stop.is_set():
-                if self.tokens > HISTORY_LIMIT:
+                if self.tokens > HISTORY_LIMIT and not pending:
                     self.new_conversation()
-                self.messages.append({"role": "user", "content": self.words(TURN_WORDS)})
-                self.tokens += TURN_WORDS
+                if not pending:
+                    self.messages.append({"role": "user", "content": self.words(TURN_WORDS)})
                 turn = Turn(self.n, self.conversation, time.monotonic())
                 self.turns.append(turn)
                 reply = self.turn(client, turn)
-                self.messages.append({"role": "assistant", "content": reply})
-                self.tokens += REPLY_TOKENS
-                if not turn.complete:
-                    self.new_conversation()  # the agent gives up on what it had
+                # a failed turn is sent again after the think time, like an agent retrying
+                pending = not turn.complete
+                if turn.complete:
+                    self.messages.append({"role": "assistant", "content": reply})
                 self.stop.wait(self.rng.uniform(*THINK))
 
     def turn(self, client: httpx.Client, turn: Turn) -> str:
@@ -118,6 +123,7 @@ class Agent(threading.Thread):
             "stream": True,
             "ignore_eos": True,
             "temperature": 0,
+            "stream_options": {"include_usage": True},
         }
         parts: list[str] = []
         finish = None
@@ -128,7 +134,14 @@ class Agent(threading.Thread):
                     if line == "data: [DONE]":
                         turn.complete = finish is not None
                     elif line.startswith("data: "):
-                        for choice in json.loads(line[6:]).get("choices", []):
+                        chunk = json.loads(line[6:])
+                        usage = chunk.get("usage") or {}
+                        self.tokens = int(usage.get("total_tokens") or self.tokens)
+                        if usage:
+                            turn.prompt_tokens = int(usage.get("prompt_tokens", 0))
+                            details = usage.get("prompt_tokens_details") or {}
+                            turn.cached_tokens = int(details.get("cached_tokens", 0))
+                        for choice in chunk.get("choices", []):
                             if turn.ttft is None:
                                 turn.ttft = time.monotonic() - turn.start
                             parts.append(choice.get("delta", {}).get("content") or "")
@@ -196,26 +209,45 @@ def run_mode(mode: str, tmp: Path, model: Path, server: str) -> dict[str, Any]:
 
 
 def summarize(mode: str, turns: list[Turn], deploys: list[Deploy]) -> dict[str, Any]:
-    bad = [t for t in turns if t.status != 200 or not t.complete or t.error]
+    cut = [t for t in turns if t.ttft is not None and not t.complete]
+    refused = [t for t in turns if t.ttft is None and not t.complete]
     waits = [t.ttft if t.ttft is not None else (t.end or 0) - t.start for t in turns]
-    ratios = []
+    ratios, shares = [], []
     for d in deploys:
         for agent in range(AGENTS):
             mine = [t for t in turns if t.agent == agent and t.complete and t.ttft is not None]
-            before = [t for t in mine if (t.end or 0) < d.start]
-            after = [t for t in mine if t.start > d.end]
-            if before and after and before[-1].conversation == after[0].conversation:
-                assert before[-1].ttft and after[0].ttft
-                ratios.append(after[0].ttft / before[-1].ttft)
+            after = [t for t in mine if t.start > d.end][:1]
+            # before: the agent's last three turns in the same conversation (a conversation's
+            # first turn has nothing cached, with or without a deploy)
+            before = [
+                t.ttft
+                for t in mine
+                if (t.end or 0) < d.start and after and t.conversation == after[0].conversation
+            ][-3:]
+            if before and after and after[0].ttft:
+                ratios.append(after[0].ttft / statistics.median(before))
+                shares.append(after[0].cached_tokens / max(after[0].prompt_tokens, 1))
+    if os.environ.get("BENCH_DUMP"):
+        with open(os.environ["BENCH_DUMP"] + f".{mode}.json", "w") as f:
+            json.dump(
+                {
+                    "turns": [t.__dict__ for t in turns],
+                    "deploys": [d.__dict__ for d in deploys],
+                },
+                f,
+                default=str,
+            )
     restored = sum(len((d.handover.get("slots") or {}).get("restored", [])) for d in deploys)
     return {
         "mode": mode,
         "requests": len(turns),
-        "failed_or_cut": len(bad),
+        "failed": len(refused),
+        "cut": len(cut),
         "longest_wait_s": max(waits) if waits else 0.0,
         "ttft_ratio_median": statistics.median(ratios) if ratios else None,
         "ttft_ratio_max": max(ratios) if ratios else None,
         "ratios": len(ratios),
+        "cached_share_after": statistics.median(shares) if shares else None,
         "outcomes": [d.outcome for d in deploys],
         "deploy_s": [round(d.end - d.start, 1) for d in deploys],
         "slots_restored": restored,
@@ -235,18 +267,25 @@ def main() -> None:
         "(rolls back); the tiny model, -c 16384 -np 4 -t 1, on this machine:"
     )
     print(
-        f"{'mode':6} {'requests':>8} {'failed/cut':>10} {'longest wait s':>14} "
-        f"{'TTFT after/before':>18} {'(max)':>7}  outcomes; deploy s; slots restored"
+        f"{'mode':6} {'requests':>8} {'failed':>6} {'cut':>4} {'longest wait s':>14} "
+        f"{'TTFT after/before':>18} {'(max)':>7} {'cached after':>12}  "
+        "outcomes; deploy s; slots restored"
     )
     for r in rows:
         med = f"{r['ttft_ratio_median']:.2f}" if r["ttft_ratio_median"] is not None else "-"
         mx = f"{r['ttft_ratio_max']:.2f}" if r["ttft_ratio_max"] is not None else "-"
+        share = f"{r['cached_share_after']:.0%}" if r["cached_share_after"] is not None else "-"
         print(
-            f"{r['mode']:6} {r['requests']:8d} {r['failed_or_cut']:10d} "
-            f"{r['longest_wait_s']:14.2f} {med:>18} {mx:>7}  "
+            f"{r['mode']:6} {r['requests']:8d} {r['failed']:6d} {r['cut']:4d} "
+            f"{r['longest_wait_s']:14.2f} {med:>18} {mx:>7} {share:>12}  "
             f"{'/'.join(r['outcomes'])}; {r['deploy_s']}; {r['slots_restored']}"
         )
-    print("goals: front 0 failed or cut; carry TTFT after/before <= 1.3")
+    print(
+        "TTFT after/before: each agent's first turn after a deploy / the median of its last "
+        "three turns before it, in the same conversation (median and max over agents and "
+        "deploys); cached after: the share of that turn's prompt the server had cached"
+    )
+    print(f"goals: front 0 failed or cut; carry TTFT after/before <= 1.3 ({date.today()})")
     if "--json" in os.environ.get("BENCH_FLAGS", ""):
         print(json.dumps(rows))
 
