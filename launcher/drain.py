@@ -13,7 +13,6 @@ hands in the real server.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -216,8 +215,3 @@ def linger_warning(watch: dict[str, Any]) -> str | None:
         f"the old llama-server (pid {watch['old_pid']}) took {took} to exit after SIGTERM "
         "(llama-server does not drain; systemd ends it with SIGKILL at TimeoutStopSec)"
     )
-
-
-def pid_exists(pid: int) -> bool:
-    """Whether ``pid`` is a live (not zombie) process."""
-    return pid > 0 and _running(pid) and os.path.exists(f"/proc/{pid}")
