@@ -499,6 +499,9 @@ class ToolSettings(BaseSettings):
     drain_timeout: float = Field(
         120.0, ge=0, description="wait for requests in flight before a restart; 0: no drain"
     )
+    carry_slots: bool = Field(
+        True, description="a config without --slot-save-path gets STATE_DIR/slots"
+    )
 
     @classmethod
     def settings_customise_sources(

@@ -480,6 +480,7 @@ class Deployer:
         t0 = time.monotonic()
         timings: dict[str, float] = {}
         cfg = self._materialize_key(cfg, write=not check)
+        cfg = handover.with_slot_dir(cfg, self.store.root, self.settings.carry_slots, not check)
         self._say("validate")
         from concurrent.futures import ThreadPoolExecutor
 

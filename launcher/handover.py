@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from launcher import drain, slots
+from launcher import config, drain, slots
 from launcher.errors import GateFailure
 from launcher.front import Front, FrontError, FrontSpec
 from launcher.systemd import UnitState
@@ -253,6 +253,21 @@ def _safe_count(count: Callable[[], int]) -> Callable[[], int]:
             return 0
 
     return read
+
+
+def with_slot_dir(
+    cfg: config.ServerConfig, state_dir: Path, carry: bool, create: bool
+) -> config.ServerConfig:
+    """Every config carries its slots: ``--slot-save-path STATE_DIR/slots`` unless it names
+    one (or ``carry_slots`` is off), so a whole desired config (``deploy --config``, Ansible)
+    keeps it too. The service must be able to write it (under a service user: its
+    ``StateDirectory=``)."""
+    if cfg.slot_save_path is not None or not carry:
+        return cfg
+    folder = state_dir / "slots"
+    if create:
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return cfg.model_copy(update={"slot_save_path": folder})
 
 
 def prepare(

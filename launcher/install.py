@@ -29,8 +29,8 @@ def install(
 
     A failed first deploy leaves the unit stopped (and says why); on a host that already
     serves a config, a failed deploy leaves that config serving (the deployer rolls back).
-    The config gets a ``--slot-save-path`` under the state dir unless it names one (the
-    handover carries the slots' caches across restarts). ``front_kind="haproxy"``: HAProxy
+    The deploy gives the config ``--slot-save-path STATE_DIR/slots`` unless it names one
+    (``handover.with_slot_dir``). ``front_kind="haproxy"``: HAProxy
     holds the config's address and llama-server moves to a private one (``launcher.front``).
     """
     if front_kind not in FRONTS:
@@ -45,7 +45,6 @@ def install(
     state_dir = settings.resolved_state_dir()
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(state_dir, 0o700)
-    cfg = _with_slot_save_path(cfg, state_dir)
     the_front = front.Front(state_dir, settings.unit_name)
     spec = the_front.spec()
     if front_kind == "haproxy":
@@ -80,16 +79,6 @@ def install(
             "front": install_front(the_front, spec, slots, settings.scope, unit_dir),
         }
     return result
-
-
-def _with_slot_save_path(cfg: config.ServerConfig, state_dir: Path) -> config.ServerConfig:
-    """A save path for the slots under the state dir, unless the config names one. The
-    service must be able to write it (under a service user: its StateDirectory=)."""
-    if cfg.slot_save_path is not None:
-        return cfg
-    folder = state_dir / "slots"
-    folder.mkdir(exist_ok=True, mode=0o700)
-    return cfg.model_copy(update={"slot_save_path": folder})
 
 
 def _front_spec(cfg: config.ServerConfig, old: front.FrontSpec | None) -> front.FrontSpec:
