@@ -500,7 +500,7 @@ class ToolSettings(BaseSettings):
         120.0, ge=0, description="wait for requests in flight before a restart; 0: no drain"
     )
     carry_slots: bool = Field(
-        True, description="a config without --slot-save-path gets STATE_DIR/slots"
+        False, description="a config without --slot-save-path gets STATE_DIR/slots"
     )
 
     @classmethod

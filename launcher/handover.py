@@ -258,9 +258,9 @@ def _safe_count(count: Callable[[], int]) -> Callable[[], int]:
 def with_slot_dir(
     cfg: config.ServerConfig, state_dir: Path, carry: bool, create: bool
 ) -> config.ServerConfig:
-    """Every config carries its slots: ``--slot-save-path STATE_DIR/slots`` unless it names
-    one (or ``carry_slots`` is off), so a whole desired config (``deploy --config``, Ansible)
-    keeps it too. The service must be able to write it (under a service user: its
+    """With ``carry_slots`` on, every config carries its slots: ``--slot-save-path
+    STATE_DIR/slots`` unless it names one, so a whole desired config (``deploy --config``,
+    Ansible) keeps it too. The service must be able to write it (under a service user: its
     ``StateDirectory=``)."""
     if cfg.slot_save_path is not None or not carry:
         return cfg

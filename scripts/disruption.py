@@ -8,7 +8,7 @@ fails its gate and rolls back (a chat template that refuses only the probe). Per
 
 - ``bare``:  ``--no-drain``, the restart as it was before the handover (SIGTERM at once);
 - ``drain``: wait for requests in flight, no slot save path (caches are lost);
-- ``carry``: drain + the slots saved and restored (``--slot-save-path``, the deploy's default);
+- ``carry``: drain + the slots saved and restored (``--slot-save-path``, setting ``carry_slots``);
 - ``front``: ``install --front haproxy``: new requests held at HAProxy, drain, carry.
 
 It prints requests failed or cut, the longest wait for a first token any agent saw, and
@@ -173,8 +173,8 @@ def run_mode(mode: str, tmp: Path, model: Path, server: str) -> dict[str, Any]:
         LLAMA_LAUNCHER_STATE_DIR=str(tmp / mode / "state"),
         LLAMA_LAUNCHER_UNIT_DIR=str(UNIT_DIR),
     )
-    if mode == "drain":
-        env["LLAMA_LAUNCHER_CARRY_SLOTS"] = "false"  # no --slot-save-path: caches are lost
+    # drain: no --slot-save-path, the caches are lost
+    env["LLAMA_LAUNCHER_CARRY_SLOTS"] = "false" if mode == "drain" else "true"
     flags = ["-m", str(model), "--port", str(port), "--llama-server", server]
     flags += ["-c", "16384", "-np", str(AGENTS), "-t", "1"]
     out = cli(env, "install", *flags, *(["--front", "haproxy"] if mode == "front" else []))

@@ -90,6 +90,7 @@ def result_of(p: subprocess.Popen[str]) -> tuple[int, dict[str, Any]]:
 
 
 def installed(host: Host, *flags: str) -> dict[str, Any]:
+    host.env["LLAMA_LAUNCHER_CARRY_SLOTS"] = "true"  # every later command of the test too
     rc, out = host.install(*flags)
     assert (rc, out["outcome"]) == (0, "deployed"), out
     return out
