@@ -30,8 +30,9 @@ def install(
     A failed first deploy leaves the unit stopped (and says why); on a host that already
     serves a config, a failed deploy leaves that config serving (the deployer rolls back).
     With the setting ``carry_slots``, the deploy gives the config ``--slot-save-path
-    STATE_DIR/slots`` unless it names one (``handover.with_slot_dir``). ``front_kind="haproxy"``: HAProxy
-    holds the config's address and llama-server moves to a private one (``launcher.front``).
+    STATE_DIR/slots`` unless it names one (``handover.with_slot_dir``).
+    ``front_kind="haproxy"``: HAProxy holds the config's address and llama-server moves to a
+    private one (``launcher.front``).
     """
     if front_kind not in FRONTS:
         raise ConfigInvalid(
