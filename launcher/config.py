@@ -89,6 +89,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("chat_template_file", ("--chat-template-file",), "value"),
     Flag("metrics", ("--metrics",), "switch"),
     Flag("slots", ("--slots",), "bool", ("--no-slots",)),
+    Flag("slot_save_path", ("--slot-save-path",), "value"),
 )
 FLAG_BY_FIELD = {f.field: f for f in FLAGS}
 SPELLING = {s: f for f in FLAGS for s in (*f.spellings, *f.negative)}
@@ -132,6 +133,7 @@ class ServerConfig(BaseModel):
     chat_template_file: Path | None = None
     metrics: bool = False
     slots: bool | None = None
+    slot_save_path: Path | None = Field(None, description="where slots are saved (handover)")
     api_key_file: Path | None = Field(None, description="file with the API key, one per line")
     api_key: SecretStr | None = Field(None, description="written to a 0600 file, never argv")
     extra_args: tuple[str, ...] = ()
@@ -176,7 +178,14 @@ class ServerConfig(BaseModel):
         return v
 
     @field_validator(
-        "host", "alias", "llama_server", "model", "chat_template_file", "api_key_file", mode="after"
+        "host",
+        "alias",
+        "llama_server",
+        "model",
+        "chat_template_file",
+        "api_key_file",
+        "slot_save_path",
+        mode="after",
     )
     @classmethod
     def _no_control(cls, v: Any) -> Any:
@@ -533,6 +542,12 @@ class ToolSettings(BaseSettings):
         "auto",
         description="whether the devices' memory is the host's (auto: a device as large as "
         "the host's MemTotal, or Metal)",
+    )
+    drain_timeout: float = Field(
+        120.0, ge=0, description="wait for requests in flight before a restart; 0: no drain"
+    )
+    carry_slots: bool = Field(
+        False, description="a config without --slot-save-path gets STATE_DIR/slots"
     )
 
     @classmethod

@@ -23,6 +23,7 @@ from typing import Any
 from launcher import (
     config,
     envfile,
+    handover,
     home,
     keys,
     memory,
@@ -68,6 +69,7 @@ class Deployer:
         #: deploy even when the memory guard says the config does not fit (--force-memory)
         self.force_memory = force_memory
         self.on_phase = on_phase
+        self.handover = handover.Handover()  # replaced by handover.prepare() per restart
         #: the box's devices for the memory guard (None: the binary's --list-devices)
         self.devices: validate.Devices | None = None
 
@@ -150,6 +152,7 @@ class Deployer:
         t0 = time.monotonic()
         self.gate.say("validate")
         cfg = keys.materialize(self.store, cfg, write=not check)
+        cfg = handover.with_slot_dir(cfg, self.store.root, self.settings.carry_slots, not check)
         checked, running = validate.beside_state(
             cfg,
             self.systemd.state,
@@ -233,11 +236,13 @@ class Deployer:
         before: UnitState,
     ) -> Result:
         prev = result.previous_generation
-        gen = self._store(checked, live_text, prev, origin, result.planned)
+        gen = self._store(checked, live_text, prev, origin, result.planned, before)
         result.generation = gen.number
         result.memory["before"] = memory.process_memory(before) if before.running else None
         result.memory["estimate"] = checked.memory.to_dict()
-        undo = lambda e: self.reverter.undo(e, gen, live_text, prev, result, t0)  # noqa: E731
+        undo = lambda e: self.reverter.undo(  # noqa: E731
+            e, gen, live_text, prev, result, t0, self.handover.after_rollback
+        )
         with on_error(self.signals, undo):
             self._phase("swap")
             store.swap_env(self.env_file, checked.env_text)
@@ -251,6 +256,10 @@ class Deployer:
             gate = self.gate(checked.plan, cursor, before, key, checked.argv)
             result.timings.update(gate.timings)
             result.timings["restart_to_serving"] = round(time.monotonic() - t_restart, 3)
+            # the front's new config, the slots restored, the held requests released
+            new = handover.Endpoint(self.gate.url_for(checked.argv), key)
+            result.handover = self.handover.after_gate(gen.meta, new, checked.plan.n_slots)
+            result.warnings += self.handover.warnings
         with self.signals.deferred():  # the gate passed: the bookkeeping is finished first
             result.startup, result.probe = gate.startup, gate.probe
             result.warnings = [*result.warnings, *gate.warnings]
@@ -281,6 +290,7 @@ class Deployer:
         prev: int | None,
         origin: str,
         planned: dict[str, Any] | None,
+        before: UnitState,
     ) -> store.Generation:
         """Write the transaction record (it names the old text: the rollback is registered
         before anything live is touched), then the new generation."""
@@ -291,6 +301,7 @@ class Deployer:
             gen = self.store.new(checked.env_text, meta)
             self.store.mark(to=gen.number)
             self._phase("stored")
+            self._prepare_handover(live_text, prev, before)
             return gen
         except (OSError, Interrupted) as e:
             self.reverter.discard()
@@ -300,6 +311,22 @@ class Deployer:
                     "nothing live was changed (free space or fix the permissions, then retry)"
                 ) from e
             raise
+
+    def _prepare_handover(self, live_text: str | None, prev: int | None, before: UnitState) -> None:
+        """Before anything live changes: hold the front, drain, save the slots."""
+        old = handover.Endpoint(
+            self.gate.url_for(self.reverter.argv_of(live_text)),
+            keys.key_of_env(live_text, str(self.env_file)),
+        )
+        self.handover = handover.prepare(
+            self.store.root,
+            self.systemd.unit,
+            old if live_text is not None else None,
+            self.store.get(prev).meta if prev else None,
+            before,
+            self.settings.drain_timeout,
+            self.gate.say,
+        )
 
     def _window(self, checked: validate.Validated, number: int | None) -> dict[str, Any]:
         return window.window_data(self.settings.unit_name, checked, number)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from launcher import config, home, service, store, units
+from launcher import config, front, home, service, store, units
 from launcher.deploy import Deployer
 from launcher.errors import ConfigInvalid, LauncherError
 from launcher.gate import Progress
@@ -133,6 +133,10 @@ def write_unit(unit_file: Path, text: str, force: bool = False) -> bool:
     return True
 
 
+#: The fronts ``install --front`` knows.
+FRONTS = ("none", "haproxy")
+
+
 def install(
     settings: config.ToolSettings,
     cfg: config.ServerConfig,
@@ -143,14 +147,23 @@ def install(
     on_phase: Callable[[str], None] | None = None,
     force: bool = False,
     site: units.Site | None = None,
+    front_kind: str = "none",
 ) -> Result:
     """Install the unit, create folders with safe modes, enable it, deploy through the gate.
 
     A failed first deploy leaves the unit stopped (and says why); on a host that already
     serves a config, a failed deploy leaves that config serving (the deployer rolls back).
+    With the setting ``carry_slots``, the deploy gives the config ``--slot-save-path
+    STATE_DIR/slots`` unless it names one (``handover.with_slot_dir``).
+    ``front_kind="haproxy"``: HAProxy holds the config's address and llama-server moves to a
+    private one (``launcher.front``).
     Nothing is changed when the input is refused (a hand-edited unit without ``force``,
     system scope without root, user scope without linger).
     """
+    if front_kind not in FRONTS:
+        raise ConfigInvalid(
+            f"--front {front_kind!r} is not a front; use one of {', '.join(FRONTS)}"
+        )
     require_root(settings)
     require_linger(settings)
     env_file = settings.resolved_env_file()
@@ -163,6 +176,14 @@ def install(
     state_dir = settings.resolved_state_dir()
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(state_dir, 0o700)
+    the_front = front.Front(state_dir, settings.unit_name)
+    spec = the_front.spec()
+    if front_kind == "haproxy":
+        spec = _front_spec(cfg, spec)
+        # llama-server listens on the private address; the front holds the config's one
+        cfg = cfg.model_copy(update={"host": spec.private_host, "port": spec.private_port})
+    elif spec is not None:
+        cfg = cfg.model_copy(update={"host": spec.private_host, "port": spec.private_port})
     stage = Path(units.key_stage_path(str(state_dir)))
     if settings.scope == "system" and not stage.exists():
         store.atomic_write(stage, b"", 0o600)  # LoadCredential= needs it before any start
@@ -174,7 +195,60 @@ def install(
     deployer = Deployer(settings, systemd, progress, force_memory, on_phase)
     # no stop on failure here: with no previous config the rollback stops the unit itself,
     # and with one it serves that config again
-    return deployer.deploy(cfg, origin="install")
+    result = deployer.deploy(cfg, origin="install")
+    if front_kind == "haproxy" and spec is not None:
+        slots = int((result.planned or {}).get("n_slots") or 1)
+        result.handover = {
+            **(result.handover or {}),
+            "front": install_front(the_front, spec, slots, settings.scope, unit_file.parent),
+        }
+    return result
+
+
+def _front_spec(cfg: config.ServerConfig, old: front.FrontSpec | None) -> front.FrontSpec:
+    """The config's address becomes the public one; the private one is kept across
+    re-installs (the server may be listening on it)."""
+    host = "127.0.0.1"
+    if old is not None and (old.public_host, old.public_port) == (cfg.host, cfg.port):
+        return old
+    if old is not None:
+        return front.FrontSpec(cfg.host, cfg.port, old.private_host, old.private_port)
+    return front.FrontSpec(cfg.host, cfg.port, host, front.free_port(host))
+
+
+def install_front(
+    the_front: front.Front,
+    spec: front.FrontSpec,
+    slots: int,
+    scope: str,
+    unit_dir: Path,
+) -> dict[str, Any]:
+    """HAProxy's config (validated, swapped), its socket and service units, started."""
+    text = the_front.render(spec, slots)
+    the_front.validate(text, spec)
+    changed = the_front.live_text() != text
+    the_front.swap(text)
+    the_front.save_spec(spec)
+    (unit_dir / the_front.socket_unit).write_text(the_front.socket_text(spec))
+    (unit_dir / the_front.service).write_text(the_front.service_text(spec))
+    sock = Systemd(the_front.socket_unit, "user" if scope == "user" else "system")
+    service = Systemd(the_front.service, sock.scope)
+    sock.daemon_reload()
+    sock.enable()
+    sock.run([*sock_ctl(sock), "start", "--", the_front.socket_unit], timeout=60, env=sock.env)
+    verb = "restart" if changed else "start"
+    service.run([*sock_ctl(service), verb, "--", the_front.service], timeout=60, env=service.env)
+    return {
+        "kind": "haproxy",
+        "public": f"{spec.public_host}:{spec.public_port}",
+        "private": f"{spec.private_host}:{spec.private_port}",
+        "units": [the_front.socket_unit, the_front.service],
+        "config": str(the_front.config_path),
+    }
+
+
+def sock_ctl(systemd: Systemd) -> list[str]:
+    return ["systemctl", *(["--user"] if systemd.scope == "user" else [])]
 
 
 def _check_template(settings: config.ToolSettings, env_file: Path, unit_dir: Path) -> None:
@@ -246,6 +320,7 @@ def uninstall(
         if f.exists():
             f.unlink()
             done.setdefault("removed", []).append(str(f))
+    done.update(_uninstall_front(settings, systemd))
     if purge and state.exists():
         shutil.rmtree(state)
         done["purged"] = str(state)
@@ -254,3 +329,19 @@ def uninstall(
     systemd.daemon_reload()
     systemd.reset_failed()
     return done
+
+
+def _uninstall_front(settings: config.ToolSettings, systemd: Systemd) -> dict[str, Any]:
+    the_front = front.Front(settings.resolved_state_dir(), settings.unit_name)
+    unit_dir = settings.resolved_unit_dir()
+    files = [unit_dir / the_front.service, unit_dir / the_front.socket_unit]
+    if not any(f.exists() for f in files):
+        return {}
+    for unit in (the_front.service, the_front.socket_unit):
+        systemd.run(
+            [*sock_ctl(systemd), "disable", "--now", "--", unit], check=False, env=systemd.env
+        )
+    for f in files:
+        f.unlink(missing_ok=True)
+    the_front.spec_path.unlink(missing_ok=True)
+    return {"removed_front": [str(f) for f in files]}

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from launcher import config, keys, launch, store
+from launcher import config, handover, keys, launch, store
 from launcher.errorhandler import Signals
 from launcher.errors import (
     ConfigInvalid,
@@ -144,6 +145,7 @@ class Reverter:
                 self.store.set_live(int(txn["from"]))
         if txn.get("to"):
             self._mark(int(txn["to"]), outcome="interrupted")
+        report.update(handover.recover(self.store.root, self.systemd.unit))  # a held front
         if not report.get("gate", {"ok": True}).get("ok") and txn.get("from") is not None:
             self._mark(int(txn["from"]), gate_failed_at=time.time())
         self.store.end()
@@ -181,10 +183,12 @@ class Reverter:
         prev_number: int | None,
         result: Result,
         t0: float,
+        after_restore: Callable[[bool], dict[str, Any]] | None = None,
     ) -> NoReturn:
         """Restore generation ``prev_number`` after ``error``; raise ``DeployFailed`` when it
         serves again, ``RollbackFailed`` when it does not (signals are deferred by the
-        caller, ``errorhandler.on_error``)."""
+        caller, ``errorhandler.on_error``). ``after_restore`` gets whether the old config
+        serves again (the handover: the front's old config, the slots, the release)."""
         failure = self._failure(error)
         self.gate.say("rollback")
         restored = False
@@ -200,6 +204,8 @@ class Reverter:
             }
         else:
             rb = self.restart_old(prev_number, live_text)
+        if after_restore is not None:
+            result.handover = after_restore(bool(rb.get("ok")))
         with contextlib.suppress(OSError):
             self.store.update(gen, outcome="failed", failure=failure)
             if restored:

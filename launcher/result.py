@@ -30,6 +30,7 @@ class Result:
     failure: dict[str, Any] | None = None
     rollback: dict[str, Any] | None = None
     recovered: dict[str, Any] | None = None
+    handover: dict[str, Any] | None = None  # drain, slots, front, stop (launcher/handover.py)
 
     @property
     def ok(self) -> bool:

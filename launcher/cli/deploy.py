@@ -58,6 +58,22 @@ def _memory_option(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _drain_options(p: argparse.ArgumentParser) -> None:
+    """The handover of a restart (launcher/handover.py)."""
+    g = p.add_argument_group("before the restart")
+    g.add_argument(
+        "--drain-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="wait at most this long for requests in flight to finish (default 120)",
+    )
+    g.add_argument(
+        "--no-drain",
+        action="store_true",
+        help="restart at once, cutting requests in flight (and saving no slot caches)",
+    )
+
+
 def _parser(sub: Any, name: str, help: str, flags: bool = False) -> argparse.ArgumentParser:
     from launcher.cli import EPILOG
 
@@ -100,6 +116,7 @@ def register(sub: Any) -> None:
     )
     _config_options(p)
     _mode_options(p)
+    _drain_options(p)
     _settings_options(p)
     _memory_option(p)
     p.set_defaults(func=cmd_deploy)
@@ -117,6 +134,7 @@ def register(sub: Any) -> None:
         help="accept a shared KV pool whose slots can exhaust it",
     )
     _mode_options(p)
+    _drain_options(p)
     _settings_options(p)
     _memory_option(p)
     p.set_defaults(func=cmd_set)
@@ -128,6 +146,7 @@ def register(sub: Any) -> None:
         True,
     )
     _mode_options(p)
+    _drain_options(p)
     _settings_options(p)
     _memory_option(p)
     p.set_defaults(func=cmd_unset)
@@ -138,6 +157,7 @@ def register(sub: Any) -> None:
         "go back to the last known-good generation (or --to N) through the same gate",
     )
     p.add_argument("--to", type=int, metavar="N", help="generation number (see history)")
+    _drain_options(p)
     _settings_options(p)
     p.set_defaults(func=cmd_rollback)
 
@@ -194,6 +214,14 @@ def register(sub: Any) -> None:
     g.add_argument(
         "--allow-nice", action="store_true", help="grant CAP_SYS_NICE, for llama-server --prio"
     )
+    p.add_argument(
+        "--front",
+        choices=["none", "haproxy"],
+        default="none",
+        help="haproxy: HAProxy holds the address and holds requests during deploys; "
+        "llama-server moves to a private one (default none)",
+    )
+    _drain_options(p)
     _settings_options(p)
     _memory_option(p)
     p.set_defaults(func=cmd_install)
@@ -242,6 +270,7 @@ def settings_from(ns: argparse.Namespace) -> ToolSettings:
         probe_timeout=ns.probe_timeout,
         lock_timeout=ns.lock_timeout,
         unit_dir=getattr(ns, "unit_dir", None),
+        drain_timeout=0.0 if getattr(ns, "no_drain", False) else getattr(ns, "drain_timeout", None),
     )
     install.require_root(settings)
     return settings
@@ -353,6 +382,7 @@ def human(result: Result, show_diff: bool = True) -> str:
         lines.append(
             f"  completion: {result.probe['completion_tokens']} tokens in {result.probe['ms']} ms"
         )
+    lines += handover_lines(result.handover)
     for w in result.warnings:
         lines.append(f"  warning: {w}")
     if result.memory.get("after"):
@@ -372,6 +402,37 @@ def human(result: Result, show_diff: bool = True) -> str:
     if result.recovered:
         lines.append(f"  recovered an interrupted deploy first: {result.recovered}")
     return "\n".join(lines)
+
+
+def handover_lines(data: dict[str, Any] | None) -> list[str]:
+    """The drain, the slots carried and the front, one line each."""
+    if not data:
+        return []
+    lines = []
+    drained = data.get("drain") or {}
+    if drained:
+        lines.append(
+            "  drain: " + str(drained.get("message") or f"no drain: {drained.get('skipped')}")
+        )
+    carried = data.get("slots") or {}
+    if carried.get("saved") or carried.get("skipped"):
+        restored = carried.get("restored", [])
+        tokens = sum(int(r.get("tokens", 0)) for r in restored)
+        lines.append(
+            f"  slots: {len(carried.get('saved', []))} saved, {len(restored)} restored "
+            f"({tokens} tokens), {len(carried.get('skipped', []))} skipped"
+        )
+        for s in carried.get("skipped", [])[:4]:
+            lines.append(f"    skipped slot {s.get('slot')}: {s.get('reason')}")
+    elif carried.get("note"):
+        lines.append(f"  slots: {carried['note']}")
+    held = (data.get("front") or {}).get("held_seconds")
+    if held is not None:
+        lines.append(f"  front: new requests were held for {held:.2f}s, then released")
+    stop = data.get("stop") or {}
+    if stop.get("exited_after") is not None:
+        lines.append(f"  old process: exited {stop['exited_after']:.2f}s after the restart began")
+    return lines
 
 
 def _mib(value: Any) -> str:
@@ -474,6 +535,7 @@ def cmd_install(ns: argparse.Namespace) -> int:
         on_phase=ns.on_phase,
         force=ns.force,
         site=install.site_for(tuple(ns.read_only_path), ns.mdwe, ns.allow_nice),
+        front_kind=ns.front,
     )
     return _finish(ns, result)
 

@@ -173,6 +173,11 @@ options:
   chat_template_file:
     description: C(--chat-template-file).
     type: path
+  slot_save_path:
+    description:
+      - C(--slot-save-path), where the deploy saves the slots' KV caches across a restart.
+      - Default (unset) C(STATE_DIR/slots) (the launcher's setting C(carry_slots)).
+    type: path
   metrics:
     description: C(--metrics).
     type: bool
@@ -330,6 +335,7 @@ CONFIG_SPEC: dict[str, dict[str, Any]] = {
     },
     "jinja": {"type": "bool"},
     "chat_template_file": {"type": "path"},
+    "slot_save_path": {"type": "path"},
     "metrics": {"type": "bool"},
     "slots": {"type": "bool"},
     "api_key": {"type": "str", "no_log": True},

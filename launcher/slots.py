@@ -1,0 +1,247 @@
+"""Carry llama-server's per-slot KV caches across a restart: save, fingerprint, restore.
+
+With ``--slot-save-path DIR``, ``POST /slots/{id}?action=save`` writes a slot's tokens and KV
+cells to ``DIR/<filename>`` and ``?action=restore`` reads them back (b11434,
+tools/server/server-context.cpp). Measured on b11434: a 2051-token prompt saved, the server
+restarted, the slot restored, and the next request read 1 prompt token instead of 2051
+(8.4 ms instead of 418 ms). A save waits while its slot is processing, so it follows the
+drain.
+
+The file holds raw KV cells: the server checks only that they fit, not that they mean the
+same. A restore is tried only when what the KV layout depends on is unchanged (the
+*fingerprint*: the model file's identity, the build, ``-ctk/-ctv``, the pool and slots as
+planned, the per-slot cap, ``--swa-full``, flash attention); after ``-ctk q8_0`` or
+``-np 1 -c 4096`` -> ``-np 2 -c 8192`` the server refuses the file with 400 "invalid slot save
+file", and the fingerprint skips it before that, with the reason.
+
+The gate's probe and the restore: the probe runs before the restore and lands on whichever
+slot is idle; the restore then replaces that slot's cells with the saved ones, so the probe
+never evicts a restored cache. Nothing else reaches the new server before the restore with
+a front (it holds every request); without one, a client that comes in between is served
+from an empty slot, and the restore of that slot waits until it is done.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import httpx
+
+#: The name of a saved slot in the server's --slot-save-path (llama-server accepts only a
+#: plain file name: fs_validate_filename in common/common.cpp).
+FILENAME = "llama-launcher-slot-{slot}.bin"
+
+#: The flags besides the typed ones that change the KV layout (common/arg.cpp).
+LAYOUT_EXTRA_FLAGS = ("--swa-full", "-fa", "--flash-attn", "--no-kv-offload", "-nkvo")
+
+
+class SlotError(Exception):
+    """A save or restore request failed (the message says how)."""
+
+
+@dataclass(frozen=True)
+class Saved:
+    """One slot written to the save path."""
+
+    slot: int
+    filename: str
+    tokens: int
+    bytes: int
+    ms: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.__dict__.copy()
+
+
+def fingerprint(meta: dict[str, Any]) -> dict[str, Any] | None:
+    """What the KV layout of a generation depends on, from its stored meta (the model's
+    identity as it was when that generation was deployed). None for a generation the tool
+    did not render (an adopted hand-written file): its layout is unknown."""
+    cfg = meta.get("config") or {}
+    planned = meta.get("planned") or {}
+    if not cfg or not planned:
+        return None
+    model = meta.get("model") or {}
+    layout_extra = _layout_words(list(cfg.get("extra_args") or ()))
+    return {
+        "model": [model.get(k) for k in ("path", "size", "mtime_ns", "inode")],
+        "build": (meta.get("llama_server") or {}).get("fingerprint"),
+        "cache_type_k": cfg.get("cache_type_k") or "f16",
+        "cache_type_v": cfg.get("cache_type_v") or "f16",
+        "pool_cells": planned.get("pool_cells"),
+        "n_slots": planned.get("n_slots"),
+        "kv_unified": planned.get("kv_unified"),
+        "n_ctx_slot": planned.get("n_ctx_slot"),
+        "kv_unified_per_slot": cfg.get("kv_unified_per_slot"),
+        "flash_attn": cfg.get("flash_attn") or "auto",
+        "layout_flags": layout_extra,
+    }
+
+
+def _layout_words(words: list[str]) -> list[str]:
+    """The layout flags among ``extra_args``, each with its value (``-fa on``)."""
+    out: list[str] = []
+    taking = False
+    for w in words:
+        if w.startswith("-"):
+            taking = w.split("=", 1)[0] in LAYOUT_EXTRA_FLAGS
+            if taking:
+                out.append(w)
+            taking = taking and "=" not in w
+        elif taking:
+            out.append(w)
+            taking = False
+    return out
+
+
+def differences(old: dict[str, Any] | None, new: dict[str, Any] | None) -> list[str]:
+    """Why a save made under ``old`` cannot be restored under ``new`` (empty: it can)."""
+    if old is None:
+        return ["the live config was not deployed by llama-launcher, so its KV layout is unknown"]
+    if new is None:
+        return ["the new config's KV layout is unknown"]
+    names = {"model": "model file", "build": "llama-server build"}
+    return [
+        f"{names.get(k, k)} changed ({_short(old.get(k))} -> {_short(new.get(k))})"
+        for k in old.keys() | new.keys()
+        if old.get(k) != new.get(k)
+    ]
+
+
+def _short(value: Any) -> str:
+    text = str(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def save_path(config: dict[str, Any]) -> Path | None:
+    """The --slot-save-path of a config (its stored form), or None."""
+    value = config.get("slot_save_path")
+    return Path(value) if value else None
+
+
+def slot_ids(client: httpx.Client) -> list[int]:
+    """The slots the server has (``GET /slots``)."""
+    import httpx
+
+    try:
+        r = client.get("/slots", timeout=10)
+        r.raise_for_status()
+        return [int(s["id"]) for s in r.json()]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+        raise SlotError(f"GET /slots failed: {e}") from e
+
+
+def save(client: httpx.Client, slot: int, timeout: float = 600.0) -> Saved:
+    """Save one slot; it waits while the slot is processing (server-side)."""
+    name = FILENAME.format(slot=slot)
+    data = _post(client, slot, "save", name, timeout)
+    return Saved(
+        slot,
+        name,
+        int(data.get("n_saved", 0)),
+        int(data.get("n_written", 0)),
+        float((data.get("timings") or {}).get("save_ms", 0.0)),
+    )
+
+
+def restore(client: httpx.Client, saved: Saved, timeout: float = 600.0) -> dict[str, Any]:
+    """Restore one saved slot into the same slot id; the server's answer."""
+    return _post(client, saved.slot, "restore", saved.filename, timeout)
+
+
+def _post(
+    client: httpx.Client, slot: int, action: str, filename: str, timeout: float
+) -> dict[str, Any]:
+    import httpx
+
+    try:
+        r = client.post(
+            f"/slots/{slot}",
+            params={"action": action},
+            json={"filename": filename},
+            timeout=timeout,
+        )
+    except httpx.HTTPError as e:
+        raise SlotError(f"{action} of slot {slot} failed: {type(e).__name__}: {e}") from e
+    if r.status_code != 200:
+        try:
+            msg = str(r.json()["error"]["message"])
+        except (ValueError, KeyError, TypeError):
+            msg = r.text[:200]
+        hint = ""
+        if r.status_code == 501 or "slot-save-path" in msg:
+            hint = " (the server runs without --slot-save-path)"
+        raise SlotError(f"{action} of slot {slot} returned {r.status_code}: {msg}{hint}")
+    try:
+        data = r.json()
+    except ValueError as e:
+        raise SlotError(f"{action} of slot {slot}: the answer is not JSON: {r.text[:200]}") from e
+    return data if isinstance(data, dict) else {}
+
+
+def save_all(client: httpx.Client, folder: Path) -> tuple[list[Saved], list[dict[str, Any]]]:
+    """Save every slot that holds tokens; (saved, skipped with the reason). A slot that
+    holds nothing leaves no file."""
+    saved: list[Saved] = []
+    skipped: list[dict[str, Any]] = []
+    try:
+        ids = slot_ids(client)
+    except SlotError as e:
+        return [], [{"slot": None, "reason": str(e)}]
+    for slot in ids:
+        try:
+            s = save(client, slot)
+        except SlotError as e:
+            skipped.append({"slot": slot, "reason": str(e)})
+            continue
+        if s.tokens > 0:
+            saved.append(s)
+        else:
+            discard(folder, [s])
+    return saved, skipped
+
+
+def restore_all(
+    client: httpx.Client, saved: list[Saved], window: int | None
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Restore each saved slot whose tokens fit the new per-slot ``window``;
+    (restored, skipped with the reason)."""
+    restored: list[dict[str, Any]] = []
+    skipped: list[dict[str, Any]] = []
+    for s in saved:
+        if window is not None and s.tokens > window:
+            skipped.append(
+                {
+                    "slot": s.slot,
+                    "tokens": s.tokens,
+                    "reason": f"{s.tokens} tokens do not fit the new per-slot window {window}",
+                }
+            )
+            continue
+        try:
+            data = restore(client, s)
+        except SlotError as e:
+            skipped.append({"slot": s.slot, "tokens": s.tokens, "reason": str(e)})
+            continue
+        restored.append(
+            {
+                "slot": s.slot,
+                "tokens": int(data.get("n_restored", 0)),
+                "bytes": int(data.get("n_read", 0)),
+                "ms": float((data.get("timings") or {}).get("restore_ms", 0.0)),
+            }
+        )
+    return restored, skipped
+
+
+def discard(folder: Path | None, saved: list[Saved]) -> None:
+    """Remove saved files (a slot file can be gigabytes)."""
+    if folder is None:
+        return
+    for s in saved:
+        with contextlib.suppress(OSError):
+            (folder / s.filename).unlink()

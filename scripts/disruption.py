@@ -1,0 +1,293 @@
+"""Benchmark: what a config change costs agents that are using the server (run through
+``scripts/bench-disruption``, inside a private sandboxed systemd, on the tiny model).
+
+Four agents loop through multi-turn streamed chat conversations whose histories grow to
+about 2,000 tokens, with a short think time between turns (an agent runs its tools). In the
+middle, three deploys: two good changes (threads, which keep the KV layout) and one that
+fails its gate and rolls back (a chat template that refuses only the probe). Per mode:
+
+- ``bare``:  ``--no-drain``, the restart as it was before the handover (SIGTERM at once);
+- ``drain``: wait for requests in flight, no slot save path (caches are lost);
+- ``carry``: drain + the slots saved and restored (``--slot-save-path``, setting ``carry_slots``);
+- ``front``: ``install --front haproxy``: new requests held at HAProxy, drain, carry.
+
+It prints requests failed or cut, the longest wait for a first token any agent saw, and
+each agent's first-turn time to first token after a deploy / its last turn's before it, in
+the same conversation. Not a test: nothing here asserts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+
+import realserver  # noqa: E402
+import tinymodel  # noqa: E402
+
+UNIT_DIR = Path(os.environ["LLAMA_LAUNCHER_SANDBOX"]) / "units"
+AGENTS = 4
+# the tiny vocabulary spells a word byte by byte: about 7.5 tokens a word
+SYSTEM_WORDS = 150
+TURN_WORDS = 12
+REPLY_TOKENS = 16
+HISTORY_LIMIT = 2000  # prompt tokens (the server's usage); then a new conversation
+THINK = (0.3, 1.2)  # seconds between turns
+BETWEEN_DEPLOYS = 6.0
+BAD_TEMPLATE = (
+    "{% for m in messages %}{% if m['content'] == 'Say OK.' %}"
+    "{{ raise_exception('this template refuses the probe') }}{% endif %}"
+    "{{'<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>' + '\\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+PLAIN = [w for w in tinymodel.WORDS if not w.startswith("<|")]
+
+
+@dataclass
+class Turn:
+    agent: int
+    conversation: int
+    start: float
+    ttft: float | None = None
+    end: float | None = None
+    status: int | None = None
+    complete: bool = False
+    error: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass
+class Deploy:
+    args: list[str]
+    start: float
+    end: float = 0.0
+    outcome: str = ""
+    handover: dict[str, Any] = field(default_factory=dict)
+
+
+class Agent(threading.Thread):
+    def __init__(self, n: int, url: str, stop: threading.Event, turns: list[Turn]) -> None:
+        super().__init__(daemon=True)
+        self.n, self.url, self.stop, self.turns = n, url, stop, turns
+        self.rng = random.Random(n)
+        self.conversation = 0
+        self.messages: list[dict[str, str]] = []
+        self.tokens = 0
+
+    def words(self, k: int) -> str:
+        return " ".join(self.rng.choice(PLAIN) for _ in range(k))
+
+    def new_conversation(self) -> None:
+        self.conversation += 1
+        self.messages = [{"role": "system", "content": self.words(SYSTEM_WORDS)}]
+        self.tokens = 0
+
+    def run(self) -> None:
+        self.new_conversation()
+        pending = False
+        with httpx.Client(timeout=httpx.Timeout(120, connect=120)) as client:
+            while not self.stop.is_set():
+                if self.tokens > HISTORY_LIMIT and not pending:
+                    self.new_conversation()
+                if not pending:
+                    self.messages.append({"role": "user", "content": self.words(TURN_WORDS)})
+                turn = Turn(self.n, self.conversation, time.monotonic())
+                self.turns.append(turn)
+                reply = self.turn(client, turn)
+                # a failed turn is sent again after the think time, like an agent retrying
+                pending = not turn.complete
+                if turn.complete:
+                    self.messages.append({"role": "assistant", "content": reply})
+                self.stop.wait(self.rng.uniform(*THINK))
+
+    def turn(self, client: httpx.Client, turn: Turn) -> str:
+        body = {
+            "messages": self.messages,
+            "max_tokens": REPLY_TOKENS,
+            "stream": True,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream_options": {"include_usage": True},
+        }
+        parts: list[str] = []
+        finish = None
+        try:
+            with client.stream("POST", self.url + "/v1/chat/completions", json=body) as r:
+                turn.status = r.status_code
+                for line in r.iter_lines():
+                    if line == "data: [DONE]":
+                        turn.complete = finish is not None
+                    elif line.startswith("data: "):
+                        chunk = json.loads(line[6:])
+                        usage = chunk.get("usage") or {}
+                        self.tokens = int(usage.get("total_tokens") or self.tokens)
+                        if usage:
+                            turn.prompt_tokens = int(usage.get("prompt_tokens", 0))
+                            details = usage.get("prompt_tokens_details") or {}
+                            turn.cached_tokens = int(details.get("cached_tokens", 0))
+                        for choice in chunk.get("choices", []):
+                            if turn.ttft is None:
+                                turn.ttft = time.monotonic() - turn.start
+                            parts.append(choice.get("delta", {}).get("content") or "")
+                            finish = choice.get("finish_reason") or finish
+        except (httpx.HTTPError, ValueError) as e:
+            turn.error = type(e).__name__
+        turn.end = time.monotonic()
+        return "".join(parts)
+
+
+def cli(env: dict[str, str], *args: str) -> dict[str, Any]:
+    p = subprocess.run(
+        ["llama-launcher", *args, "--json"], capture_output=True, text=True, env=env, timeout=600
+    )
+    try:
+        return dict(json.loads(p.stdout.strip().splitlines()[-1]))
+    except (ValueError, IndexError):
+        raise RuntimeError(f"{args}: rc {p.returncode}\n{p.stdout}\n{p.stderr}") from None
+
+
+def run_mode(mode: str, tmp: Path, model: Path, server: str) -> dict[str, Any]:
+    port = realserver.free_port()
+    unit = f"bench-disruption-{mode}.service"
+    env = dict(
+        os.environ,
+        LLAMA_LAUNCHER_UNIT=unit,
+        LLAMA_LAUNCHER_SCOPE="user",
+        LLAMA_LAUNCHER_ENV_FILE=str(tmp / mode / "etc/llama.env"),
+        LLAMA_LAUNCHER_STATE_DIR=str(tmp / mode / "state"),
+        LLAMA_LAUNCHER_UNIT_DIR=str(UNIT_DIR),
+    )
+    # drain: no --slot-save-path, the caches are lost
+    env["LLAMA_LAUNCHER_CARRY_SLOTS"] = "false" if mode == "drain" else "true"
+    flags = ["-m", str(model), "--port", str(port), "--llama-server", server]
+    flags += ["-c", "16384", "-np", str(AGENTS), "-t", "1"]
+    out = cli(env, "install", *flags, *(["--front", "haproxy"] if mode == "front" else []))
+    assert out["outcome"] == "deployed", out
+    extra = ["--no-drain"] if mode == "bare" else []
+    bad = tmp / mode / "bad.jinja"
+    bad.write_text(BAD_TEMPLATE)
+    changes = [["set", "-t", "2"], ["set", "-t", "1"], ["set", "--chat-template-file", str(bad)]]
+    url = f"http://127.0.0.1:{port}"
+    turns: list[Turn] = []
+    stop = threading.Event()
+    agents = [Agent(i, url, stop, turns) for i in range(AGENTS)]
+    for a in agents:
+        a.start()
+    deploys = []
+    try:
+        time.sleep(BETWEEN_DEPLOYS * 1.5)  # every agent's conversation has grown a while
+        for change in changes:
+            d = Deploy(change, time.monotonic())
+            result = cli(env, *change, *extra)
+            d.end, d.outcome = time.monotonic(), str(result.get("outcome"))
+            d.handover = result.get("handover") or {}
+            deploys.append(d)
+            time.sleep(BETWEEN_DEPLOYS)
+    finally:
+        stop.set()
+        for a in agents:
+            a.join(180)
+        cli(env, "uninstall", "--purge")
+    return summarize(mode, turns, deploys)
+
+
+def summarize(mode: str, turns: list[Turn], deploys: list[Deploy]) -> dict[str, Any]:
+    cut = [t for t in turns if t.ttft is not None and not t.complete]
+    refused = [t for t in turns if t.ttft is None and not t.complete]
+    waits = [t.ttft if t.ttft is not None else (t.end or 0) - t.start for t in turns]
+    ratios, shares = [], []
+    for d in deploys:
+        for agent in range(AGENTS):
+            mine = [t for t in turns if t.agent == agent and t.complete and t.ttft is not None]
+            after = [t for t in mine if t.start > d.end][:1]
+            # before: the agent's last three turns in the same conversation (a conversation's
+            # first turn has nothing cached, with or without a deploy)
+            before = [
+                t.ttft
+                for t in mine
+                if (t.end or 0) < d.start and after and t.conversation == after[0].conversation
+            ][-3:]
+            if before and after and after[0].ttft:
+                ratios.append(after[0].ttft / statistics.median(before))
+                shares.append(after[0].cached_tokens / max(after[0].prompt_tokens, 1))
+    if os.environ.get("BENCH_DUMP"):
+        with open(os.environ["BENCH_DUMP"] + f".{mode}.json", "w") as f:
+            json.dump(
+                {
+                    "turns": [t.__dict__ for t in turns],
+                    "deploys": [d.__dict__ for d in deploys],
+                },
+                f,
+                default=str,
+            )
+    restored = sum(len((d.handover.get("slots") or {}).get("restored", [])) for d in deploys)
+    return {
+        "mode": mode,
+        "requests": len(turns),
+        "failed": len(refused),
+        "cut": len(cut),
+        "longest_wait_s": max(waits) if waits else 0.0,
+        "ttft_ratio_median": statistics.median(ratios) if ratios else None,
+        "ttft_ratio_max": max(ratios) if ratios else None,
+        "ratios": len(ratios),
+        "cached_share_after": statistics.median(shares) if shares else None,
+        "outcomes": [d.outcome for d in deploys],
+        "deploy_s": [round(d.end - d.start, 1) for d in deploys],
+        "slots_restored": restored,
+    }
+
+
+def main() -> None:
+    modes = sys.argv[1:] or ["bare", "drain", "carry", "front"]
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        model = tinymodel.write(tmp / "tiny.gguf")
+        server = realserver.server_binary()
+        rows = [run_mode(m, tmp, model, server) for m in modes]
+    print(
+        f"{AGENTS} agents, streamed multi-turn chats growing to ~{HISTORY_LIMIT} tokens, "
+        f"think {THINK[0]}-{THINK[1]} s; deploys: -t 2, -t 1, a template refusing the probe "
+        "(rolls back); the tiny model, -c 16384 -np 4 -t 1, on this machine:"
+    )
+    print(
+        f"{'mode':6} {'requests':>8} {'failed':>6} {'cut':>4} {'longest wait s':>14} "
+        f"{'TTFT after/before':>18} {'(max)':>7} {'cached after':>12}  "
+        "outcomes; deploy s; slots restored"
+    )
+    for r in rows:
+        med = f"{r['ttft_ratio_median']:.2f}" if r["ttft_ratio_median"] is not None else "-"
+        mx = f"{r['ttft_ratio_max']:.2f}" if r["ttft_ratio_max"] is not None else "-"
+        share = f"{r['cached_share_after']:.0%}" if r["cached_share_after"] is not None else "-"
+        print(
+            f"{r['mode']:6} {r['requests']:8d} {r['failed']:6d} {r['cut']:4d} "
+            f"{r['longest_wait_s']:14.2f} {med:>18} {mx:>7} {share:>12}  "
+            f"{'/'.join(r['outcomes'])}; {r['deploy_s']}; {r['slots_restored']}"
+        )
+    print(
+        "TTFT after/before: each agent's first turn after a deploy / the median of its last "
+        "three turns before it, in the same conversation (median and max over agents and "
+        "deploys); cached after: the share of that turn's prompt the server had cached"
+    )
+    print(f"goals: front 0 failed or cut; carry TTFT after/before <= 1.3 ({date.today()})")
+    if "--json" in os.environ.get("BENCH_FLAGS", ""):
+        print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,352 @@
+"""The handover around a restart (launcher/handover.py): drain, slot save/restore, the HAProxy
+front. Real parts: the sandboxed systemd, llama-server b11434, Debian's HAProxy 2.6."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import tinymodel
+from conftest import Host
+
+from launcher import slots
+from launcher.front import Front, FrontSpec
+
+#: A model slow enough that a long generation outlasts a deploy's validation (~1 s here):
+#: wider and deeper than the tiny default, still random weights.
+SLOW = tinymodel.Shape(layers=6, n_embd=256, heads=4, kv_heads=2, ff=768, ctx_train=8192)
+
+
+def slow_host(host: Host) -> Host:
+    host.model = tinymodel.write(host.root / "slow.gguf", SLOW)
+    return host
+
+
+class Stream(threading.Thread):
+    """One streamed chat completion read to its end in a thread: what came back."""
+
+    def __init__(self, url: str, max_tokens: int, content: str = "Tell a long story.") -> None:
+        super().__init__(daemon=True)
+        self.url, self.max_tokens, self.content = url, max_tokens, content
+        self.first_chunk = threading.Event()
+        self.status: int | None = None
+        self.chunks = 0
+        self.finish: str | None = None
+        self.done = False
+        self.error: str | None = None
+
+    def run(self) -> None:
+        body = {
+            "messages": [{"role": "user", "content": self.content}],
+            "max_tokens": self.max_tokens,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        try:
+            with httpx.stream(
+                "POST", self.url + "/v1/chat/completions", json=body, timeout=120
+            ) as r:
+                self.status = r.status_code
+                for line in r.iter_lines():
+                    if line == "data: [DONE]":
+                        self.done = True
+                    elif line.startswith("data: "):
+                        data = json.loads(line[6:])
+                        for choice in data.get("choices", []):
+                            self.chunks += 1
+                            self.finish = choice.get("finish_reason") or self.finish
+                        self.first_chunk.set()
+        except (httpx.HTTPError, ValueError) as e:
+            self.error = f"{type(e).__name__}: {e}"
+        finally:
+            self.first_chunk.set()
+
+
+def deploy_in_background(host: Host, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "launcher", *args, "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=host.env,
+    )
+
+
+def result_of(p: subprocess.Popen[str]) -> tuple[int, dict[str, Any]]:
+    out, err = p.communicate(timeout=180)
+    try:
+        return p.returncode, json.loads(out.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        raise AssertionError(f"no JSON: rc={p.returncode}\n{out}\n{err}") from None
+
+
+def installed(host: Host, *flags: str) -> dict[str, Any]:
+    host.env["LLAMA_LAUNCHER_CARRY_SLOTS"] = "true"  # every later command of the test too
+    rc, out = host.install(*flags)
+    assert (rc, out["outcome"]) == (0, "deployed"), out
+    return out
+
+
+def completion(url: str, prompt: str, n_predict: int = 1) -> dict[str, Any]:
+    r = httpx.post(
+        url + "/completion",
+        json={"prompt": prompt, "n_predict": n_predict, "cache_prompt": True},
+        timeout=60,
+    )
+    r.raise_for_status()
+    return r.json()  # type: ignore[no-any-return]
+
+
+#: About 1,600 tokens (the tiny vocabulary spells most words byte by byte).
+HISTORY = " ".join(f"the river {i} holds" for i in range(60))
+
+
+# -- drain ---------------------------------------------------------------------------------
+
+
+def test_drain_waits_for_a_generation_and_cuts_nothing(host: Host) -> None:
+    installed(slow_host(host), "-c", "8192", "-np", "1", "-t", "1")
+    stream = Stream(host.url, 1000)
+    stream.start()
+    assert stream.first_chunk.wait(30) and stream.error is None
+    rc, out = host.cli_json("set", "-t", "2")
+    stream.join(120)
+    assert (rc, out["outcome"]) == (0, "deployed"), out
+    drained = out["handover"]["drain"]
+    assert drained["busy_at_start"] == [0], drained
+    assert not drained["timed_out"]
+    assert (stream.status, stream.error, stream.done, stream.finish) == (200, None, True, "length")
+
+
+def test_drain_timeout_restarts_and_names_the_request_it_cut(host: Host) -> None:
+    installed(slow_host(host), "-c", "8192", "-np", "1", "-t", "1")
+    stream = Stream(host.url, 2000)
+    stream.start()
+    assert stream.first_chunk.wait(30) and stream.error is None
+    # a busy llama-server lingers after SIGTERM until systemd's TimeoutStopSec (30 s)
+    rc, out = host.cli_json("set", "-t", "2", "--drain-timeout", "0.2", "--start-timeout", "120")
+    stream.join(120)
+    assert (rc, out["outcome"]) == (0, "deployed"), out
+    drained = out["handover"]["drain"]
+    assert drained["timed_out"] is True
+    assert [c["slot"] for c in drained["cut"]] == [0]
+    assert any("drain timed out" in w for w in out["warnings"])
+    assert not (stream.done and stream.finish == "length")  # it was cut
+    stop = out["handover"]["stop"]
+    assert stop["lingered"] is True, stop
+    assert any("took" in w and "to exit after SIGTERM" in w for w in out["warnings"])
+
+
+def test_no_drain_restarts_at_once_and_says_so(host: Host) -> None:
+    installed(host, "-c", "4096", "-np", "2")
+    rc, out = host.cli_json("set", "-t", "2", "--no-drain")
+    assert (rc, out["outcome"]) == (0, "deployed"), out
+    assert "--no-drain" in out["handover"]["drain"]["skipped"]
+    assert out["handover"]["slots"]["saved"] == []
+
+
+# -- slot caches -----------------------------------------------------------------------------
+
+
+def test_install_gives_the_server_a_slot_save_path_under_the_state_dir(host: Host) -> None:
+    installed(host, "-c", "4096", "-np", "2")
+    assert f"--slot-save-path {host.state_dir / 'slots'}" in host.env_file.read_text()
+
+
+def test_a_restored_slot_keeps_its_cached_tokens_across_the_restart(host: Host) -> None:
+    installed(host, "-c", "8192", "-np", "2", "-t", "1")
+    first = completion(host.url, HISTORY)
+    n_prompt = first["timings"]["prompt_n"]
+    assert n_prompt > 1000
+    rc, out = host.cli_json("set", "-t", "2")
+    assert (rc, out["outcome"]) == (0, "deployed"), out
+    carried = out["handover"]["slots"]
+    assert [s["tokens"] for s in carried["restored"]] == [s["tokens"] for s in carried["saved"]]
+    assert max(s["tokens"] for s in carried["restored"]) >= n_prompt
+    again = completion(host.url, HISTORY + " and one more turn")
+    assert again["timings"]["cache_n"] >= n_prompt - 1
+    assert again["timings"]["prompt_n"] < 50
+    assert not list((host.state_dir / "slots").iterdir())  # the files are gone
+
+
+def test_the_fingerprint_skips_a_restore_after_a_cache_type_change(host: Host) -> None:
+    installed(host, "-c", "8192", "-np", "2")
+    completion(host.url, HISTORY)
+    rc, out = host.cli_json("set", "-ctk", "q8_0")
+    assert (rc, out["outcome"]) == (0, "deployed"), out
+    carried = out["handover"]["slots"]
+    assert carried["saved"] and carried["restored"] == []
+    reasons = {s["reason"] for s in carried["skipped"]}
+    assert all("cache_type_k changed (f16 -> q8_0)" in r for r in reasons), reasons
+    after = completion(host.url, HISTORY)  # served from an empty slot, no error
+    assert after["timings"]["cache_n"] == 0
+
+
+def test_a_rollback_restores_the_slots_into_the_old_config(host: Host, tmp_path: Path) -> None:
+    installed(host, "-c", "8192", "-np", "2")
+    n_prompt = completion(host.url, HISTORY)["timings"]["prompt_n"]
+    bad = tmp_path / "bad.jinja"
+    bad.write_text(
+        "{% for m in messages %}{% if m['content'] == 'Say OK.' %}"
+        "{{ raise_exception('refuses the probe') }}{% endif %}{{ m['content'] }}{% endfor %}"
+    )
+    rc, out = host.cli_json("set", "--chat-template-file", str(bad))
+    assert (rc, out["outcome"]) == (3, "rolled_back"), out
+    restored = out["handover"]["slots"]["restored"]
+    assert max(s["tokens"] for s in restored) >= n_prompt
+    assert completion(host.url, HISTORY + " again")["timings"]["cache_n"] >= n_prompt - 1
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"config": {"cache_type_v": "q8_0"}}, "cache_type_v changed (f16 -> q8_0)"),
+        ({"planned": {"n_slots": 2, "pool_cells": 8192}}, "n_slots changed (1 -> 2)"),
+        ({"model": {"inode": 99}}, "model file changed"),
+        ({"llama_server": {"fingerprint": "other"}}, "llama-server build changed"),
+        ({"config": {"extra_args": ["--swa-full"]}}, "layout_flags changed ([] -> ['--swa-full'])"),
+        ({"config": {"flash_attn": "on"}}, "flash_attn changed (auto -> on)"),
+        ({"config": {"kv_unified_per_slot": 2048}}, "kv_unified_per_slot changed (None -> 2048)"),
+    ],
+)
+def test_the_fingerprint_names_what_changed_the_kv_layout(
+    change: dict[str, dict[str, Any]], reason: str
+) -> None:
+    old = {
+        "config": {"cache_type_k": None, "cache_type_v": None, "extra_args": []},
+        "planned": {"n_slots": 1, "pool_cells": 4096, "n_ctx_slot": 4096, "kv_unified": False},
+        "model": {"path": "/m.gguf", "size": 1, "mtime_ns": 2, "inode": 3},
+        "llama_server": {"fingerprint": "abc"},
+    }
+    new = {k: {**v, **change.get(k, {})} for k, v in old.items()}
+    assert slots.differences(slots.fingerprint(old), slots.fingerprint(old)) == []
+    assert any(
+        reason in d for d in slots.differences(slots.fingerprint(old), slots.fingerprint(new))
+    )
+
+
+def test_an_adopted_config_has_no_fingerprint_and_is_never_restored() -> None:
+    new = {"config": {"port": 1}, "planned": {"n_slots": 1}}
+    assert (
+        "KV layout is unknown"
+        in slots.differences(slots.fingerprint({"config": {}}), slots.fingerprint(new))[0]
+    )
+
+
+# -- the front ---------------------------------------------------------------------------------
+
+
+def test_the_front_config_is_valid_for_the_real_haproxy(tmp_path: Path) -> None:
+    front = Front(tmp_path, "llama-server.service")
+    spec = FrontSpec("127.0.0.1", 8080, "127.0.0.1", 18080)
+    text = front.render(spec, 4)
+    front.validate(text, spec)  # haproxy -c
+    assert "server llama 127.0.0.1:18080 maxconn 4" in text
+
+
+def test_haproxy_refuses_a_broken_front_config_and_says_so(tmp_path: Path) -> None:
+    from launcher.front import FrontError
+
+    front = Front(tmp_path, "llama-server.service")
+    spec = FrontSpec("127.0.0.1", 8080, "127.0.0.1", 18080)
+    with pytest.raises(FrontError, match="haproxy -c refused"):
+        front.validate(front.render(spec, 4).replace("option httpclose", "option httpclosed"), spec)
+
+
+@pytest.fixture
+def fronted(host: Host) -> Iterator[Host]:
+    """A host whose front units are removed after the test (uninstall stops them)."""
+    yield host
+    host.cli("uninstall")
+
+
+def front_stat(host: Host) -> dict[str, str]:
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(str(host.state_dir / "front" / "admin.sock"))
+        s.sendall(b"show stat\n")
+        text = b""
+        while chunk := s.recv(65536):
+            text += chunk
+    lines = text.decode().splitlines()
+    head = lines[0][2:].split(",")
+    rows = [dict(zip(head, line.split(","), strict=False)) for line in lines[1:] if line]
+    return next(r for r in rows if r["svname"] == "FRONTEND")
+
+
+def test_held_requests_are_answered_200_after_a_restart_behind_the_front(fronted: Host) -> None:
+    host = fronted
+    out = installed(slow_host(host), "-c", "8192", "-np", "1", "-t", "1", "--front", "haproxy")
+    assert out["handover"]["front"]["public"] == f"127.0.0.1:{host.port}"
+    assert f"--port {host.port}" not in host.env_file.read_text()  # llama-server is private
+    stream = Stream(host.url, 800)  # keeps the drain waiting while requests arrive
+    stream.start()
+    assert stream.first_chunk.wait(30) and stream.error is None
+    deploy = deploy_in_background(host, "set", "-a", "after-the-deploy")
+    deadline = time.monotonic() + 60
+    while front_stat(host)["status"] != "PAUSED":
+        assert time.monotonic() < deadline and deploy.poll() is None, "the front never held"
+        time.sleep(0.01)
+    held = [Stream(host.url, 4, content=f"held {i}") for i in range(3)]
+    for h in held:
+        h.start()
+    rc, result = result_of(deploy)
+    for t in (stream, *held):
+        t.join(60)
+    assert (rc, result["outcome"]) == (0, "deployed"), result
+    assert result["handover"]["front"]["held_seconds"] > 0
+    assert (stream.status, stream.done, stream.finish) == (200, True, "length")
+    assert [(h.status, h.error, h.done) for h in held] == [(200, None, True)] * 3
+    models = httpx.get(host.url + "/v1/models", timeout=10).json()
+    assert models["data"][0]["id"] == "after-the-deploy"  # answered by the new config
+
+
+def test_a_rollback_behind_the_front_releases_the_held_requests_to_the_old_config(
+    fronted: Host, tmp_path: Path
+) -> None:
+    host = fronted
+    installed(host, "-c", "4096", "-np", "2", "--front", "haproxy")
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{{ raise_exception('refuses every request') }}")
+    deploy = deploy_in_background(host, "set", "--chat-template-file", str(bad))
+    deadline = time.monotonic() + 60
+    while front_stat(host)["status"] != "PAUSED" and deploy.poll() is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    held = [Stream(host.url, 4, content=f"held {i}") for i in range(2)]
+    for h in held:
+        h.start()
+    rc, result = result_of(deploy)
+    for h in held:
+        h.join(60)
+    assert (rc, result["outcome"]) == (3, "rolled_back"), result
+    assert [(h.status, h.done) for h in held] == [(200, True)] * 2
+    assert front_stat(host)["status"] == "OPEN"
+
+
+def test_a_deployer_killed_while_holding_is_released_by_the_next_run(fronted: Host) -> None:
+    host = fronted
+    installed(host, "-c", "4096", "-np", "2", "--front", "haproxy")
+    faults = str(Path(__file__).with_name("faults.py"))
+    p = subprocess.run(
+        [sys.executable, faults, "restart:kill", "set", "-t", "2"],
+        capture_output=True,
+        text=True,
+        env=host.env,
+        timeout=120,
+    )
+    assert p.returncode == -9
+    assert front_stat(host)["status"] == "PAUSED"
+    rc, out = host.cli_json("recover")
+    assert rc == 0, out
+    assert "released" in out["recovered"]["front"]
+    assert front_stat(host)["status"] == "OPEN"
+    assert host.chat()["usage"]["completion_tokens"] > 0
