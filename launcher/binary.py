@@ -363,7 +363,7 @@ def fit_print(
         if skip:
             skip = False
             continue
-        if word.startswith("-") and not re.fullmatch(r"-\d+(\.\d+)?", word):
+        if envfile.is_flag(word):
             name = word.split("=", 1)[0]
             if not known.knows(name) or name in _SERVER_ONLY:
                 dropped.append(name)

@@ -131,7 +131,9 @@ def wait_idle(
     report = DrainReport(what)
     t0 = clock()
     first = True
-    while True:
+
+    def step() -> DrainReport | None:
+        nonlocal first
         try:
             busy = busy_slots(client)
         except DrainUnavailable as e:
@@ -153,7 +155,13 @@ def wait_idle(
             return report
         if progress:
             progress(elapsed, f"waiting for slot(s) {[b.slot for b in busy]} to finish")
-        sleep(min(POLL_SECONDS, max(timeout - elapsed, 0.0)))
+        return None
+
+    from launcher import waits
+
+    done = waits.drain(POLL_SECONDS, sleep)(step)
+    assert done is not None  # the policy stops only on a report
+    return done
 
 
 class ExitWatch:

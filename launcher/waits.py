@@ -14,11 +14,14 @@ policy             what it waits for
 ``journal_catchup``  the startup line in the journal file once the server is healthy
 ``last_words``     journald storing the lines of a process that died
 ``probe_post``     the first request to a server that just turned healthy (503, a reset)
+``drain``          no slot processing before a restart (the step itself keeps the deadline,
+                   ``drain_timeout``, and says what the timeout cut)
 =================  =========================================================================
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -171,3 +174,9 @@ def probe_post(
         wait=wait_exponential(multiplier=w.probe_retry[1]),
         retry_error_callback=_last_result,
     )
+
+
+def drain(poll: float, sleep: Callable[[float], None] = time.sleep) -> Retrying:
+    """Call a drain step again every ``poll`` seconds while it returns None; the step
+    returns its report when the server is idle, unreachable or past its deadline."""
+    return Retrying(retry=retry_if_result(lambda r: r is None), wait=wait_fixed(poll), sleep=sleep)
