@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import grp
 import os
 import shutil
@@ -83,6 +84,7 @@ def _unit_text(
     python, package_dir = units.this_python()
     if settings.scope == "system":
         python = _service_python(python, site)
+        site = _with_package(site or site_for(), package_dir)
     if template:
         return unit_dir / "llama-server@.service", units.render(
             python,
@@ -96,6 +98,15 @@ def _unit_text(
     return unit_dir / settings.unit_name, units.render(
         python, package_dir, str(env_file), settings.scope, state_dir=str(state_dir), site=site
     )
+
+
+def _with_package(site: units.Site, package_dir: str) -> units.Site:
+    """A launcher package under /tmp or /var/tmp (a checkout there) is hidden from the
+    service by its private /tmp: bind it in read-only, as --read-only-path would."""
+    hidden = any(Path(package_dir).is_relative_to(d) for d in ("/tmp", "/var/tmp"))
+    if not hidden or package_dir in site.read_only_paths:
+        return site
+    return dataclasses.replace(site, read_only_paths=(*site.read_only_paths, package_dir))
 
 
 def _service_python(python: str, site: units.Site | None) -> str:
