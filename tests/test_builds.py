@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, Host, Sandbox
+from test_diagnose_real import _overflow_unit
 
 sys.path.insert(0, str(REPO / "scripts"))
 
@@ -135,29 +136,6 @@ def test_planner_options_per_build(server_bin: str, build: int) -> None:
         assert any(f"b{CAP_BUILD}" in n for n in p.notes)
         assert p.recommended == "split-f16"
         assert p.recommendation.pool.guaranteed_window == 1024
-
-
-def _overflow_unit(model: Path, server: str) -> tuple[str, tuple[int, ...]]:
-    """Seed 000's overflow in miniature, run as a transient --user unit (the journal keeps it)."""
-    unit = f"diag-{uuid.uuid4().hex[:8]}"
-    port = realserver.free_port()
-    argv = [server, "-m", str(model), "--host", "127.0.0.1", "--port", str(port)]
-    argv += ["--log-colors", "off", *repro.OVERFLOW_ARGS]
-    subprocess.run(
-        ["systemd-run", "--user", "--unit", unit, "--", *argv],
-        check=True,
-        capture_output=True,
-        timeout=60,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        realserver.wait_healthy(url, 30)
-        text, _ = repro.sized_prompt(url, 300, 99)
-        repro.chat(url, text)
-        statuses = repro.burst(url, [repro.sized_prompt(url, 400, i)[0] for i in range(3)])
-    finally:
-        subprocess.run(["systemctl", "--user", "stop", unit], capture_output=True, timeout=60)
-    return unit, statuses
 
 
 def diagnose_cli(*args: str, server: str) -> dict:  # type: ignore[type-arg]
