@@ -31,6 +31,7 @@ import pytest
 import tinymodel
 from conftest import REPO, Sandbox
 from realserver import free_port
+from test_ansible import recap
 
 from launcher import home
 
@@ -191,13 +192,6 @@ class Example:
 def _group_var(name: str) -> str:
     section = EXAMPLE.read_text().split("[llama_servers:vars]", 1)[1]
     return re.findall(rf"^{name}=(.*)$", section, re.MULTILINE)[0]
-
-
-def recap(output: str) -> dict[str, dict[str, int]]:
-    out: dict[str, dict[str, int]] = {}
-    for host, counts in re.findall(r"^(\S+)\s+:\s+(ok=.*)$", output, re.MULTILINE):
-        out[host] = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", counts)}
-    return out
 
 
 @pytest.fixture
