@@ -547,7 +547,9 @@ class ToolSettings(BaseSettings):
         120.0, ge=0, description="wait for requests in flight before a restart; 0: no drain"
     )
     carry_slots: bool = Field(
-        False, description="a config without --slot-save-path gets STATE_DIR/slots"
+        True,
+        description="a config without --slot-save-path gets STATE_DIR/slots: the slots' "
+        "caches are saved before a restart and restored after it",
     )
 
     @classmethod

@@ -152,7 +152,10 @@ class Deployer:
         t0 = time.monotonic()
         self.gate.say("validate")
         cfg = keys.materialize(self.store, cfg, write=not check)
-        cfg = handover.with_slot_dir(cfg, self.store.root, self.settings.carry_slots, not check)
+        if self.settings.carry_slots:
+            folder = handover.slot_folder(self.settings.scope, self.store.root, self.systemd.show)
+            create = not check and self.settings.scope != "system"
+            cfg = handover.with_slot_dir(cfg, folder, create)
         checked, running = validate.beside_state(
             cfg,
             self.systemd.state,

@@ -128,6 +128,12 @@ class Handover:
             why = drained.get("skipped") or "the drain timed out"
             report["note"] = f"nothing saved ({why}; a save waits for its slot to finish)"
             return
+        estimate = ((self.old_meta or {}).get("memory") or {}).get("estimate") or {}
+        full = slots.no_room(self.save_dir, estimate.get("kv_bytes"))
+        if full is not None:
+            report["note"] = f"nothing saved: {full}"
+            self.warnings.append(f"the slots' caches are not carried: {full}")
+            return
         with self.old.client() as client:
             self.saved, skipped = slots.save_all(client, self.save_dir)
         report["saved"] = [s.to_dict() for s in self.saved]
@@ -256,17 +262,27 @@ def _safe_count(count: Callable[[], int]) -> Callable[[], int]:
     return read
 
 
+def slot_folder(scope: str, store_root: Path, show: Callable[..., dict[str, str]]) -> Path | None:
+    """Where the server saves its slots: a folder it can write. In user scope the service
+    runs as the deployer's user: ``STATE_DIR/slots``. In system scope it runs as a user of its
+    own under ``ProtectSystem=strict``, and the one folder it owns is its ``StateDirectory=``
+    (``/var/lib/NAME``, read from the unit); a unit without one carries no slots (None)."""
+    if scope != "system":
+        return store_root / "slots"
+    names = show("StateDirectory").get("StateDirectory", "").split()
+    return Path("/var/lib") / names[0] if names else None
+
+
 def with_slot_dir(
-    cfg: config.ServerConfig, state_dir: Path, carry: bool, create: bool
+    cfg: config.ServerConfig, folder: Path | None, create: bool
 ) -> config.ServerConfig:
-    """With ``carry_slots`` on, every config carries its slots: ``--slot-save-path
-    STATE_DIR/slots`` unless it names one, so a whole desired config (``deploy --config``,
-    Ansible) keeps it too. The service must be able to write it (under a service user: its
-    ``StateDirectory=``)."""
-    if cfg.slot_save_path is not None or not carry:
+    """With ``carry_slots`` on (the default), every config carries its slots:
+    ``--slot-save-path`` is the ``slot_folder`` unless the config names one, so a whole
+    desired config (``deploy --config``, Ansible) keeps it too. ``create``: make the folder
+    (systemd makes a ``StateDirectory=`` itself, owned by the service's user)."""
+    if cfg.slot_save_path is not None or folder is None:
         return cfg
-    folder = state_dir / "slots"
-    if create:
+    if create and not folder.exists():
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
     return cfg.model_copy(update={"slot_save_path": folder})
 

@@ -164,8 +164,9 @@ def install(
 
     A failed first deploy leaves the unit stopped (and says why); on a host that already
     serves a config, a failed deploy leaves that config serving (the deployer rolls back).
-    With the setting ``carry_slots``, the deploy gives the config ``--slot-save-path
-    STATE_DIR/slots`` unless it names one (``handover.with_slot_dir``).
+    With the setting ``carry_slots`` (on by default), the deploy gives the config a
+    ``--slot-save-path`` the service can write unless it names one (``handover.slot_folder``:
+    ``STATE_DIR/slots``; in system scope the unit's ``StateDirectory=``).
     ``front_kind="haproxy"``: HAProxy holds the config's address and llama-server moves to a
     private one (``launcher.front``).
     Nothing is changed when the input is refused (a hand-edited unit without ``force``,

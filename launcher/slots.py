@@ -24,6 +24,7 @@ from an empty slot, and the restore of that slot waits until it is done.
 from __future__ import annotations
 
 import contextlib
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -181,6 +182,31 @@ def _post(
     except ValueError as e:
         raise SlotError(f"{action} of slot {slot}: the answer is not JSON: {r.text[:200]}") from e
     return data if isinstance(data, dict) else {}
+
+
+#: What a save leaves free on the slot folder's filesystem, beyond the slots' own files
+#: (the state directory shares it with the journal, the store and often the weights).
+RESERVE_BYTES = 1 << 30
+MiB = 1 << 20
+
+
+def no_room(folder: Path, kv_bytes: int | None) -> str | None:
+    """Why the slots cannot be saved into ``folder`` without filling its filesystem, or
+    None. All saved slots together hold at most the KV pool (``kv_bytes``, the generation's
+    estimate; unknown: only the reserve is checked)."""
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError as e:
+        return f"cannot read the free space of {folder}: {e}"
+    need = (kv_bytes or 0) + RESERVE_BYTES
+    if free >= need:
+        return None
+    return (
+        f"{folder} has {free / MiB:.0f} MiB free; the slot files need up to "
+        f"{(kv_bytes or 0) / MiB:.0f} MiB (the KV pool) and {RESERVE_BYTES / MiB:.0f} MiB stay "
+        "free: free space there, give the config a --slot-save-path on a larger filesystem, "
+        "or set carry_slots = false"
+    )
 
 
 def save_all(client: httpx.Client, folder: Path) -> tuple[list[Saved], list[dict[str, Any]]]:

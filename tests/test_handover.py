@@ -90,7 +90,6 @@ def result_of(p: subprocess.Popen[str]) -> tuple[int, dict[str, Any]]:
 
 
 def installed(host: Host, *flags: str) -> dict[str, Any]:
-    host.env["LLAMA_LAUNCHER_CARRY_SLOTS"] = "true"  # every later command of the test too
     rc, out = host.install(*flags)
     assert (rc, out["outcome"]) == (0, "deployed"), out
     return out
@@ -188,6 +187,35 @@ def test_no_drain_restarts_at_once_and_says_so(host: Host) -> None:
 def test_install_gives_the_server_a_slot_save_path_under_the_state_dir(host: Host) -> None:
     installed(host, "-c", "4096", "-np", "2")
     assert f"--slot-save-path {host.state_dir / 'slots'}" in host.env_file.read_text()
+
+
+def test_carry_slots_off_renders_no_slot_save_path(host: Host) -> None:
+    host.env["LLAMA_LAUNCHER_CARRY_SLOTS"] = "false"
+    installed(host, "-c", "4096", "-np", "2")
+    assert "--slot-save-path" not in host.env_file.read_text()
+    rc, out = host.cli_json("set", "-t", "2")
+    assert (rc, out["outcome"]) == (0, "deployed"), out
+    assert "no --slot-save-path" in out["handover"]["slots"]["note"]
+
+
+def test_a_slot_folder_without_room_saves_nothing_and_says_why(host: Host) -> None:
+    folder = host.root / "small-disk"
+    folder.mkdir()
+    # a 16 MiB filesystem: under the 1 GiB a save leaves free (the test runs in the
+    # sandbox's own mount namespace, and so does the server)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(folder)], check=True)
+    try:
+        installed(host, "-c", "4096", "-np", "2", "--slot-save-path", str(folder))
+        assert completion(host.url, "the river holds")["timings"]["prompt_n"] > 0
+        rc, out = host.cli_json("set", "-t", "2")
+        assert (rc, out["outcome"]) == (0, "deployed"), out
+        carried = out["handover"]["slots"]
+        assert carried["saved"] == [] and "nothing saved" in carried["note"], carried
+        assert str(folder) in carried["note"] and "MiB free" in carried["note"]
+        assert any("caches are not carried" in w for w in out["warnings"])
+        assert list(folder.iterdir()) == []
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
 
 
 def test_a_restored_slot_keeps_its_cached_tokens_across_the_restart(host: Host) -> None:

@@ -157,6 +157,16 @@ def test_good_set_deploys_a_new_generation(serving: System) -> None:
     assert window["per_slot_window"] == 4096 and window["generation"] == out["generation"]
 
 
+def test_the_slots_are_carried_in_the_services_own_state_directory(serving: System) -> None:
+    env = serving.bed.read("/etc/llama-launcher/llama-server.env")
+    assert "--slot-save-path /var/lib/llama-server" in env, env
+    assert serving.bed.chat(PORT)[0] == 200  # a slot holds a prompt and its answer
+    rc, out = serving.cli_json("set", "-t", "2")
+    assert (rc, out["outcome"]) == (0, "deployed"), out
+    carried = out["handover"]["slots"]
+    assert carried["restored"] and carried["restored"][0]["tokens"] > 0, carried
+
+
 def test_bad_change_is_rolled_back_and_the_old_config_serves(serving: System) -> None:
     before = serving.good()
     template = serving.share_file("bad.jinja", BAD_TEMPLATE)
