@@ -25,6 +25,7 @@ import json
 import os
 import re
 import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -282,22 +283,29 @@ def link_package_libraries(path: str) -> None:
         )
 
 
-def unknown_flags(info: BinaryInfo, args: list[str]) -> list[str]:
-    """Flags in ``args`` that this binary does not know (values are skipped)."""
-    bad: list[str] = []
-    skip = False
-    for word in args:
-        if skip:
-            skip = False
-            continue
+def flag_spans(
+    args: list[str], takes_value: Callable[[str], bool]
+) -> Iterator[tuple[str | None, list[str]]]:
+    """``args`` as (flag name, its words): a flag with its separate value when
+    ``takes_value`` says it has one (``--port 8080``; ``--port=8080`` is one word), any other
+    word alone with the name None."""
+    words = iter(args)
+    for word in words:
         if not envfile.is_flag(word):
+            yield None, [word]
             continue
         name = word.split("=", 1)[0]
-        if not info.knows(name):
-            bad.append(name)
-        elif "=" not in word and info.takes_value(name):
-            skip = True
-    return bad
+        if "=" not in word and takes_value(name):
+            value = next(words, None)
+            yield name, [word] if value is None else [word, value]
+        else:
+            yield name, [word]
+
+
+def unknown_flags(info: BinaryInfo, args: list[str]) -> list[str]:
+    """Flags in ``args`` that this binary does not know (values are skipped)."""
+    spans = flag_spans(args, lambda name: info.knows(name) and info.takes_value(name))
+    return [name for name, _ in spans if name is not None and not info.knows(name)]
 
 
 def list_devices(path: str, cache_dir: Path | None = None) -> tuple[devices.Device, ...]:
@@ -358,18 +366,11 @@ def fit_print(
     known = BinaryInfo(path, "", "", fit_params_flags(path))
     kept: list[str] = []
     dropped: list[str] = []
-    skip = False
-    for word in args:
-        if skip:
-            skip = False
-            continue
-        if envfile.is_flag(word):
-            name = word.split("=", 1)[0]
-            if not known.knows(name) or name in _SERVER_ONLY:
-                dropped.append(name)
-                skip = "=" not in word and (server.takes_value(name) or known.takes_value(name))
-                continue
-        kept.append(word)
+    for name, words in flag_spans(args, lambda n: server.takes_value(n) or known.takes_value(n)):
+        if name is not None and (not known.knows(name) or name in _SERVER_ONLY):
+            dropped.append(name)
+        else:
+            kept += words
     try:
         out = proc.run([path, *kept, "--fit-print", "on"], timeout=timeout).stdout
     except CommandError as e:

@@ -79,6 +79,15 @@ def test_the_binary_knows_its_build_and_flags(server_bin: str, build: int) -> No
         assert f"came with b{CAP_BUILD}" in (info.lacks(CAP) or "")
 
 
+def test_unknown_flags_are_named_and_values_are_not_taken_for_flags(
+    server_bin: str, build: int
+) -> None:
+    info = binary.inspect(server_bin)
+    args = ["-m", "m.gguf", "--port=8080", "-c", "4096", "--no-such-flag", "x", CAP, "4096"]
+    expected = ["--no-such-flag"] + ([] if info.knows(CAP) else [CAP])
+    assert binary.unknown_flags(info, args) == expected
+
+
 def test_install_deploys_through_the_gate(build_host: Host) -> None:
     out = install(build_host)
     assert (out["startup"]["n_slots"], out["startup"]["n_ctx_slot"]) == (2, 2048)
