@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from launcher import (
+    budgets,
     config,
     envfile,
     handover,
@@ -129,7 +130,8 @@ class Deployer:
         if check:
             yield None
             return
-        with self.store.lock(self.settings.lock_timeout), self.signals.installed():
+        wait = budgets.lock_wait(self.settings, self.gate.waits, self._last_load())
+        with self.store.lock(wait), self.signals.installed():
             home.claim(self.settings, self.store.root)
             yield self.reverter.recover()
 
@@ -200,6 +202,14 @@ class Deployer:
         live = self.store.live()
         return live.meta if live else None
 
+    def _last_load(self) -> budgets.Load | None:
+        """The unit's last measured load: the live generation's (None: never measured, or
+        the store cannot say; the floors then)."""
+        try:
+            return budgets.Load.of_meta(self._live_meta())
+        except (OSError, StoreError):
+            return None
+
     def _notes(self, check: bool, running: UnitState | None, identical: bool) -> list[str]:
         notes = []
         if check and self.store.txn():
@@ -253,7 +263,10 @@ class Deployer:
             self.systemd.restart()
             self._phase("gate")
             key = keys.read_api_key(checked.config.api_key_file)
-            gate = self.gate(checked.plan, cursor, before, key, checked.argv)
+            budget = budgets.for_deploy(self.gate.waits, self._last_load())
+            gate = self.gate(
+                checked.plan, cursor, before, key, checked.argv, budget, self.handover.watch
+            )
             result.timings.update(gate.timings)
             result.timings["restart_to_serving"] = round(time.monotonic() - t_restart, 3)
             # the front's new config, the slots restored, the held requests released
@@ -275,6 +288,7 @@ class Deployer:
                 memory=result.memory,
                 warnings=gate.warnings,
                 timings=result.timings,
+                load=gate.load.to_dict() if gate.load else None,
             )
             self.store.set_live(gen.number)
             self.store.end()
