@@ -12,9 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from conftest import Host
-
 import realserver
+from conftest import Host
 
 
 def stand_in(tmp_path: Path, real: str, body: str, name: str = "llama-server") -> str:
@@ -137,7 +136,6 @@ def test_props_that_differ_from_the_plan_roll_back(host: Host, tmp_path: Path) -
         )
     assert (rc, out.get("outcome")) == (3, "rolled_back"), out
     assert out["failure"]["class"] == "gate_mismatch"
-    assert "/props says total_slots = 2, n_ctx = 2048; planned 2 and 4096" in (
-        out["failure"]["message"]
-    )
+    said = "/props says total_slots = 2, n_ctx = 2048; planned 2 and 4096"
+    assert said in out["failure"]["message"]
     assert out["rollback"]["ok"] is True
