@@ -106,6 +106,17 @@ def test_a_rollback_after_a_slow_stop_lands(host: Host, tmp_path: Path) -> None:
     assert host.chat()["usage"]["completion_tokens"] > 0
 
 
+def test_a_spawn_failure_is_restarted_once_and_then_serves(host: Host) -> None:
+    """systemd cannot load a credential whose file is missing (status 243/CREDENTIALS) - not
+    the config's fault; the unit's ExecStopPost creates the file, so the one restart that
+    follows spawns."""
+    cred = host.root / "respawn.cred"
+    drop_in(host, f"LoadCredential=respawn:{cred}\nExecStopPost=+/bin/touch {cred}\n")
+    out = installed(host)
+    assert any("failed to spawn the service (status 243" in w for w in out["warnings"]), out
+    assert host.chat()["usage"]["completion_tokens"] > 0
+
+
 def test_settle_seconds_catch_a_server_that_dies_after_its_first_answers(
     host: Host, tmp_path: Path
 ) -> None:
