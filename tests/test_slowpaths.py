@@ -10,8 +10,11 @@ drop-in, as an operator would set it.
 from __future__ import annotations
 
 import json
+import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import pytest
 import realserver
 from conftest import Host
 
@@ -46,12 +49,19 @@ def installed(host: Host, *extra: str) -> dict:  # type: ignore[type-arg]
     return out
 
 
-def drop_in(host: Host, text: str) -> None:
-    """A drop-in for the unit (``UNIT.d/slowpaths.conf``), loaded by a daemon-reload."""
+@pytest.fixture
+def drop_in(host: Host) -> Iterator[Callable[[str], None]]:
+    """Writes a drop-in for the unit (``UNIT.d/slowpaths.conf``, loaded by a daemon-reload);
+    removed after the test."""
     folder = host.sandbox.unit_dir / f"{host.unit}.d"
-    folder.mkdir(exist_ok=True)
-    (folder / "slowpaths.conf").write_text("[Service]\n" + text)
-    host.sandbox.systemctl("daemon-reload")
+
+    def write(text: str) -> None:
+        folder.mkdir(exist_ok=True)
+        (folder / "slowpaths.conf").write_text("[Service]\n" + text)
+        host.sandbox.systemctl("daemon-reload")
+
+    yield write
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def generation_meta(host: Host, number: int) -> dict:  # type: ignore[type-arg]
@@ -84,7 +94,9 @@ def test_a_load_inside_its_budget_is_deployed_and_its_time_recorded(
     assert load["stop_budget"] == 30 + 5  # the unit's TimeoutStopSec=30 and the grace
 
 
-def test_a_rollback_after_a_slow_stop_lands(host: Host, tmp_path: Path) -> None:
+def test_a_rollback_after_a_slow_stop_lands(
+    host: Host, tmp_path: Path, drop_in: Callable[[str], None]
+) -> None:
     """The issue's case: a server that ignores SIGTERM and never loads, short budgets. The
     rollback's restart waits for systemd's stop (SIGKILL at TimeoutStopSec) before its start
     clock runs, so the old config comes back through its gate."""
@@ -106,7 +118,9 @@ def test_a_rollback_after_a_slow_stop_lands(host: Host, tmp_path: Path) -> None:
     assert host.chat()["usage"]["completion_tokens"] > 0
 
 
-def test_a_spawn_failure_is_restarted_once_and_then_serves(host: Host) -> None:
+def test_a_spawn_failure_is_restarted_once_and_then_serves(
+    host: Host, drop_in: Callable[[str], None]
+) -> None:
     """systemd cannot load a credential whose file is missing (status 243/CREDENTIALS) - not
     the config's fault; the unit's ExecStopPost creates the file, so the one restart that
     follows spawns."""
