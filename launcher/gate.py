@@ -343,9 +343,11 @@ class _Watch:
         gone = self.pid > 0 and not _alive(self.pid)
         if gone:
             self.next_state = now  # the new process is gone: ask systemd why, now
+        if self.t_stopped is None and self._old_gone():
+            self.t_stopped = self.next_state = now  # look for the new process at once
         if now >= self.next_state:
             self._look_at_unit(now)
-        if self.t_stopped is None and (self.started or self._old_gone()):
+        if self.t_stopped is None and self.started:
             self.t_stopped = now
         if self.t_stopped is None:
             self.gate.say(
@@ -381,7 +383,8 @@ class _Watch:
         return None
 
     def _look_at_unit(self, now: float) -> None:
-        self.next_state = now + self.w.state_polls[self.pid > 0]
+        # rarely while the old process stops too (its exit is watched, not asked for)
+        self.next_state = now + self.w.state_polls[self.pid > 0 or self.t_stopped is None]
         state = self.gate.systemd.state()
         self.started = (
             self.started

@@ -100,7 +100,7 @@ def test_a_rollback_after_a_slow_stop_lands(
     """The issue's case: a server that ignores SIGTERM and never loads, short budgets. The
     rollback's restart waits for systemd's stop (SIGKILL at TimeoutStopSec) before its start
     clock runs, so the old config comes back through its gate."""
-    drop_in(host, "TimeoutStopSec=4\n")
+    drop_in("TimeoutStopSec=4\n")
     installed(host)
     hung = stand_in(tmp_path, host.server, "trap '' TERM\nsleep 60")
     rc, out = host.cli_json(
@@ -125,7 +125,7 @@ def test_a_spawn_failure_is_restarted_once_and_then_serves(
     the config's fault; the unit's ExecStopPost creates the file, so the one restart that
     follows spawns."""
     cred = host.root / "respawn.cred"
-    drop_in(host, f"LoadCredential=respawn:{cred}\nExecStopPost=+/bin/touch {cred}\n")
+    drop_in(f"LoadCredential=respawn:{cred}\nExecStopPost=+/bin/touch {cred}\n")
     out = installed(host)
     assert any("failed to spawn the service (status 243" in w for w in out["warnings"]), out
     assert host.chat()["usage"]["completion_tokens"] > 0
