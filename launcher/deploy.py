@@ -73,6 +73,8 @@ class Deployer:
         self.handover = handover.Handover()  # replaced by handover.prepare() per restart
         #: the box's devices for the memory guard (None: the binary's --list-devices)
         self.devices: validate.Devices | None = None
+        #: the generation a ``rollback`` puts back: its gate gets that one's budget
+        self.restoring: store.Generation | None = None
 
     def deploy(
         self, cfg: config.ServerConfig, check: bool = False, origin: str = "deploy"
@@ -100,6 +102,7 @@ class Deployer:
             live = self.store.live()
             running = lambda: self.systemd.state().running  # noqa: E731
             target = self.store.rollback_target(to, self.reverter.live_text(), running)
+            self.restoring = target
             cfg = config.build(dict(target.meta["config"]))
             origin = f"rollback to {target.number}"
             result = self._deploy(cfg, False, origin, force_restart=True, recovered=recovered)
@@ -263,7 +266,11 @@ class Deployer:
             self.systemd.restart()
             self._phase("gate")
             key = keys.read_api_key(checked.config.api_key_file)
-            budget = budgets.for_deploy(self.gate.waits, self._last_load())
+            budget = (
+                budgets.for_rollback(self.gate.waits, budgets.Load.of_meta(self.restoring.meta))
+                if self.restoring is not None
+                else budgets.for_deploy(self.gate.waits, self._last_load())
+            )
             gate = self.gate(
                 checked.plan, cursor, before, key, checked.argv, budget, self.handover.watch
             )

@@ -118,6 +118,18 @@ def test_a_rollback_after_a_slow_stop_lands(
     assert host.chat()["usage"]["completion_tokens"] > 0
 
 
+def test_rollback_gets_the_budget_its_own_generation_needed(host: Host, tmp_path: Path) -> None:
+    """Generation 1 takes 2 s to load; a rollback to it given 1 s still waits what it needs."""
+    slow = stand_in(tmp_path, host.server, "sleep 2")
+    rc, out = host.cli_json("install", *flags(host, slow))
+    assert (rc, out["outcome"]) == (0, "deployed"), out
+    rc, out = host.cli_json("set", "-ctk", "q8_0")
+    assert (rc, out["outcome"]) == (0, "deployed"), out
+    rc, out = host.cli_json("rollback", "--start-timeout", "1")
+    assert (rc, out["outcome"]) == (0, "deployed"), out
+    assert "q8_0" not in host.env_file.read_text()
+
+
 def test_a_spawn_failure_is_restarted_once_and_then_serves(
     host: Host, drop_in: Callable[[str], None]
 ) -> None:
