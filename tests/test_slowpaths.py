@@ -94,6 +94,16 @@ def test_a_load_inside_its_budget_is_deployed_and_its_time_recorded(
     assert load["stop_budget"] == 30 + 5  # the unit's TimeoutStopSec=30 and the grace
 
 
+def test_progress_shows_the_load_against_the_last_measured_one(host: Host, tmp_path: Path) -> None:
+    installed(host)
+    slow = stand_in(tmp_path, host.server, "sleep 3")
+    p = host.cli("deploy", *flags(host, slow, ctx="8192"))
+    assert p.returncode == 0, p.stderr
+    # stderr is no terminal here: a line every 2 s of a slow wait, with the expected time
+    loading = [line for line in p.stderr.splitlines() if line.startswith("[loading")]
+    assert loading and all(" of ~" in line for line in loading), p.stderr
+
+
 def test_a_rollback_after_a_slow_stop_lands(
     host: Host, tmp_path: Path, drop_in: Callable[[str], None]
 ) -> None:

@@ -365,7 +365,7 @@ def _progress() -> Any:
         if now - last[0] < (0.1 if tty else 2.0) and phase in slow:
             return
         last[0] = now
-        of = f" of ~{expected:.1f}s" if expected else ""
+        of = f" of ~{expected:.3g}s" if expected else ""
         text = f"[{phase} {elapsed:5.1f}s{of}] {line[-100:]}" if elapsed else f"[{phase}]"
         try:
             if tty:
