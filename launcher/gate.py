@@ -323,6 +323,10 @@ class _Watch:
         if self.own_watch and self.exit_watch is not None:
             self.exit_watch.result()
 
+    def _stopped(self, now: float) -> None:
+        self.t_stopped = now
+        self.health_polls.reset()  # the start: /health fast again for its first moments
+
     def _old_gone(self) -> bool:
         return self.exit_watch is None or self.exit_watch.gone_after is not None
 
@@ -344,11 +348,12 @@ class _Watch:
         if gone:
             self.next_state = now  # the new process is gone: ask systemd why, now
         if self.t_stopped is None and self._old_gone():
-            self.t_stopped = self.next_state = now  # look for the new process at once
+            self._stopped(now)
+            self.next_state = now  # look for the new process at once
         if now >= self.next_state:
             self._look_at_unit(now)
         if self.t_stopped is None and self.started:
-            self.t_stopped = now
+            self._stopped(now)
         if self.t_stopped is None:
             self.gate.say(
                 "stopping",

@@ -11,8 +11,9 @@ policy             what it waits for
 ``ready``          the restarted unit: the replaced process gone (the unit's TimeoutStopSec),
                    then the new process, the startup line (``start``), ``/health`` 200
                    (``health``); the budgets are sized per restart (``launcher.budgets``)
-``health_polls``   the pause between two ``/health`` requests while the server loads: doubled
-                   from the first to the cap, fast again once the startup line is seen
+``health_polls``   the pause between two ``/health`` requests while the server loads: short
+                   for the first moments of the start, then doubled to the cap; short again
+                   once the startup line is seen
 ``respawn``        systemd failing to spawn the process: restarted once more, not judged
 ``journal_catchup``  the startup line in the journal file once the server is healthy
 ``last_words``     journald storing the lines of a process that died
@@ -77,8 +78,10 @@ class Waits:
     health_patience_after: float = 1.0
     # the pause between two /health requests: a loading server answers 503 within a
     # millisecond, so without a pause a long load meant 100+ requests a second; the first
-    # pause is short (a tiny model is healthy within milliseconds), then doubled to the cap
+    # pause is short and stays so for the first moments (a tiny model is healthy within
+    # ~100 ms of its start), then it is doubled to the cap
     health_polls: tuple[float, float] = (0.01, 0.5)
+    health_fast_for: float = 0.5
 
     # journald tells followers about new entries every 250 ms, its files have them before;
     # a dead process's last lines may still be on their way into them
@@ -155,32 +158,40 @@ def respawn(w: Waits, before_retry: Callable[[BaseException], None]) -> Retrying
 
 
 class Backoff:
-    """Capped exponential pauses (``first``, doubled up to ``cap``): ``due()`` says whether
-    the next try is due, ``tried()`` schedules the one after, ``reset()`` makes it due now.
-    For a poll inside a loop that another wait paces (the gate's journal read), where a
-    tenacity ``Retrying`` around the call does not fit."""
+    """Capped exponential pauses (``first`` for ``fast_for`` seconds after a reset, then
+    doubled up to ``cap``): ``due()`` says whether the next try is due, ``tried()`` schedules
+    the one after, ``reset()`` makes it due now. For a poll inside a loop that another wait
+    paces (the gate's journal read), where a tenacity ``Retrying`` around the call does not
+    fit."""
 
     def __init__(
-        self, first: float, cap: float, clock: Callable[[], float] = time.monotonic
+        self,
+        first: float,
+        cap: float,
+        fast_for: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.first, self.cap, self.clock = first, cap, clock
+        self.first, self.cap, self.fast_for, self.clock = first, cap, fast_for, clock
         self.reset()
 
     def reset(self) -> None:
         self.pause = self.first
         self.next_at = 0.0
+        self.fast_until = self.clock() + self.fast_for
 
     def due(self) -> bool:
         return self.clock() >= self.next_at
 
     def tried(self) -> None:
-        self.next_at = self.clock() + self.pause
-        self.pause = min(self.pause * 2, self.cap)
+        now = self.clock()
+        self.next_at = now + self.pause
+        if now >= self.fast_until:
+            self.pause = min(self.pause * 2, self.cap)
 
 
 def health_polls(w: Waits) -> Backoff:
     """The pauses between two /health requests while the server loads."""
-    return Backoff(*w.health_polls)
+    return Backoff(*w.health_polls, fast_for=w.health_fast_for)
 
 
 def _last_result(state: tenacity.RetryCallState) -> Any:

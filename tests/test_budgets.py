@@ -105,3 +105,15 @@ def test_health_polls_back_off_to_their_cap_and_start_over() -> None:
     b.tried()
     b.reset()
     assert b.due() and b.pause == 0.01
+
+
+def test_health_polls_stay_fast_for_the_first_moments() -> None:
+    now = [0.0]
+    b = waits.Backoff(0.01, 0.5, fast_for=0.05, clock=lambda: now[0])
+    pauses = []
+    while now[0] < 0.2:
+        b.tried()
+        pauses.append(round(b.next_at - now[0], 3))
+        now[0] = b.next_at
+    assert pauses[:5] == [0.01] * 5  # 0 .. 0.05 s: every 10 ms
+    assert pauses[5:8] == [0.01, 0.02, 0.04]  # then doubled
