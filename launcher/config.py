@@ -531,10 +531,17 @@ class ToolSettings(BaseSettings):
     state_dir: Path | None = None
     unit_dir: Path | None = None
     base_url: str | None = None
-    start_timeout: float = Field(120.0, gt=0, description="restart until startup line, seconds")
-    health_timeout: float = Field(300.0, gt=0, description="/health 200 after the startup line")
+    # unset: sized from the unit's last measured load, max(floor, 4 x measured) (budgets.py)
+    start_timeout: float | None = Field(
+        None, gt=0, description="the old process gone until the startup line, seconds"
+    )
+    health_timeout: float | None = Field(
+        None, gt=0, description="/health 200 after the startup line"
+    )
     probe_timeout: float = Field(60.0, gt=0, description="the real chat completion")
-    lock_timeout: float = Field(30.0, ge=0, description="waiting for another deploy")
+    lock_timeout: float | None = Field(
+        None, ge=0, description="waiting for another deploy (unset: one deploy's budget)"
+    )
     settle_seconds: float = Field(
         0.0, ge=0, description="extra wait before the final stay-up check"
     )

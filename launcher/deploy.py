@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from launcher import (
+    budgets,
     config,
     envfile,
     handover,
@@ -72,6 +73,8 @@ class Deployer:
         self.handover = handover.Handover()  # replaced by handover.prepare() per restart
         #: the box's devices for the memory guard (None: the binary's --list-devices)
         self.devices: validate.Devices | None = None
+        #: the generation a ``rollback`` puts back: its gate gets that one's budget
+        self.restoring: store.Generation | None = None
 
     def deploy(
         self, cfg: config.ServerConfig, check: bool = False, origin: str = "deploy"
@@ -99,6 +102,7 @@ class Deployer:
             live = self.store.live()
             running = lambda: self.systemd.state().running  # noqa: E731
             target = self.store.rollback_target(to, self.reverter.live_text(), running)
+            self.restoring = target
             cfg = config.build(dict(target.meta["config"]))
             origin = f"rollback to {target.number}"
             result = self._deploy(cfg, False, origin, force_restart=True, recovered=recovered)
@@ -129,7 +133,8 @@ class Deployer:
         if check:
             yield None
             return
-        with self.store.lock(self.settings.lock_timeout), self.signals.installed():
+        wait = budgets.lock_wait(self.settings, self.gate.waits, self._last_load())
+        with self.store.lock(wait), self.signals.installed():
             home.claim(self.settings, self.store.root)
             yield self.reverter.recover()
 
@@ -203,6 +208,14 @@ class Deployer:
         live = self.store.live()
         return live.meta if live else None
 
+    def _last_load(self) -> budgets.Load | None:
+        """The unit's last measured load: the live generation's (None: never measured, or
+        the store cannot say; the floors then)."""
+        try:
+            return budgets.Load.of_meta(self._live_meta())
+        except (OSError, StoreError):
+            return None
+
     def _notes(self, check: bool, running: UnitState | None, identical: bool) -> list[str]:
         notes = []
         if check and self.store.txn():
@@ -256,7 +269,14 @@ class Deployer:
             self.systemd.restart()
             self._phase("gate")
             key = keys.read_api_key(checked.config.api_key_file)
-            gate = self.gate(checked.plan, cursor, before, key, checked.argv)
+            budget = (
+                budgets.for_rollback(self.gate.waits, budgets.Load.of_meta(self.restoring.meta))
+                if self.restoring is not None
+                else budgets.for_deploy(self.gate.waits, self._last_load())
+            )
+            gate = self.gate(
+                checked.plan, cursor, before, key, checked.argv, budget, self.handover.watch
+            )
             result.timings.update(gate.timings)
             result.timings["restart_to_serving"] = round(time.monotonic() - t_restart, 3)
             # the front's new config, the slots restored, the held requests released
@@ -278,6 +298,7 @@ class Deployer:
                 memory=result.memory,
                 warnings=gate.warnings,
                 timings=result.timings,
+                load=gate.load.to_dict() if gate.load else None,
             )
             self.store.set_live(gen.number)
             self.store.end()

@@ -1,11 +1,16 @@
 """The gate: is the restarted unit serving the config it was given?
 
+    the replaced process is gone (the stop: its own budget, the unit's TimeoutStopSec) ->
     the new process shows in systemd (its first exit fails the gate, not systemd's restart
     loop) -> the startup line equals the plan -> /health 200 from that process -> /props
     agrees -> a real completion -> the process is still up
 
-Every wait is a policy of ``launcher.waits`` with the budgets of the settings. A failure
-raises ``GateFailure`` (phase, class, message, the classified log tail).
+Every wait is a policy of ``launcher.waits``; the budgets of one restart are a
+``budgets.Budget`` (sized by the config's measured load, or the settings). The start clock
+runs from the moment the replaced process is gone, so a slow stop costs the start nothing.
+The gate's timings (seconds since the restart: ``stopped``, ``startup_line``, ``healthy``,
+``completion``) are what the next restart's budgets are sized by. A failure raises
+``GateFailure`` (phase, class, message, the classified log tail).
 """
 
 from __future__ import annotations
@@ -15,18 +20,25 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import tenacity
 
-from launcher import binary, envfile, kvlayout, serverlog, waits
+from launcher import binary, budgets, drain, envfile, kvlayout, serverlog, waits
 from launcher.errors import GateFailure, LauncherError, ProbeError
 from launcher.systemd import JournalFollower, Systemd, UnitState
 
 if TYPE_CHECKING:
     from launcher.probe import Completion, Probe
 
-Progress = Callable[[str, float, str], None]  # (phase, elapsed seconds, last log line)
+
+class Progress(Protocol):
+    """(phase, elapsed seconds, the last log line, the expected seconds when measured)."""
+
+    def __call__(
+        self, phase: str, elapsed: float, line: str, expected: float | None = None, /
+    ) -> None: ...
+
 
 #: Exit statuses systemd uses for its own failures to spawn a process (200 CHDIR .. 243
 #: CREDENTIALS, systemd.exec(5) "Process Exit Codes"); llama-server itself exits 0 or 1.
@@ -50,6 +62,7 @@ class GateResult:
     timings: dict[str, float]
     state: UnitState
     log: list[str] = field(default_factory=list)  # the new process's lines up to serving
+    load: budgets.Load | None = None  # what this start took (the next budgets' measure)
 
 
 @dataclass
@@ -78,6 +91,7 @@ class Gate:
         self.progress = progress
         self.warnings: list[str] = []
         self.binary = "llama-server"
+        self.budget = budgets.for_deploy(policy, None)  # this restart's (``__call__``)
 
     def url_for(self, argv: list[str]) -> str:
         """The probe's base URL: the setting, else --host/--port of the argv being gated."""
@@ -90,17 +104,23 @@ class Gate:
         before: UnitState,
         api_key: str | None,
         argv: list[str],
+        budget: budgets.Budget | None = None,
+        old: drain.ExitWatch | None = None,
     ) -> GateResult:
-        """Wait for the restarted unit to serve; raise GateFailure with the reason."""
+        """Wait for the restarted unit to serve; raise GateFailure with the reason.
+
+        ``budget``: this restart's (default: the policy's, floors where unset); ``old``: the
+        watch on the replaced process (the handover's), else the gate starts one."""
         t0 = time.monotonic()
         self.binary = argv[0] if argv else "llama-server"  # its build names an unread startup
+        self.budget = budget or budgets.for_deploy(self.waits, None)
         timings: dict[str, float] = {}
         # imported here, after the restart: httpx's import runs while the server loads
         from launcher.probe import Probe
 
         with Probe(self.url_for(argv), api_key, policy=self.waits) as probe:
             try:
-                ready = self._wait_ready(probe, cursor, before, t0)
+                ready = self._wait_ready(probe, cursor, before, t0, old, timings)
                 timings["healthy"] = round(time.monotonic() - t0, 3)
                 startup, log, props, completion, state = self._check(probe, plan, cursor, ready)
                 timings["completion"] = round(time.monotonic() - t0, 3)
@@ -131,6 +151,7 @@ class Gate:
             timings,
             state,
             log,
+            budgets.Load.from_timings(timings, self.budget.stop_for(before, self.waits.stop_grace)),
         )
 
     def _check(
@@ -179,11 +200,24 @@ class Gate:
         props, completion = asked
         return startup_d, log, props, completion, state
 
-    def _wait_ready(self, probe: Probe, cursor: str | None, before: UnitState, t0: float) -> _Ready:
+    def _wait_ready(
+        self,
+        probe: Probe,
+        cursor: str | None,
+        before: UnitState,
+        t0: float,
+        old: drain.ExitWatch | None,
+        timings: dict[str, float],
+    ) -> _Ready:
         """Until the *new* process answers /health 200 (``waits.respawn`` around
-        ``waits.ready``)."""
-        watch = _Watch(self, probe, cursor, before, t0)
+        ``waits.ready``); ``timings`` gets when the old process went and the startup line."""
+        watch = _Watch(self, probe, cursor, before, t0, old)
+        try:
+            return self._respawning(watch)
+        finally:
+            watch.finish(timings)
 
+    def _respawning(self, watch: _Watch) -> _Ready:
         def respawned(error: BaseException) -> None:
             assert isinstance(error, SpawnFailed)
             self.warnings.append(
@@ -230,28 +264,41 @@ class Gate:
         except LauncherError:
             return []
 
-    def say(self, phase: str, elapsed: float = 0.0, line: str = "") -> None:
+    def say(
+        self, phase: str, elapsed: float = 0.0, line: str = "", expected: float | None = None
+    ) -> None:
         if self.progress:
-            self.progress(phase, elapsed, line)
+            self.progress(phase, elapsed, line, expected)
 
 
 class _Watch:
-    """One wait for the new process: follow its journal (progress and the startup line),
-    watch the unit (its first exit fails the gate) and poll /health.
+    """One wait for the new process: the replaced one gone (the stop), then follow its
+    journal (progress and the startup line), watch the unit (its first exit fails the gate)
+    and poll /health (capped exponential backoff: ``waits.health_polls``).
 
     /health is asked only once systemd shows the new process: until then a 200 could come
     from the old server, still shutting down.
     """
 
     def __init__(
-        self, gate: Gate, probe: Probe, cursor: str | None, before: UnitState, t0: float
+        self,
+        gate: Gate,
+        probe: Probe,
+        cursor: str | None,
+        before: UnitState,
+        t0: float,
+        old: drain.ExitWatch | None = None,
     ) -> None:
         self.gate, self.probe, self.cursor, self.t0 = gate, probe, cursor, t0
-        self.w = gate.waits
+        self.w, self.budget = gate.waits, gate.budget
+        self.stop_budget = self.budget.stop_for(before, self.w.stop_grace)
         # lines of the process the restart replaced are no evidence about the new one (it
         # may have been starting itself: a deployer killed mid-gate, then recovered)
         self.old_pid = before.main_pid
         self.respawned = 0
+        self.health_polls = waits.health_polls(self.w)
+        self.own_watch = old is None or old.pid != before.main_pid
+        self.exit_watch = old if not self.own_watch else _exit_watch(before.main_pid)
         self.restart_from(before)
 
     def restart_from(self, before: UnitState) -> None:
@@ -261,8 +308,27 @@ class _Watch:
         self.started = False
         self.pid = 0  # the new process, once systemd shows it
         self.next_state = 0.0
+        # the start clock: the replaced process gone (a respawn replaces a dead one)
+        self.t_stopped: float | None = None if self.respawned == 0 else time.monotonic()
         self.t_startup: float | None = None
         self.health_wait = self.w.health_timeouts[0]
+        self.health_polls.reset()
+
+    def finish(self, timings: dict[str, float]) -> None:
+        """Put the phases' ends into ``timings`` (seconds since the restart); stop the
+        gate's own watch on the replaced process."""
+        for name, at in (("stopped", self.t_stopped), ("startup_line", self.t_startup)):
+            if at is not None:
+                timings[name] = round(at - self.t0, 3)
+        if self.own_watch and self.exit_watch is not None:
+            self.exit_watch.result()
+
+    def _stopped(self, now: float) -> None:
+        self.t_stopped = now
+        self.health_polls.reset()  # the start: /health fast again for its first moments
+
+    def _old_gone(self) -> bool:
+        return self.exit_watch is None or self.exit_watch.gone_after is not None
 
     def run(self) -> _Ready:
         with self.gate.systemd.follow(self.cursor, self.old_pid) as journal:
@@ -277,13 +343,28 @@ class _Watch:
         now = time.monotonic()
         if self.t_startup is None and self.scan.startup is not None:
             self.t_startup = now
+            self.health_polls.reset()  # the weights are loaded: /health turns 200 now
         gone = self.pid > 0 and not _alive(self.pid)
         if gone:
             self.next_state = now  # the new process is gone: ask systemd why, now
+        if self.t_stopped is None and self._old_gone():
+            self._stopped(now)
+            self.next_state = now  # look for the new process at once
         if now >= self.next_state:
             self._look_at_unit(now)
-        if not self.started or gone:
+        if self.t_stopped is None and self.started:
+            self._stopped(now)
+        if self.t_stopped is None:
+            self.gate.say(
+                "stopping",
+                now - self.t0,
+                f"waiting for the old llama-server (pid {self.old_pid}) to exit "
+                f"(at most {self.stop_budget:g}s)",
+            )
             return None
+        if not self.started or gone or not self.health_polls.due():
+            return None
+        self.health_polls.tried()
         status, detail = self.probe.health(self.health_wait)
         if (
             status is None
@@ -302,11 +383,13 @@ class _Watch:
             if dead:
                 raise self._died(dead)
             return None
-        self.gate.say("loading", now - self.t0, self.log[-1] if self.log else detail)
+        line = self.log[-1] if self.log else detail
+        self.gate.say("loading", now - self.t_stopped, line, self.budget.expected)
         return None
 
     def _look_at_unit(self, now: float) -> None:
-        self.next_state = now + self.w.state_polls[self.pid > 0]
+        # rarely while the old process stops too (its exit is watched, not asked for)
+        self.next_state = now + self.w.state_polls[self.pid > 0 or self.t_stopped is None]
         state = self.gate.systemd.state()
         self.started = (
             self.started
@@ -326,23 +409,34 @@ class _Watch:
 
     def expired(self) -> bool:
         now = time.monotonic()
+        if self.t_stopped is None:
+            return now > self.t0 + self.stop_budget
         if self.t_startup is None:
-            return now > self.t0 + self.w.start
-        return now > self.t_startup + self.w.health
+            return now > self.t_stopped + self.budget.start
+        return now > self.t_startup + self.budget.health
 
     def timed_out(self, _state: tenacity.RetryCallState) -> Any:
+        if self.t_stopped is None:
+            raise GateFailure(
+                "stop",
+                "timeout",
+                f"the old llama-server (pid {self.old_pid}) did not exit within "
+                f"{self.stop_budget:g}s of the restart (the unit's TimeoutStopSec and "
+                f"{self.w.stop_grace:g}s); read `systemctl status {self.gate.systemd.unit}`",
+                self.log[-30:],
+            )
         if self.t_startup is None:
             raise GateFailure(
                 "startup",
                 "timeout",
-                f"no startup line within {self.w.start:g}s "
+                f"no startup line within {self.budget.start:g}s of the old process's exit "
                 "(raise --start-timeout for a large model)",
                 self.log[-30:],
             )
         raise GateFailure(
             "health",
             "timeout",
-            f"/health did not return 200 within {self.w.health:g}s of the "
+            f"/health did not return 200 within {self.budget.health:g}s of the "
             "startup line (raise --health-timeout for a large model)",
             self.log[-30:],
         )
@@ -429,6 +523,10 @@ def together(*calls: Callable[[], Any]) -> list[Any]:
     with ThreadPoolExecutor(len(calls)) as workers:
         futures = [workers.submit(call) for call in calls]
         return [f.result() for f in futures]
+
+
+def _exit_watch(pid: int) -> drain.ExitWatch | None:
+    return drain.ExitWatch(pid) if pid > 0 else None
 
 
 def _alive(pid: int) -> bool:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from launcher import config, handover, keys, launch, store
+from launcher import budgets, config, handover, keys, launch, store
 from launcher.errorhandler import Signals
 from launcher.errors import (
     ConfigInvalid,
@@ -69,13 +69,17 @@ class Reverter:
             except LauncherError as e:
                 return {"ok": False, "message": f"could not stop the unit: {e}"}
             return {"ok": True, "note": "there was no previous config; the unit is stopped"}
-        plan = None
+        plan, load = None, None
         if number:
             with contextlib.suppress(StoreError, ConfigInvalid, KeyError):
                 gen = self.store.get(int(number))
+                load = budgets.Load.of_meta(gen.meta)
                 plan = config.build(dict(gen.meta["config"])).pool_plan(
                     gen.meta.get("model", {}).get("n_ctx_train")
                 )
+        # the budget its own generation needed; the stop is a phase of its own (a hung
+        # server that ignores SIGTERM takes TimeoutStopSec to go, and the start waits)
+        budget = budgets.for_rollback(self.gate.waits, load)
 
         def reset_then_state() -> UnitState:
             self.systemd.reset_failed()
@@ -85,8 +89,10 @@ class Reverter:
             cursor, before = together(self.systemd.cursor, reset_then_state)
             self.systemd.restart()
             key = keys.key_of_env(old_text, str(self.env_file))
-            gate = self.gate(plan, cursor, before, key, self.argv_of(old_text))
-            return {"ok": True, "startup": gate.startup}
+            gate = self.gate(plan, cursor, before, key, self.argv_of(old_text), budget)
+            if number and gate.load is not None:
+                self._mark(int(number), load=gate.load.to_dict())
+            return {"ok": True, "startup": gate.startup, "timings": gate.timings}
         except LauncherError as e:  # a gate, a probe, systemctl or journalctl: reported
             return {"ok": False, "message": str(e)}
 

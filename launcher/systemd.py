@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import select
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ STATE_PROPS = (
     "MemoryCurrent",
     "InvocationID",
     "LoadState",
+    "TimeoutStopUSec",
 )
 
 
@@ -49,6 +51,8 @@ class UnitState:
     memory_current: int | None
     invocation_id: str
     load_state: str
+    #: TimeoutStopSec in seconds (None: infinity, or not said): systemd's SIGKILL after it
+    timeout_stop: float | None = None
 
     @property
     def running(self) -> bool:
@@ -56,6 +60,33 @@ class UnitState:
 
     def to_dict(self) -> dict[str, Any]:
         return self.__dict__.copy()
+
+
+#: The units of a systemd time span as ``systemctl show`` prints one (``1min 30s``,
+#: ``500ms``; src/basic/time-util.c format_timespan), in seconds.
+_SPAN_UNITS = {
+    "y": 31557600.0,
+    "M": 2630016.0,
+    "w": 604800.0,
+    "d": 86400.0,
+    "h": 3600.0,
+    "min": 60.0,
+    "s": 1.0,
+    "ms": 1e-3,
+    "us": 1e-6,
+    "μs": 1e-6,
+}
+_SPAN = re.compile(r"(\d+(?:\.\d+)?)\s*(y|M|w|d|h|min|ms|us|μs|s)")
+
+
+def timespan(text: str) -> float | None:
+    """Seconds of a time span ``systemctl show`` prints (``1min 30s``, ``90s``, ``500ms``);
+    None for ``infinity``, an empty value or a form this reader does not know."""
+    text = text.strip()
+    parts = _SPAN.findall(text)
+    if not parts or _SPAN.sub("", text).strip():
+        return None
+    return sum(float(n) * _SPAN_UNITS[unit] for n, unit in parts)
 
 
 def _int(value: str | None) -> int:
@@ -96,6 +127,7 @@ class Systemd:
             memory_current=int(mem) if mem.isdigit() and int(mem) < 2**63 else None,
             invocation_id=p.get("InvocationID", ""),
             load_state=p.get("LoadState", ""),
+            timeout_stop=timespan(p.get("TimeoutStopUSec", "")),
         )
 
     def restart(self) -> None:

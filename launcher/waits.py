@@ -8,8 +8,12 @@ hand in others instead of editing a loop.
 policy             what it waits for
 =================  =========================================================================
 ``lock``           another deploy to release the state dir's lock (``lock_timeout``)
-``ready``          the restarted unit: its new process, the startup line, ``/health`` 200
-                   (``start_timeout`` until the startup line, ``health_timeout`` after it)
+``ready``          the restarted unit: the replaced process gone (the unit's TimeoutStopSec),
+                   then the new process, the startup line (``start``), ``/health`` 200
+                   (``health``); the budgets are sized per restart (``launcher.budgets``)
+``health_polls``   the pause between two ``/health`` requests while the server loads: short
+                   for the first moments of the start, then doubled to the cap; short again
+                   once the startup line is seen
 ``respawn``        systemd failing to spawn the process: restarted once more, not judged
 ``journal_catchup``  the startup line in the journal file once the server is healthy
 ``last_words``     journald storing the lines of a process that died
@@ -46,12 +50,21 @@ if TYPE_CHECKING:
 class Waits:
     """The numbers of every policy below (seconds unless named otherwise)."""
 
-    # the budgets, from the settings (``from_settings``)
-    start: float = 120.0  # restart -> the startup line (start_timeout)
-    health: float = 300.0  # the startup line -> /health 200 (health_timeout)
+    # the budgets, from the settings (``from_settings``); None: sized per restart from the
+    # measured load (``launcher.budgets``: max(floor, load_factor x measured))
+    start: float | None = None  # the old process gone -> the startup line (start_timeout)
+    health: float | None = None  # the startup line -> /health 200 (health_timeout)
     probe: float = 60.0  # the real completion (probe_timeout)
     settle: float = 0.0  # the extra stay-up wait after the completion (settle_seconds)
-    lock: float = 30.0  # another deploy's lock (lock_timeout)
+    lock: float = 30.0  # another deploy's lock (lock_timeout; unset: one deploy's budget)
+    # the start and health budgets of a config never measured: today's model on a slow disk
+    floors: tuple[float, float] = (120.0, 300.0)
+    # a load may take this many times the last measured one (a cold page cache, a busy disk)
+    load_factor: float = 4.0
+    # the stop: the restart -> the replaced process gone; None: the unit's TimeoutStopSec
+    # (systemd sends SIGKILL then) and this grace for the kill and the reaping
+    stop: float | None = None
+    stop_grace: float = 5.0
 
     # the gate's loop: one journal read paces it; `systemctl show` until the new process
     # shows (a bad config exits within milliseconds), then rarely (each call takes CPU the
@@ -63,6 +76,12 @@ class Waits:
     # first second (a config that cannot bind a taken port dies within milliseconds)
     health_timeouts: tuple[float, float] = (0.005, 1.0)
     health_patience_after: float = 1.0
+    # the pause between two /health requests: a loading server answers 503 within a
+    # millisecond, so without a pause a long load meant 100+ requests a second; the first
+    # pause is short and stays so for the first moments (a tiny model is healthy within
+    # ~100 ms of its start), then it is doubled to the cap
+    health_polls: tuple[float, float] = (0.01, 0.5)
+    health_fast_for: float = 0.5
 
     # journald tells followers about new entries every 250 ms, its files have them before;
     # a dead process's last lines may still be on their way into them
@@ -80,7 +99,8 @@ class Waits:
         """The budgets of ``settings`` (each field's comment names its setting), and
         ``overrides`` of any field."""
         budgets = {field: getattr(settings, name) for field, name in _SETTING_OF.items()}
-        return replace(cls(**budgets), **overrides)
+        given = {field: value for field, value in budgets.items() if value is not None}
+        return replace(cls(**given), **overrides)
 
 
 #: The setting each budget comes from.
@@ -135,6 +155,43 @@ def respawn(w: Waits, before_retry: Callable[[BaseException], None]) -> Retrying
         before_sleep=hook,
         reraise=True,
     )
+
+
+class Backoff:
+    """Capped exponential pauses (``first`` for ``fast_for`` seconds after a reset, then
+    doubled up to ``cap``): ``due()`` says whether the next try is due, ``tried()`` schedules
+    the one after, ``reset()`` makes it due now. For a poll inside a loop that another wait
+    paces (the gate's journal read), where a tenacity ``Retrying`` around the call does not
+    fit."""
+
+    def __init__(
+        self,
+        first: float,
+        cap: float,
+        fast_for: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.first, self.cap, self.fast_for, self.clock = first, cap, fast_for, clock
+        self.reset()
+
+    def reset(self) -> None:
+        self.pause = self.first
+        self.next_at = 0.0
+        self.fast_until = self.clock() + self.fast_for
+
+    def due(self) -> bool:
+        return self.clock() >= self.next_at
+
+    def tried(self) -> None:
+        now = self.clock()
+        self.next_at = now + self.pause
+        if now >= self.fast_until:
+            self.pause = min(self.pause * 2, self.cap)
+
+
+def health_polls(w: Waits) -> Backoff:
+    """The pauses between two /health requests while the server loads."""
+    return Backoff(*w.health_polls, fast_for=w.health_fast_for)
 
 
 def _last_result(state: tenacity.RetryCallState) -> Any:

@@ -29,12 +29,24 @@ def _settings_options(p: argparse.ArgumentParser) -> None:
         "env file; another is refused)",
     )
     g.add_argument("--base-url", help="probe URL (default: from --host/--port)")
-    g.add_argument("--start-timeout", type=float, help="seconds until the startup line")
     g.add_argument(
-        "--health-timeout", type=float, help="seconds from the startup line until /health 200"
+        "--start-timeout",
+        type=float,
+        help="seconds from the old process gone until the startup line (default: 4x the "
+        "unit's last measured load, at least 120; a rollback gets its own generation's)",
+    )
+    g.add_argument(
+        "--health-timeout",
+        type=float,
+        help="seconds from the startup line until /health 200 (default: 4x the last "
+        "measured, at least 300)",
     )
     g.add_argument("--probe-timeout", type=float, help="seconds for the real completion")
-    g.add_argument("--lock-timeout", type=float, help="seconds to wait for another deploy")
+    g.add_argument(
+        "--lock-timeout",
+        type=float,
+        help="seconds to wait for another deploy (default: one deploy's budget)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -344,14 +356,17 @@ def _progress() -> Any:
     tty = sys.stderr.isatty()
     last = [0.0]
 
-    def show(phase: str, elapsed: float, line: str) -> None:
-        if not tty and (phase not in ("starting", "loading") or elapsed < 2.0):
+    slow = ("starting", "stopping", "loading")
+
+    def show(phase: str, elapsed: float, line: str, expected: float | None = None) -> None:
+        if not tty and (phase not in slow or elapsed < 2.0):
             return  # a log file wants only the slow waits, not every phase
         now = time.monotonic()
-        if now - last[0] < (0.1 if tty else 2.0) and phase in ("starting", "loading"):
+        if now - last[0] < (0.1 if tty else 2.0) and phase in slow:
             return
         last[0] = now
-        text = f"[{phase} {elapsed:5.1f}s] {line[-100:]}" if elapsed else f"[{phase}]"
+        of = f" of ~{expected:.3g}s" if expected else ""
+        text = f"[{phase} {elapsed:5.1f}s{of}] {line[-100:]}" if elapsed else f"[{phase}]"
         try:
             if tty:
                 print("\r\x1b[2K" + text, end="", file=sys.stderr, flush=True)

@@ -82,7 +82,9 @@ options:
     description: Probe URL (default from O(host)/O(port)).
     type: str
   start_timeout:
-    description: Seconds until the startup line.
+    description:
+      - Seconds from the old process's exit until the startup line.
+      - Default 4x the unit's last measured load, at least 120.
     type: float
   health_timeout:
     description: Seconds until /health answers 200 after the startup line.
@@ -91,7 +93,9 @@ options:
     description: Seconds for the real chat completion.
     type: float
   lock_timeout:
-    description: Seconds to wait for another deploy of the same unit (the unit's own lock).
+    description:
+      - Seconds to wait for another deploy of the same unit (the unit's own lock).
+      - Default one deploy's budget.
     type: float
   settings_file:
     description: A llama-launcher settings TOML (C(LLAMA_LAUNCHER_SETTINGS)).
