@@ -180,7 +180,8 @@ options:
   slot_save_path:
     description:
       - C(--slot-save-path), where the deploy saves the slots' KV caches across a restart.
-      - Default (unset) C(STATE_DIR/slots), in system scope the unit's C(StateDirectory=) (the launcher's setting C(carry_slots), on by default).
+      - Default (unset) C(STATE_DIR/slots), in system scope the unit's
+        C(StateDirectory=) (the launcher's setting C(carry_slots), on by default).
     type: path
   metrics:
     description: C(--metrics).
