@@ -119,6 +119,24 @@ FAILURES: list[tuple[str, re.Pattern[str], str]] = [
         _compile(r"Unsupported cache type: (?P<type>\S+)"),
         "llama-server does not support the cache type {type}",
     ),
+    # The files beside the model (common/common.cpp, tools/server/server-context.cpp,
+    # common/speculative.cpp; read from b11434): each failure also prints a line a less
+    # specific pattern matches (failed to open GGUF file, failed to create context).
+    (
+        "lora_load",
+        _compile(r"failed to load lora adapter '(?P<path>[^']*)'"),
+        "llama-server could not load the LoRA adapter {path} (--lora)",
+    ),
+    (
+        "mmproj_load",
+        _compile(r"failed to load multimodal model, '(?P<path>[^']*)'"),
+        "llama-server could not load the multimodal projector {path} (--mmproj)",
+    ),
+    (
+        "draft_load",
+        _compile(r"failed to load draft model, '(?P<path>[^']*)'"),
+        "llama-server could not load the draft model {path} (-md)",
+    ),
     (
         "model_missing",
         _compile(r"failed to open GGUF file '(?P<path>[^']*)'"),
