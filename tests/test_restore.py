@@ -170,14 +170,29 @@ def test_a_file_beside_the_model_that_is_no_gguf_is_refused(host: Host) -> None:
     assert f"the LoRA adapter {junk} is not a GGUF file" in out["message"]
 
 
-def test_a_lora_that_fails_to_load_is_classified_from_its_log_line(host: Host) -> None:
+@pytest.mark.parametrize(
+    ("flag", "kind", "sentence", "line"),
+    [
+        ("--lora", "lora_load", "the LoRA adapter", "failed to load lora adapter"),
+        ("--mmproj", "mmproj_load", "the multimodal projector", "failed to load multimodal"),
+        ("-md", "draft_load", "the draft model", "failed to load draft model"),
+    ],
+)
+def test_a_file_beside_the_model_that_fails_to_load_is_classified_from_its_log_line(
+    host: Host, flag: str, kind: str, sentence: str, line: str
+) -> None:
     installed(host)
-    # a GGUF, but a model, not an adapter: it passes the checks and fails in llama-server
-    rc, out = host.cli_json("set", "--lora", str(host.model))
+    # GGUFs that pass the checks and fail in llama-server: the model is no adapter and no
+    # projector; a draft model cut after its header cannot be loaded
+    path = host.model
+    if flag == "-md":
+        path = host.root / "cut.gguf"
+        path.write_bytes(host.model.read_bytes()[:64])
+    rc, out = host.cli_json("set", flag, str(path))
     assert (rc, out["outcome"]) == (3, "rolled_back"), out
-    assert out["failure"]["class"] == "lora_load", out["failure"]
-    assert f"could not load the LoRA adapter {host.model}" in out["failure"]["message"]
-    assert any("failed to load lora adapter" in line for line in out["failure"]["log_tail"])
+    assert out["failure"]["class"] == kind, out["failure"]
+    assert f"could not load {sentence} {path} ({flag})" in out["failure"]["message"]
+    assert any(line in logged for logged in out["failure"]["log_tail"])
     assert host.chat()["usage"]["completion_tokens"] > 0
 
 
