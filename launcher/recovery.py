@@ -38,7 +38,7 @@ BEFORE_RESTART = ("begin", "stored", "swap", "swapped")
 NOT_RESTARTED = {
     "ok": True,
     "note": "nothing was restarted (the failure came before the restart); the old env file "
-    "is live and the unit runs as before",
+    "is live and the unit is as it was before",
 }
 
 
