@@ -8,7 +8,10 @@ one serving again::
     text; launcher.errorhandler) -> store the new generation -> atomic swap of the env file
     -> systemctl restart -> gate (launcher.gate) -> commit: mark the generation deployed
     -> any failure, SIGINT, SIGTERM or SIGHUP: restore the previous generation and gate it
-       -> rolled_back, or rollback_failed.
+       -> rolled_back, or rollback_failed (a swap that did not happen restarts nothing).
+
+A rollback skips render + validate: it takes a stored generation's own bytes, checked
+by the strict parse and ``bash -n`` only (launcher.restore).
 
 If the deployer dies (kill -9), the next invocation finds ``txn.json`` and reverts it first.
 """
@@ -28,6 +31,7 @@ from launcher import (
     home,
     keys,
     memory,
+    restore,
     service,
     store,
     validate,
@@ -97,15 +101,20 @@ class Deployer:
             return self._deploy(cfg, check, "unset " + " ".join(names), recovered=recovered)
 
     def rollback(self, to: int | None = None) -> Result:
-        """Go back to generation ``to`` or the last known-good one, through the same gate."""
+        """Go back to generation ``to`` or the last known-good one: its stored bytes, checked
+        cheaply (``launcher.restore``), through the same gate."""
         with self._locked() as recovered:
+            t0 = time.monotonic()
             live = self.store.live()
             running = lambda: self.systemd.state().running  # noqa: E731
             target = self.store.rollback_target(to, self.reverter.live_text(), running)
-            self.restoring = target
-            cfg = config.build(dict(target.meta["config"]))
+            self.restoring = target  # the gate gets the budget this generation needed
+            self.gate.say("validate")
+            checked = restore.candidate(target)
             origin = f"rollback to {target.number}"
-            result = self._deploy(cfg, False, origin, force_restart=True, recovered=recovered)
+            result = self._proceed(
+                checked, self.systemd.state(), False, origin, True, recovered, t0
+            )
             if live is not None and target.number != live.number:
                 self.store.back_out(live)
             return result
@@ -171,6 +180,18 @@ class Deployer:
             unified=self.settings.unified_memory,
             live_meta=self._live_meta,
         )
+        return self._proceed(checked, running, check, origin, force_restart, recovered, t0)
+
+    def _proceed(
+        self,
+        checked: validate.Validated,
+        running: UnitState | None,
+        check: bool,
+        origin: str,
+        force_restart: bool,
+        recovered: dict[str, Any] | None,
+        t0: float,
+    ) -> Result:
         live_text = self.reverter.live_text()
         result = Result(
             "checked" if check else "deployed",
@@ -202,7 +223,20 @@ class Deployer:
             return result
         assert running is not None
         result.previous_generation = self._adopt_unmanaged(live_text, result.previous_generation)
-        return self._transaction(checked, live_text, origin, result, t0, running)
+        old_text = live_text if live_text is not None else self._deleted_live(result)
+        return self._transaction(checked, old_text, origin, result, t0, running)
+
+    def _deleted_live(self, result: Result) -> str | None:
+        """The live env file is gone (deleted by hand): a failure restores the live
+        generation's bytes when it is known-good, rather than leaving the unit stopped."""
+        live = self.store.live()
+        if live is None or not live.good:
+            return None
+        result.warnings.append(
+            f"llama-launcher: the live env file {self.env_file} is missing; if this deploy "
+            f"fails, generation {live.number}'s env file is put back and started"
+        )
+        return live.env_text
 
     def _live_meta(self) -> dict[str, Any] | None:
         live = self.store.live()
@@ -235,7 +269,11 @@ class Deployer:
         so it can be rolled back to. Nothing is lost."""
         if live_text is None or (prev is not None and self.store.get(prev).env_text == live_text):
             return prev
-        meta = {"origin": "adopted: found in the live env file", "time": time.time(), "config": {}}
+        meta = {
+            "origin": "adopted: found in the live env file",
+            "time": time.time(),
+            **restore.adopted(live_text, str(self.env_file)),
+        }
         gen = self.store.new(live_text, meta)
         self.store.update(gen, outcome="adopted")
         return gen.number
@@ -327,8 +365,10 @@ class Deployer:
             self._phase("stored")
             self._prepare_handover(live_text, prev, before)
             return gen
-        except (OSError, Interrupted) as e:
+        except (OSError, StoreError, Interrupted) as e:
             self.reverter.discard()
+            if isinstance(e, StoreError):
+                raise StoreError(f"{e}; nothing live was changed") from e
             if isinstance(e, OSError):
                 raise StoreError(
                     f"cannot write the new generation to {self.store.root}: {e}; "

@@ -15,7 +15,9 @@
     ├── ProbeError                     the HTTP probe of llama-server failed
     ├── GateFailure                    the restarted unit failed the gate (phase, class, log)
     ├── EstimateUnsupported            (kvbytes) a model whose KV cache the estimator cannot size
-    ├── StoreError                     the generation store is unreadable or inconsistent
+    ├── StoreError                     the generation store cannot be read or written (names
+    │   │                              the path and the fix)
+    │   └── SwapFailed                 the live env file could not be replaced: the old one stays
     ├── LockTimeout                    exit 5: another deploy holds the lock
     ├── DeployFailed                   exit 3: the new config failed, the old one serves again
     └── RollbackFailed                 exit 4: the old config failed as well; nothing was deleted
@@ -133,6 +135,18 @@ class GateFailure(LauncherError):
 
 class StoreError(LauncherError):
     """The generation store is unreadable or inconsistent."""
+
+
+class SwapFailed(StoreError):
+    """The live env file's folder cannot be written: the swap did not happen, the old file is
+    live, whole, and nothing was restarted."""
+
+    def __init__(self, message: str, env_file: object) -> None:
+        self.env_file = str(env_file)
+        super().__init__(message)
+
+    def details(self) -> dict[str, Any]:
+        return {"env_file": self.env_file}
 
 
 class LockTimeout(LauncherError):

@@ -249,14 +249,14 @@ class Gate:
         return waits.journal_catchup(self.waits, lambda r: r[0].startup is not None)(read)
 
     def last_words(self, cursor: str | None, followed: list[str], old_pid: int) -> list[str]:
-        """The dead process's journal since the restart: the lines followed so far when they
-        say why it died, else read until they do (``waits.last_words``)."""
-        if serverlog.classify(followed):
-            return followed
+        """The dead process's journal since the restart, read until it says why the process
+        died (``waits.last_words``; the lines followed so far when it never does): read even
+        when the followed lines name a cause, as a later line can name a more specific one
+        (a draft model fails with the main model's lines first)."""
         lines: list[str] = waits.last_words(self.waits, lambda r: bool(serverlog.classify(r)))(
             lambda: self.systemd.messages(cursor, skip_pid=old_pid)[0]
         )
-        return lines or followed
+        return lines if serverlog.classify(lines) or not followed else followed
 
     def tail(self, n: int = 30) -> list[str]:
         try:

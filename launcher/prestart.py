@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from launcher import envfile, store
+from launcher.errors import StoreError
 
 _USAGE = (
     "usage: llama-launcher prestart --env-file PATH --state-dir DIR [--lock PATH] "
@@ -146,7 +147,7 @@ def main(args: Sequence[str]) -> int:
             _say(done)
         if opts.get("--stage-key"):
             stage_key(env_file, Path(opts["--stage-key"]))
-    except (PrestartError, OSError) as e:
+    except (PrestartError, OSError, StoreError) as e:  # SwapFailed: a read-only /etc
         _say(f"cannot start: {e}")
         return envfile.EX_CONFIG
     return 0

@@ -24,12 +24,22 @@ from launcher.errors import (
     LauncherError,
     RollbackFailed,
     StoreError,
+    SwapFailed,
 )
 from launcher.gate import Gate, together
 from launcher.systemd import Systemd, UnitState
 
 if TYPE_CHECKING:
     from launcher.result import Result
+
+#: Phases of the record before ``systemctl restart`` was asked for: the old process still
+#: runs the old config, so undoing the swap is all a rollback does (nothing restarts).
+BEFORE_RESTART = ("begin", "stored", "swap", "swapped")
+NOT_RESTARTED = {
+    "ok": True,
+    "note": "nothing was restarted (the failure came before the restart); the old env file "
+    "is live and the unit is as it was before",
+}
 
 
 class Reverter:
@@ -99,14 +109,26 @@ class Reverter:
     # -- a dead deployer's transaction -----------------------------------------------------
 
     def recover(self) -> dict[str, Any] | None:
-        """Complete or revert a transaction a dead deployer left behind."""
+        """Complete or revert a transaction a dead deployer left behind, and remove the
+        temporary files a killed writer left (``store.sweep_temp``)."""
+        removed = self.sweep()
         txn = self.store.txn()
         if not txn:
-            return None
+            return {"removed_temp_files": removed} if removed else None
         with self.signals.deferred():  # a recovery is a rollback: it is not interrupted
             report = self._recover(txn)
         self.signals.stop_if_asked()  # asked to stop during it: stop now
+        if removed:
+            report["removed_temp_files"] = removed
         return report
+
+    def sweep(self) -> list[str]:
+        """The folders ``store.atomic_write`` writes in for this unit: the env file's, the
+        state dir, its generations and key files, and the client window's folder."""
+        root = self.store.root
+        folders = [self.env_file.parent, root, root / "keys", root.parent]
+        folders += [self.store.gen_dir / f"{n:04d}" for n in self.store.numbers()]
+        return store.sweep_temp(folders)
 
     def restored_or_raise(self, report: dict[str, Any] | None) -> dict[str, Any] | None:
         """``report`` of ``recover``; ``RollbackFailed`` when the restored config failed its
@@ -197,11 +219,12 @@ class Reverter:
         serves again (the handover: the front's old config, the slots, the release)."""
         failure = self._failure(error)
         self.gate.say("rollback")
+        restarted = self._phase() not in BEFORE_RESTART
         restored = False
         try:
             self.restore_text(live_text)
             restored = True
-        except OSError as e:
+        except (OSError, StoreError) as e:
             # the record stays: the next invocation restores the file before anything else
             rb: dict[str, Any] = {
                 "ok": False,
@@ -209,10 +232,10 @@ class Reverter:
                 f"{e}; the transaction record in {self.store.root} keeps it",
             }
         else:
-            rb = self.restart_old(prev_number, live_text)
+            rb = self.restart_old(prev_number, live_text) if restarted else dict(NOT_RESTARTED)
         if after_restore is not None:
             result.handover = after_restore(bool(rb.get("ok")))
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, StoreError):
             self.store.update(gen, outcome="failed", failure=failure)
             if restored:
                 self.store.end()
@@ -225,7 +248,7 @@ class Reverter:
             result.outcome = "rolled_back"
             what = (
                 f"generation {prev_number} is serving again"
-                if live_text is not None
+                if live_text is not None and "note" not in rb
                 else rb.get("note", "")
             )
             result.message = (
@@ -242,9 +265,18 @@ class Reverter:
             result.message += " (interrupted by a signal)"
         raise exc
 
+    def _phase(self) -> str:
+        """The phase the transaction record reached (``gate`` when it cannot be read)."""
+        try:
+            return str(self.store.txn().get("phase", "gate"))
+        except StoreError:
+            return "gate"
+
     def _failure(self, error: BaseException) -> dict[str, Any]:
         if isinstance(error, GateFailure):
             return error.to_dict()
+        if isinstance(error, SwapFailed):
+            return {"phase": "swap", "class": "swap_failed", "message": str(error), "log_tail": []}
         interrupted = isinstance(error, Interrupted)
         return {
             "phase": "interrupted" if interrupted else "gate",

@@ -119,6 +119,24 @@ FAILURES: list[tuple[str, re.Pattern[str], str]] = [
         _compile(r"Unsupported cache type: (?P<type>\S+)"),
         "llama-server does not support the cache type {type}",
     ),
+    # The files beside the model (common/common.cpp, tools/server/server-context.cpp,
+    # common/speculative.cpp; read from b11434): each failure also prints a line a less
+    # specific pattern matches (failed to open GGUF file, failed to create context).
+    (
+        "lora_load",
+        _compile(r"failed to load lora adapter '(?P<path>[^']*)'"),
+        "llama-server could not load the LoRA adapter {path} (--lora)",
+    ),
+    (
+        "mmproj_load",
+        _compile(r"failed to load multimodal model, '(?P<path>[^']*)'"),
+        "llama-server could not load the multimodal projector {path} (--mmproj)",
+    ),
+    (
+        "draft_load",
+        _compile(r"failed to load draft model, '(?P<path>[^']*)'"),
+        "llama-server could not load the draft model {path} (-md)",
+    ),
     (
         "model_missing",
         _compile(r"failed to open GGUF file '(?P<path>[^']*)'"),
@@ -270,12 +288,32 @@ def classify_failure(line: str) -> tuple[str, str] | None:
     return None
 
 
+#: A draft model (-md) is loaded twice, and fails with the main model's lines
+#: (common/fit.cpp measures it first and warns; common/speculative.cpp loads it after the
+#: main model; b11434): the warning says the lines before it were not fatal, the announcement
+#: says the model lines after it are the draft's.
+EXTRA_MODEL_SKIPPED = _compile(r"failed to measure the memory of the extra model")
+DRAFT_LOADING = _compile(r"loading draft model '(?P<path>[^']*)'")
+_MODEL_CLASSES = ("model_missing", "model_load")
+
+
 def classify(lines: Iterable[str]) -> tuple[str, str] | None:
     """The first failure class found in ``lines`` (most specific pattern wins per line)."""
     found: tuple[str, str] | None = None
     rank = {name: i for i, (name, _, _) in enumerate(FAILURES)}
+    template = {name: sentence for name, _, sentence in FAILURES}
+    draft: str | None = None
     for line in lines:
+        text = clean(line)
+        if EXTRA_MODEL_SKIPPED.search(text):
+            found = None if found and found[0] in _MODEL_CLASSES else found
+            continue
+        if m := DRAFT_LOADING.search(text):
+            draft = m["path"]
+            continue
         hit = classify_failure(line)
+        if hit and draft is not None and hit[0] in _MODEL_CLASSES:
+            hit = ("draft_load", template["draft_load"].format(path=draft))
         if hit and (found is None or rank[hit[0]] < rank[found[0]]):
             found = hit
     return found

@@ -93,7 +93,11 @@ def files_of(cfg: config.ServerConfig) -> list[tuple[str, Path]]:
         name, eq, value = word.partition("=")
         if name in FILE_FLAGS:
             value = value if eq else (words[i + 1] if i + 1 < len(words) else "")
-            files += [(FILE_FLAGS[name], Path(v)) for v in value.split(",") if v]
+            for v in value.split(","):
+                if name.endswith("-scaled"):  # FNAME:SCALE
+                    v = v.rpartition(":")[0] or v
+                if v:
+                    files.append((FILE_FLAGS[name], Path(v)))
     return files
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from launcher import config, store
+from launcher import config, launch, store
 from launcher.config import argv_diff
+from launcher.errors import StoreError
 from launcher.memory import process_memory
 from launcher.systemd import Systemd
 
@@ -27,6 +29,7 @@ def status(settings: config.ToolSettings, systemd: Systemd | None = None) -> dic
         "pending_transaction": bool(st.txn()),
     }
     if live is not None:
+        data["live_file"] = live_file(settings.resolved_env_file(), live)
         planned = live.meta.get("planned", {})
         data.update(
             {
@@ -43,6 +46,51 @@ def status(settings: config.ToolSettings, systemd: Systemd | None = None) -> dic
     return data
 
 
+def live_file(env_file: Path, live: store.Generation) -> dict[str, Any]:
+    """Whether the live env file is the live generation's bytes, and if not how it differs
+    (a hand edit, a deleted file): the argv diff, generation -> file."""
+    try:
+        text: str | None = env_file.read_bytes().decode("utf-8", "replace")
+    except FileNotFoundError:
+        text = None
+    if text == live.env_text:
+        return {"differs": False}
+    if text is None:
+        return {"differs": True, "missing": True, "diff": []}
+    diff = argv_diff(argv_of(live), launch.argv_of_text(text, str(env_file)))
+    labels = [f"--- generation {live.number}", f"+++ {env_file}"]
+    return {"differs": True, "missing": False, "diff": labels + diff[2:] if diff else []}
+
+
+def argv_of(gen: store.Generation) -> list[str]:
+    """A generation's argv: recorded, or read from its bytes (a hand edit adopted before
+    the adoption recorded it)."""
+    argv = list(gen.meta.get("argv") or [])
+    if argv:
+        return argv
+    try:
+        return launch.argv_of_text(gen.env_text, str(gen.path / "env"))
+    except StoreError:
+        return []
+
+
+def _live_file_lines(d: dict[str, Any]) -> list[str]:
+    lf = d.get("live_file") or {}
+    if not lf.get("differs"):
+        return []
+    if lf.get("missing"):
+        return [
+            f"  the live env file {d['env_file']} is missing (deleted by hand?): the next "
+            f"deploy puts generation {d['live_generation']}'s back if it fails; "
+            "llama-launcher rollback puts it back now"
+        ]
+    lines = [
+        f"  the live env file {d['env_file']} differs from generation {d['live_generation']} "
+        "(edited by hand?); the next deploy keeps it as a generation. argv diff:"
+    ]
+    return lines + [f"    {x}" for x in lf.get("diff") or ["(the same argv; other bytes differ)"]]
+
+
 def status_text(d: dict[str, Any]) -> str:
     s = d["state"]
     lines = [
@@ -55,6 +103,7 @@ def status_text(d: dict[str, Any]) -> str:
         lines.append("  no generation deployed by llama-launcher yet")
         return "\n".join(lines)
     lines.append(f"  live generation: {d['live_generation']} ({d['outcome']})")
+    lines += _live_file_lines(d)
     if d.get("startup"):
         su = d["startup"]
         lines.append(
@@ -82,12 +131,12 @@ def history(settings: config.ToolSettings) -> dict[str, Any]:
     st = store.Store(settings.resolved_state_dir())
     live = st.live_number()
     out: list[dict[str, Any]] = []
-    argv_of: dict[int, list[str]] = {}
+    argvs: dict[int, list[str]] = {}
     for gen in st.all():
-        argv = list(gen.meta.get("argv") or [])
-        argv_of[gen.number] = argv
+        argv = argv_of(gen)
+        argvs[gen.number] = argv
         prev = gen.meta.get("previous")
-        prev_argv = argv_of.get(prev, []) if isinstance(prev, int) else []
+        prev_argv = argvs.get(prev, []) if isinstance(prev, int) else []
         mem = gen.meta.get("memory") or {}
         out.append(
             {

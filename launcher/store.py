@@ -21,16 +21,42 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import json
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
-from launcher.errors import LockTimeout, StoreError
+from launcher.errors import LockTimeout, StoreError, SwapFailed
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+#: The temporary names ``atomic_write`` gives its files: ``.<name>.tmp-<pid>``.
+TEMP_NAME = re.compile(r"^\..+\.tmp-(?P<pid>\d+)$")
+
+#: What to do about a failed write, by errno (the flag that moves the folder is appended).
+_FIXES = {
+    errno.EROFS: "its file system is mounted read-only: remount it read-write, or",
+    errno.EACCES: "this user may not write there: run as its owner (or root), fix its "
+    "permissions, or",
+    errno.EPERM: "this user may not write there: run as its owner (or root), fix its "
+    "permissions, or",
+    errno.ENOSPC: "the disk is full: free space, or",
+    errno.EDQUOT: "the disk quota is used up: free space, or",
+}
+
+
+def write_failed(e: OSError, folder: Path, option: str) -> str:
+    """``cannot write PATH: REASON; FIX`` for an OSError under ``folder``."""
+    where = e.filename or folder
+    fix = _FIXES.get(e.errno or 0, "fix the file system there, or")
+    return f"cannot write {where}: {e.strerror or e}; {fix} point {option} at another folder"
+
 
 #: Outcomes that make a generation "known good".
 GOOD = ("deployed",)
@@ -106,7 +132,16 @@ class Generation:
 
     @property
     def env_text(self) -> str:
-        return (self.path / "env").read_text()
+        """The stored env file, as its bytes read (no newline translation: a rollback puts
+        back exactly these bytes; bytes that are not UTF-8 read as U+FFFD, like the live
+        file's, ``Reverter.live_text``)."""
+        try:
+            return (self.path / "env").read_bytes().decode("utf-8", "replace")
+        except OSError as e:
+            raise StoreError(
+                f"cannot read generation {self.number}'s env file {e.filename}: {e.strerror}; "
+                "fix its permissions, or see llama-launcher history for another generation"
+            ) from e
 
     @property
     def outcome(self) -> str:
@@ -115,6 +150,20 @@ class Generation:
     @property
     def good(self) -> bool:
         return self.outcome in GOOD
+
+
+def _writes(method: _F) -> _F:
+    """An OSError of a Store method that writes becomes a ``StoreError`` naming the path and
+    the fix (a read-only or full state dir is a clear error, never a traceback)."""
+
+    @functools.wraps(method)
+    def wrapper(self: Store, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except OSError as e:
+            raise StoreError(write_failed(e, self.root, "--state-dir")) from e
+
+    return cast(_F, wrapper)
 
 
 class Store:
@@ -126,6 +175,7 @@ class Store:
         self.txn_path = root / "txn.json"
         self.lock_path = lock_path or root / "lock"
 
+    @_writes
     def ensure(self) -> None:
         self.gen_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.root, 0o700)
@@ -136,8 +186,11 @@ class Store:
     def lock(self, timeout: float) -> Iterator[None]:
         """Hold the unit's exclusive lock; wait up to ``timeout`` seconds for it."""
         self.ensure()
-        self.lock_path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            self.lock_path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as e:
+            raise StoreError(write_failed(e, self.lock_path.parent, "XDG_RUNTIME_DIR")) from e
         try:
             try:
                 # imported here: the unit's prestart step uses this module under python -S
@@ -183,6 +236,7 @@ class Store:
     def all(self) -> list[Generation]:
         return [self.get(n) for n in self.numbers()]
 
+    @_writes
     def new(self, env_text: str, meta: dict[str, Any]) -> Generation:
         """Store a new generation (pending) and return it."""
         self.ensure()
@@ -200,6 +254,7 @@ class Store:
         _fsync_dir(self.gen_dir)
         return Generation(number, path, meta)
 
+    @_writes
     def update(self, gen: Generation, **changes: Any) -> Generation:
         meta = {**gen.meta, **changes}
         write_json(gen.path / "meta.json", meta)
@@ -211,6 +266,7 @@ class Store:
         except (FileNotFoundError, ValueError):
             return None
 
+    @_writes
     def set_live(self, number: int) -> None:
         atomic_write(self.root / "live", f"{number}\n".encode(), 0o600)
 
@@ -224,19 +280,20 @@ class Store:
         self, to: int | None, live_text: str | None, running: Callable[[], bool]
     ) -> Generation:
         """What ``rollback`` goes back to: generation ``to``; else the live generation when it
-        is known-good but not what serves (the live file was changed behind our back, the
-        unit is down, or its restore failed its gate); else the newest known-good one before
-        it with another config (``previous_good``)."""
+        is known-good and the live file is not its bytes (edited or deleted behind our back);
+        else the newest known-good one before it with another config (``previous_good``) -
+        also when the live config is failing (the unit down, or its restore failed its gate):
+        a config that crash-loops for an outside reason is not "rolled back" to itself.
+        Only when no other generation served is the failing live one started again."""
         live = self.live()
         if to is not None:
             return self.get(to)
-        if (
-            live is not None
-            and live.good
-            and (live_text != live.env_text or not running() or live.meta.get("gate_failed_at"))
-        ):
+        if live is not None and live.good and live_text != live.env_text:
             return live
         target = self.previous_good(live, live_text)
+        failing = live is not None and (not running() or live.meta.get("gate_failed_at"))
+        if target is None and failing and live is not None and live.good:
+            return live
         if target is None:
             raise StoreError(
                 f"no known-good generation other than the live one "
@@ -255,6 +312,7 @@ class Store:
                 return gen
         return None
 
+    @_writes
     def back_out(self, gone: Generation) -> None:
         """A later rollback must not bring back the config a rollback backed out, in
         whichever generations it was deployed."""
@@ -264,9 +322,11 @@ class Store:
 
     # -- transaction record ----------------------------------------------------------------
 
+    @_writes
     def begin(self, record: dict[str, Any]) -> None:
         write_json(self.txn_path, {"pid": os.getpid(), "started": time.time(), **record})
 
+    @_writes
     def mark(self, **changes: Any) -> None:
         """Record progress (the phase). Atomic but not fsynced: it guards against the
         deployer dying, and costs nothing on the path of every deploy."""
@@ -278,6 +338,7 @@ class Store:
         except FileNotFoundError:
             return {}
 
+    @_writes
     def end(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.txn_path.unlink()
@@ -298,10 +359,45 @@ def swap_env(env_file: Path, text: str, backup: bool = True) -> None:
     """Install ``text`` as the live env file atomically, keeping a ``.bak`` of the old one.
 
     A new file gets mode 0600; an existing one keeps its owner and mode (0640 with a group
-    is kept as is).
+    is kept as is). ``SwapFailed`` when the folder cannot be written: the live file is
+    then the old one, whole (the ``.bak`` is written first, in the same folder).
     """
     data = text.encode()
-    if backup and env_file.exists():
-        bak = env_file.with_name(env_file.name + ".bak")
-        atomic_write(bak, env_file.read_bytes(), like=env_file)
-    atomic_write(env_file, data, 0o600)
+    try:
+        if backup and env_file.exists():
+            bak = env_file.with_name(env_file.name + ".bak")
+            atomic_write(bak, env_file.read_bytes(), like=env_file)
+        atomic_write(env_file, data, 0o600)
+    except OSError as e:
+        raise SwapFailed(write_failed(e, env_file.parent, "--env-file"), env_file) from e
+
+
+def sweep_temp(folders: list[Path]) -> list[str]:
+    """Remove the temporary files (``.<name>.tmp-<pid>``) a killed writer left in
+    ``folders``: only those whose pid is gone (a live one may still be writing)."""
+    removed = []
+    for folder in folders:
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            continue
+        for name in names:
+            m = TEMP_NAME.match(name)
+            if m is None or _alive(int(m["pid"])):
+                continue
+            with contextlib.suppress(OSError):  # gone meanwhile, or a read-only folder
+                (folder / name).unlink()
+                removed.append(str(folder / name))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # EPERM: another user's live process
+    return True

@@ -9,6 +9,9 @@ Runs on the rendered temporary file; each step is named in its error:
 4. ``argv``       ``llama-launcher exec --print-argv`` on the file equals the typed argv;
 5. ``flags``      every flag is known to the installed llama-server (``--help``);
 6. ``model``      the model exists, is readable and is a GGUF whose metadata loads;
+   ``files``      every other file llama-server opens (``--lora``, ``--mmproj``, ``-md``,
+                  ``--chat-template-file``, ...) is an absolute path that exists and is
+                  readable, and a GGUF where llama-server loads one;
 7. ``service``    (system scope) the hardened unit's own user can open the binary, the model
                   and every other file llama-server reads (``launcher.service``);
 8. ``pool``       the pool arithmetic: no over-committed shared pool unless allowed;
@@ -49,7 +52,20 @@ if TYPE_CHECKING:
 
 #: The per-slot cap: offered only where the binary has it (b10901 and later).
 CAP = "--kv-unified-per-slot"
-STEPS = ("lint", "bash -n", "subshell", "argv", "flags", "model", "service", "pool", "memory")
+STEPS = (
+    "lint",
+    "bash -n",
+    "subshell",
+    "argv",
+    "flags",
+    "model",
+    "files",
+    "service",
+    "pool",
+    "memory",
+)
+#: Files llama-server loads as GGUF beside the model (names of ``service.FILE_FLAGS``).
+GGUF_FILES = ("LoRA adapter", "multimodal projector", "draft model", "control vector")
 
 
 @dataclass(frozen=True)
@@ -130,6 +146,14 @@ def _step_bash_n(path: Path) -> None:
         proc.run(["bash", "-n", str(path)], timeout=10)
     except CommandError as e:
         raise ValidationFailed("bash -n", e.stderr.strip() or str(e)) from e
+
+
+def check_bytes(path: Path) -> list[str]:
+    """The cheap checks on an env file's own bytes (a rollback's, ``launcher.restore``):
+    the strict parse and ``bash -n``; the argv it launches."""
+    argv = _step_lint(path)
+    _step_bash_n(path)
+    return argv
 
 
 def _step_subshell(path: Path, values: dict[str, str]) -> None:
@@ -234,6 +258,34 @@ def model_facts(path: Path) -> tuple[dict[str, Any], kvbytes.ModelInfo | None, s
         raise ValidationFailed("model", str(e)) from None
 
 
+def check_files(cfg: config.ServerConfig) -> None:
+    """Step ``files``: the files beside the model, checked the way ``-m`` is (the server
+    would fail at start, after the restart, with a log line naming only one of them)."""
+    for what, path in service.files_of(cfg)[2:]:
+        if not path.is_absolute():
+            raise ValidationFailed(
+                "files",
+                f"the {what} {str(path)!r} is a relative path; the unit runs llama-server "
+                f"from /, where it names another file: give the absolute path",
+            )
+        if not path.is_file():
+            state = "is not a file" if path.exists() else "does not exist"
+            raise ValidationFailed("files", f"the {what} {path} {state}; check its flag's value")
+        try:
+            with path.open("rb") as f:
+                magic = f.read(4)
+        except OSError as e:
+            raise ValidationFailed(
+                "files", f"the {what} {path} is not readable ({e.strerror}); fix its mode"
+            ) from None
+        if what in GGUF_FILES and magic != b"GGUF":
+            raise ValidationFailed(
+                "files",
+                f"the {what} {path} is not a GGUF file (it starts with {magic!r}, not "
+                "b'GGUF'); llama-server loads only GGUF files there",
+            )
+
+
 def _read_meta(path: Path) -> dict[str, Any]:
     """The GGUF metadata, read with the gguf package (llama.cpp's reader); JSON-able."""
     try:
@@ -309,6 +361,7 @@ def validate(
         os.chmod(path, 0o600)
         info = validate_file(path, cfg, values, expected)
     model, layout, unsupported = model_facts(cfg.model)
+    check_files(cfg)
     if svc is not None:
         service.check(svc, cfg)
     try:

@@ -135,3 +135,32 @@ def test_existing_clean_is_unchanged() -> None:
     assert serverlog.clean("0.00.035.060 I srv  llama_server: model loaded\n") == (
         "srv  llama_server: model loaded"
     )
+
+
+#: b11434's lines for ``-md cut.gguf`` (a draft model that is no loadable GGUF), as it printed
+#: them on 2026-12-01: fit measures the draft first and warns, then speculative loads it.
+DRAFT_FAILS = [
+    "0.00.005.591 E gguf_init_from_reader: invalid magic characters: 'junk', expected 'GGUF'",
+    "0.00.012.136 E llama_model_load: error loading model: llama_model_loader: failed to load "
+    "model from /m/cut.gguf",
+    "0.00.012.145 E llama_model_load_from_file_impl: failed to load model",
+    "0.00.012.193 W operator(): failed to measure the memory of the extra model, fitting "
+    "without it: failed to load model",
+    "0.00.017.996 I common_speculative_init_result: loading draft model '/m/cut.gguf'",
+    "0.00.018.247 E llama_model_load: error loading model: llama_model_loader: failed to load "
+    "model from /m/cut.gguf",
+    "0.00.018.345 E common_speculative_init_result: failed to load draft model, '/m/cut.gguf'",
+]
+
+
+DRAFT = ("draft_load", "llama-server could not load the draft model /m/cut.gguf (-md)")
+
+
+@pytest.mark.parametrize(
+    ("upto", "expected"),
+    [(4, None), (5, None), (6, DRAFT), (7, DRAFT)],  # the fit's warning: its lines not fatal
+)
+def test_a_draft_model_failing_is_the_draft_not_the_model(
+    upto: int, expected: tuple[str, str] | None
+) -> None:
+    assert serverlog.classify(DRAFT_FAILS[:upto]) == expected

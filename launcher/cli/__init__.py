@@ -116,6 +116,10 @@ def main(args: Sequence[str], on_phase: Callable[[str], None] | None = None) -> 
         return handler(ns)
     except LauncherError as e:
         return fail(e, getattr(ns, "json", False))
+    except BrokenPipeError:
+        raise  # the reader went away: __main__ exits 141
+    except OSError as e:  # one the core did not type: a clear line still (JSON with --json)
+        return fail(e, getattr(ns, "json", False))
     except Interrupted as e:
         print(f"llama-launcher: {e} before the change went live", file=sys.stderr)
         return 128 + e.signum

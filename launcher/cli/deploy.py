@@ -166,7 +166,8 @@ def register(sub: Any) -> None:
     p = _parser(
         sub,
         "rollback",
-        "go back to the last known-good generation (or --to N) through the same gate",
+        "go back to the last known-good generation (or --to N): put back its stored env "
+        "file bytes (strict parse and bash -n; no memory guard: it served) and gate them",
     )
     p.add_argument("--to", type=int, metavar="N", help="generation number (see history)")
     _drain_options(p)
