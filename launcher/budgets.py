@@ -23,8 +23,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from launcher.errors import StoreError
+
 if TYPE_CHECKING:
     from launcher.config import ToolSettings
+    from launcher.store import Generation, Store
     from launcher.systemd import UnitState
     from launcher.waits import Waits
 
@@ -131,6 +134,24 @@ def lock_wait(settings: ToolSettings, w: Waits, last: Load | None) -> float:
     b = for_deploy(w, last)
     stop = last.stop_budget if last and last.stop_budget else stop_budget(None, w.stop_grace)
     return settings.drain_timeout + stop + b.start + b.health + w.probe + w.settle
+
+
+def last_load(st: Store) -> Load | None:
+    """The unit's last measured load: the live generation's (None: never measured, or the
+    store cannot say; the floors then)."""
+    try:
+        live = st.live()
+        return Load.of_meta(live.meta if live else None)
+    except (OSError, StoreError):
+        return None
+
+
+def for_gate(w: Waits, st: Store, restoring: Generation | None) -> Budget:
+    """The gate's budget: a rollback's is what the generation it puts back needed, a
+    deploy's what the unit's last load needed."""
+    if restoring is not None:
+        return for_rollback(w, Load.of_meta(restoring.meta))
+    return for_deploy(w, last_load(st))
 
 
 def _of(load: Load | None, phase: int) -> float | None:

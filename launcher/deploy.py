@@ -142,7 +142,7 @@ class Deployer:
         if check:
             yield None
             return
-        wait = budgets.lock_wait(self.settings, self.gate.waits, self._last_load())
+        wait = budgets.lock_wait(self.settings, self.gate.waits, budgets.last_load(self.store))
         with self.store.lock(wait), self.signals.installed():
             home.claim(self.settings, self.store.root)
             yield self.reverter.recover()
@@ -222,33 +222,18 @@ class Deployer:
             result.message = "valid; nothing was changed (check mode)"
             return result
         assert running is not None
-        result.previous_generation = self._adopt_unmanaged(live_text, result.previous_generation)
-        old_text = live_text if live_text is not None else self._deleted_live(result)
-        return self._transaction(checked, old_text, origin, result, t0, running)
-
-    def _deleted_live(self, result: Result) -> str | None:
-        """The live env file is gone (deleted by hand): a failure restores the live
-        generation's bytes when it is known-good, rather than leaving the unit stopped."""
-        live = self.store.live()
-        if live is None or not live.good:
-            return None
-        result.warnings.append(
-            f"llama-launcher: the live env file {self.env_file} is missing; if this deploy "
-            f"fails, generation {live.number}'s env file is put back and started"
+        prev = result.previous_generation
+        result.previous_generation = restore.adopt_unmanaged(
+            self.store, live_text, prev, str(self.env_file)
         )
-        return live.env_text
+        old_text = live_text
+        if old_text is None:
+            old_text = self.reverter.deleted_live(result.warnings)
+        return self._transaction(checked, old_text, origin, result, t0, running)
 
     def _live_meta(self) -> dict[str, Any] | None:
         live = self.store.live()
         return live.meta if live else None
-
-    def _last_load(self) -> budgets.Load | None:
-        """The unit's last measured load: the live generation's (None: never measured, or
-        the store cannot say; the floors then)."""
-        try:
-            return budgets.Load.of_meta(self._live_meta())
-        except (OSError, StoreError):
-            return None
 
     def _notes(self, check: bool, running: UnitState | None, identical: bool) -> list[str]:
         notes = []
@@ -263,20 +248,6 @@ class Deployer:
                 f"{running.sub}); the identical config is started again through the gate"
             )
         return notes
-
-    def _adopt_unmanaged(self, live_text: str | None, prev: int | None) -> int | None:
-        """A live env file the store does not know (hand-written) is kept as a generation,
-        so it can be rolled back to. Nothing is lost."""
-        if live_text is None or (prev is not None and self.store.get(prev).env_text == live_text):
-            return prev
-        meta = {
-            "origin": "adopted: found in the live env file",
-            "time": time.time(),
-            **restore.adopted(live_text, str(self.env_file)),
-        }
-        gen = self.store.new(live_text, meta)
-        self.store.update(gen, outcome="adopted")
-        return gen.number
 
     # -- register the rollback -> store + swap -> restart -> gate -> commit ----------------
 
@@ -307,11 +278,7 @@ class Deployer:
             self.systemd.restart()
             self._phase("gate")
             key = keys.read_api_key(checked.config.api_key_file)
-            budget = (
-                budgets.for_rollback(self.gate.waits, budgets.Load.of_meta(self.restoring.meta))
-                if self.restoring is not None
-                else budgets.for_deploy(self.gate.waits, self._last_load())
-            )
+            budget = budgets.for_gate(self.gate.waits, self.store, self.restoring)
             gate = self.gate(
                 checked.plan, cursor, before, key, checked.argv, budget, self.handover.watch
             )

@@ -60,6 +60,18 @@ class Reverter:
         except FileNotFoundError:
             return None
 
+    def deleted_live(self, warnings: list[str]) -> str | None:
+        """The live env file is gone (deleted by hand): what a failure restores, the live
+        generation's bytes when it is known-good (rather than leaving the unit stopped)."""
+        live = self.store.live()
+        if live is None or not live.good:
+            return None
+        warnings.append(
+            f"llama-launcher: the live env file {self.env_file} is missing; if this deploy "
+            f"fails, generation {live.number}'s env file is put back and started"
+        )
+        return live.env_text
+
     def argv_of(self, text: str | None) -> list[str]:
         return launch.argv_of_text(text, str(self.env_file))
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,23 @@ def adopted(text: str, source: str) -> dict[str, Any]:
     except ConfigInvalid:
         return {"argv": argv, "config": {}}
     return {"argv": argv, "config": cfg.masked()}
+
+
+def adopt_unmanaged(
+    st: store.Store, live_text: str | None, prev: int | None, source: str
+) -> int | None:
+    """A live env file the store does not know (hand-written) is kept as a generation, so it
+    can be rolled back to; its number (``prev`` when the live file is that generation's)."""
+    if live_text is None or (prev is not None and st.get(prev).env_text == live_text):
+        return prev
+    meta = {
+        "origin": "adopted: found in the live env file",
+        "time": time.time(),
+        **adopted(live_text, source),
+    }
+    gen = st.new(live_text, meta)
+    st.update(gen, outcome="adopted")
+    return gen.number
 
 
 def candidate(gen: store.Generation, workdir: Path | None = None) -> validate.Validated:
