@@ -333,7 +333,7 @@ _BY_RARE_BYTE: tuple[tuple[bytes, tuple[tuple[bytes, int], ...]], ...] = tuple(
 #: Hits of a rare byte checked per block before its phrases are searched instead: one per KiB
 #: costs about what the phrase searches cost, so a log where the byte is common (another
 #: program's output in the same journal) is read at the phrase searches' speed, not slower.
-_RARE_HITS_PER_BLOCK = 1 << 10
+_RARE_HITS_PER_BLOCK, _RARE_HITS_MIN = 1 << 10, 64
 #: Around a failure anchor: the memory-slot line before a retry, and after the last one the
 #: purges, send_error/release pairs and the ``decode() failed`` line.
 _BEFORE, _AFTER = 4 << 10, 64 << 10
@@ -352,7 +352,7 @@ def _anchor_hits(chunk: bytes, size: int) -> dict[bytes, list[int]]:
     hits: dict[bytes, list[int]] = {needle: [] for needle, _, _ in _BLOCK_ANCHORS}
     find, startswith = chunk.find, chunk.startswith
     for byte, group in _BY_RARE_BYTE:
-        budget = max(64, size // _RARE_HITS_PER_BLOCK)
+        budget = max(_RARE_HITS_MIN, size // _RARE_HITS_PER_BLOCK)
         i = find(byte, 0, size)
         while i >= 0:
             budget -= 1
