@@ -314,26 +314,26 @@ def _event_starts(chunk: bytes, lo: int, hi: int) -> list[int]:
 #: The phrases looked for over whole blocks. Every line the report needs holds one of them or
 #: lies in a window around one, so the rest of a busy server's log (slot selection, timings, the
 #: release lines of requests that went well) is never parsed.
-_BLOCK_ANCHORS: tuple[tuple[bytes, str, bytes], ...] = (
-    # (phrase, kind, the byte it is found by: see _BY_RARE_BYTE)
-    (serverlog.CONTEXT_EXCEEDED.encode(), "failure", b"z"),  # error, send_error, decode() failed
-    (b"the KV cache, retrying with", "failure", b"K"),  # every retry line, all builds
-    (b"exceeds the available context size (", "line", b"z"),  # request-time rejections
-    (b"is larger than the max context size (", "line", b"z"),
-    (b"initializing", "startup", b"z"),  # the startup line (both forms), a server's first line
+_BLOCK_ANCHORS: tuple[tuple[bytes, str], ...] = (
+    (serverlog.CONTEXT_EXCEEDED.encode(), "failure"),  # error, send_error, decode() failed
+    (b"retrying with smaller batch size", "failure"),  # every retry line, all builds
+    (b"exceeds the available context size (", "line"),  # request-time rejections
+    (b"is larger than the max context size (", "line"),
+    (b"initializing", "startup"),  # the startup line (both forms), a server's first line
 )
-#: The phrases by the byte they are found by, with its offset in each. A search for one byte is
-#: memchr, ten times as fast as a phrase search, and these two are rare in what a server
-#: prints between failures: 'z' of "size" and "initializing", 'K' of "KV" (lower-case words,
-#: digits and punctuation make up the request traffic). See ``_anchor_hits``.
-_BY_RARE_BYTE: tuple[tuple[bytes, tuple[tuple[bytes, int], ...]], ...] = tuple(
-    (byte, tuple((p, p.index(byte)) for p, _, b in _BLOCK_ANCHORS if b == byte))
-    for byte in dict.fromkeys(b for _, _, b in _BLOCK_ANCHORS)
-)
-#: Hits of a rare byte checked per block before its phrases are searched instead: one per KiB
-#: costs about what the phrase searches cost, so a log where the byte is common (another
-#: program's output in the same journal) is read at the phrase searches' speed, not slower.
-_RARE_HITS_PER_BLOCK, _RARE_HITS_MIN = 1 << 10, 64
+#: The byte the phrases are found by, and its offset in each. A search for one byte is memchr,
+#: several times as fast as a phrase search, and 'z' (of "size" and "initializing") is rare in
+#: what a server prints between failures: lower-case words, digits and punctuation without it
+#: make up the request traffic. One byte for all phrases: one pass over the block.
+_ANCHOR_BYTE = b"z"
+_ANCHOR_OFFSETS = tuple((p, p.index(_ANCHOR_BYTE)) for p, _ in _BLOCK_ANCHORS)
+#: Hits of the byte checked per block before the phrases are searched instead. Checking one
+#: costs about what searching 4 KiB for the phrases costs, so a block whose first
+#: _ANCHOR_SAMPLE bytes hold more than its share of hits is searched for the phrases at once,
+#: and one that reaches its budget further on from there: a log where the byte is common
+#: (another program's output in the same file, a host name) is read at the phrase searches'
+#: speed, and the hits checked before cost a few percent of it.
+_ANCHOR_HITS_PER_BLOCK, _ANCHOR_HITS_MIN, _ANCHOR_SAMPLE = 4 << 10, 64, 256 << 10
 #: Around a failure anchor: the memory-slot line before a retry, and after the last one the
 #: purges, send_error/release pairs and the ``decode() failed`` line.
 _BEFORE, _AFTER = 4 << 10, 64 << 10
@@ -346,30 +346,31 @@ _BOOT_KEYWORDS = tuple(serverlog.KEYWORDS["startup"])
 
 
 def _anchor_hits(chunk: bytes, size: int) -> dict[bytes, list[int]]:
-    """Where each phrase of _BLOCK_ANCHORS starts in chunk[:size], in order: the hits of its
-    rare byte whose surroundings are the phrase, or, past the hits' budget, the phrase's own
-    search from there on."""
-    hits: dict[bytes, list[int]] = {needle: [] for needle, _, _ in _BLOCK_ANCHORS}
+    """Where each phrase of _BLOCK_ANCHORS starts in chunk[:size], in order: the hits of
+    _ANCHOR_BYTE whose surroundings are a phrase, or, past the hits' budget, the phrases' own
+    searches from there on."""
+    hits: dict[bytes, list[int]] = {phrase: [] for phrase, _ in _BLOCK_ANCHORS}
     find, startswith = chunk.find, chunk.startswith
-    for byte, group in _BY_RARE_BYTE:
-        budget = max(_RARE_HITS_MIN, size // _RARE_HITS_PER_BLOCK)
-        i = find(byte, 0, size)
-        while i >= 0:
-            budget -= 1
-            if budget < 0:
-                # a phrase starting at or after i - off has its rare byte at or after i,
-                # none of which was looked at yet
-                for needle, off in group:
-                    found = hits[needle]
-                    j = find(needle, max(0, i - off), size)
-                    while j >= 0:
-                        found.append(j)
-                        j = find(needle, j + 1, size)
-                break
-            for needle, off in group:
-                if i >= off and startswith(needle, i - off, size):
-                    hits[needle].append(i - off)
-            i = find(byte, i + 1, size)
+    budget = max(_ANCHOR_HITS_MIN, size // _ANCHOR_HITS_PER_BLOCK)
+    sample = min(size, _ANCHOR_SAMPLE)
+    dense = chunk.count(_ANCHOR_BYTE, 0, sample) * size > budget * sample
+    i = 0 if dense else find(_ANCHOR_BYTE, 0, size)
+    while i >= 0:
+        budget -= 1
+        if budget < 0 or dense:
+            # a phrase starting at or after i - off has its byte at or after i, none of
+            # which was looked at yet
+            for phrase, off in _ANCHOR_OFFSETS:
+                found = hits[phrase]
+                j = find(phrase, max(0, i - off), size)
+                while j >= 0:
+                    found.append(j)
+                    j = find(phrase, j + 1, size)
+            break
+        for phrase, off in _ANCHOR_OFFSETS:
+            if i >= off and startswith(phrase, i - off, size):
+                hits[phrase].append(i - off)
+        i = find(_ANCHOR_BYTE, i + 1, size)
     return hits
 
 
@@ -381,9 +382,9 @@ def _windows(chunk: bytes, size: int) -> tuple[list[tuple[int, int]], list[tuple
     spans: list[tuple[int, int]] = []
     boots: list[tuple[int, int]] = []
     hits = _anchor_hits(chunk, size)
-    for needle, kind, _ in _BLOCK_ANCHORS:
+    for phrase, kind in _BLOCK_ANCHORS:
         last = end = 0  # the end of the previous anchor of this kind
-        for i in hits[needle]:
+        for i in hits[phrase]:
             if i < end:
                 continue  # the same line again
             start = rfind(b"\n", 0, i) + 1
