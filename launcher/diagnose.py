@@ -454,7 +454,7 @@ def _keep_tail(scanner: _Scanner, chunk: bytes, size: int, done: int, lines: int
     """Keep the last _BOOT_BEFORE bytes read (whole lines), and how far they were fed."""
     if size >= _BOOT_BEFORE:
         keep = chunk.find(b"\n", size - _BOOT_BEFORE, size) + 1
-        scanner.tail = chunk[keep:size]
+        scanner.keep_tail(chunk, keep, size)
         scanner.tail_done = max(0, done - keep)
     else:
         old = scanner.tail
@@ -617,11 +617,29 @@ class _Scanner:
         self.unplaced_samples: list[str] = []
         self.held: list[SlotShare] = []  # release lines after a cascade, not yet placed
         self.lines = 0  # lines read so far
-        self.tail = b""  # the end of the previous block (its boot facts, see ``_boot_tail``)
+        self._tail = b""  # the end of the previous block (its boot facts, see ``tail``)
+        self._tail_of: tuple[bytes, int, int] | None = None  # (block, start, end): not cut yet
         self.tail_end = 0  # lines up to the tail's end
         self.tail_done = 0  # the tail's bytes before this were fed by a window
         self._cascade_reset()
         self.pending: _Pending | None = None
+
+    # -- the previous block's end --------------------------------------------------------
+
+    @property
+    def tail(self) -> bytes:
+        """The end of the previous block, cut from it only when a window needs it (few do)."""
+        if self._tail_of is not None:
+            block, start, end = self._tail_of
+            self._tail, self._tail_of = block[start:end], None
+        return self._tail
+
+    @tail.setter
+    def tail(self, data: bytes) -> None:
+        self._tail, self._tail_of = data, None
+
+    def keep_tail(self, block: bytes, start: int, end: int) -> None:
+        self._tail_of = (block, start, end)
 
     # -- cascade ---------------------------------------------------------------------------
 
