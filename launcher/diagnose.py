@@ -32,16 +32,20 @@ the release lines placed *before* the final ``decode() failed`` line. All of the
 failures: release lines that follow a cascade are held until the next line says whether the
 cascade failed (a ``decode() failed`` line) or found room (anything else).
 
-One reader, in Python, streaming in constant memory. It reads binary blocks of whole lines
-and never parses a line that holds none of the few phrases that matter: the lines holding an
-event keyword (``serverlog.KEYWORDS``: startup, release, send_error, decode errors...) are
-found with C-level searches over the block (``bytes.find``) and parsed one by one; the
-batch-halving cascade lines between two such lines (most of a failing server's log) are taken
-at once from counts and one compiled regex (``_Scanner.cascade``), falling back to line by
-line when a line does not have the usual form; the release lines of normal traffic (a busy
-server's commonest keyword line) are counted in bulk and checked by one regex per run
-(``_Scanner.releases``). Only the last ``keep`` failures are kept in detail (every failure is
-counted), and their steps are made from the stored text of the first MAX_STEPS tries.
+One reader, in Python, streaming in constant memory. It reads blocks of whole lines (8 MiB;
+the cut line is read again or carried over) and parses only the neighbourhood of the few
+phrases that matter (``_BLOCK_ANCHORS``: the context error, the retry line, the request-time
+rejections, the startup line). They all hold a byte that a server's request traffic does
+not, so one memchr pass per block (``bytes.find``) finds them (``_anchor_hits``); where that
+byte is common the phrases are searched for themselves. The windows around them (the
+cascade before a failure, its releases after, the boot facts before a startup) are parsed:
+the lines holding an event keyword (``serverlog.KEYWORDS``) one by one, the batch-halving
+cascade lines between two such lines at once from counts and one compiled regex
+(``_Scanner.cascade``), line by line when a line does not have the usual form. The rest of a
+block (slot selection, timings, the release lines of requests that went well) is only
+counted, for the line numbers. Only the last ``keep`` failures are kept in detail (every
+failure is counted), and their steps are made from the stored text of the first MAX_STEPS
+tries.
 """
 
 from __future__ import annotations
