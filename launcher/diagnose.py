@@ -331,13 +331,11 @@ _BLOCK_ANCHORS: tuple[tuple[bytes, str], ...] = (
 #: make up the request traffic. One byte for all phrases: one pass over the block.
 _ANCHOR_BYTE = b"z"
 _ANCHOR_OFFSETS = tuple((p, p.index(_ANCHOR_BYTE)) for p, _ in _BLOCK_ANCHORS)
-#: Hits of the byte checked per block before the phrases are searched instead. Checking one
-#: costs about what searching 4 KiB for the phrases costs, so a block whose first
-#: _ANCHOR_SAMPLE bytes hold more than its share of hits is searched for the phrases at once,
-#: and one that reaches its budget further on from there: a log where the byte is common
+#: Hits of the byte checked per block before the phrases are searched instead: checking one
+#: costs about what searching 4 KiB for the phrases costs, so a log where the byte is common
 #: (another program's output in the same file, a host name) is read at the phrase searches'
 #: speed, and the hits checked before cost a few percent of it.
-_ANCHOR_HITS_PER_BLOCK, _ANCHOR_HITS_MIN, _ANCHOR_SAMPLE = 4 << 10, 64, 256 << 10
+_ANCHOR_HITS_PER_BLOCK, _ANCHOR_HITS_MIN = 4 << 10, 64
 #: Around a failure anchor: the memory-slot line before a retry, and after the last one the
 #: purges, send_error/release pairs and the ``decode() failed`` line.
 _BEFORE, _AFTER = 4 << 10, 64 << 10
@@ -356,12 +354,10 @@ def _anchor_hits(chunk: bytes, size: int) -> dict[bytes, list[int]]:
     hits: dict[bytes, list[int]] = {phrase: [] for phrase, _ in _BLOCK_ANCHORS}
     find, startswith = chunk.find, chunk.startswith
     budget = max(_ANCHOR_HITS_MIN, size // _ANCHOR_HITS_PER_BLOCK)
-    sample = min(size, _ANCHOR_SAMPLE)
-    dense = chunk.count(_ANCHOR_BYTE, 0, sample) * size > budget * sample
-    i = 0 if dense else find(_ANCHOR_BYTE, 0, size)
+    i = find(_ANCHOR_BYTE, 0, size)
     while i >= 0:
         budget -= 1
-        if budget < 0 or dense:
+        if budget < 0:
             # a phrase starting at or after i - off has its byte at or after i, none of
             # which was looked at yet
             for phrase, off in _ANCHOR_OFFSETS:
