@@ -63,8 +63,11 @@ from typing import IO, Any
 from launcher import kvlayout, serverlog
 from launcher.errors import ConfigInvalid
 
-#: Bytes read per block. Large blocks keep the per-block overhead of the fast path small.
-BLOCK = 8 << 20
+#: Bytes read per block. Large blocks keep the per-block overhead of the fast path small; a
+#: block that stays in the CPU's last-level cache between the read and the passes over it (the
+#: anchor byte, the line count) is faster: 4 MiB read a 300 MB log ~10 % faster than 8 MiB and
+#: 16 MiB on a 2-core VM (32 MiB L3). Under _BOOT_BEFORE each block's end would be copied.
+BLOCK = 4 << 20
 #: Failures kept in detail (the rest are counted).
 KEEP = 10
 #: Cascade steps kept per failure (the rest are counted).
