@@ -118,13 +118,13 @@ def _lacks_cap(path: str | None, live: Generation | None) -> str | None:
     or no binary is known)."""
     import os
 
-    from launcher import binary
-
     if path is None and live is not None:
         path = live.meta.get("config", {}).get("llama_server")
     path = path or os.environ.get("LLAMA_SERVER_BIN")
     if not path:
         return None
+    from launcher import binary  # with the subprocess chokepoint: only when a binary is known
+
     return binary.inspect(path).lacks("--kv-unified-per-slot")
 
 
