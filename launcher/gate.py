@@ -312,6 +312,7 @@ class _Watch:
         self.t_stopped: float | None = None if self.respawned == 0 else time.monotonic()
         self.t_startup: float | None = None
         self.health_wait = self.w.health_timeouts[0]
+        self.answered = False  # the port has answered HTTP (any status) since the restart
         self.health_polls.reset()
 
     def finish(self, timings: dict[str, float]) -> None:
@@ -373,7 +374,9 @@ class _Watch:
         ):
             # something holds the port but does not answer (yet): ask again with more
             # patience, but first look at the unit (it may have died)
-            self.health_wait = min(self.health_wait * 2, self.w.health_timeouts[1])
+            cap = self.w.health_timeouts[1] if self.answered else self.w.health_unanswered_cap
+            self.health_wait = min(self.health_wait * 2, cap)
+        self.answered = self.answered or status is not None
         if status == 200:
             # the 200 must come from our process, not from whatever else may hold the port:
             # the process systemd started must still be there
