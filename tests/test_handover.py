@@ -152,7 +152,7 @@ def _process(script: str) -> subprocess.Popen[bytes]:
 
 
 def test_the_exit_watch_sees_a_process_that_goes_at_sigterm() -> None:
-    proc = _process("sleep 30 & wait")
+    proc = _process("exec sleep 30")
     watch = drain.ExitWatch(proc.pid)
     proc.terminate()
     proc.wait(5)
