@@ -14,7 +14,7 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,24 @@ from test_deploy import BAD_TEMPLATE
 
 ANSIBLE_DIR = REPO / "scripts" / "ansible"
 VENV_BIN = Path(sys.executable).parent
+
+
+def ansible_env(root: Path, base: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """What ansible-playbook and ansible need here: the repository's ansible.cfg, its
+    temporary and home folders under ``root`` (remote temp made 0700), no colour, the venv's
+    tools first on PATH."""
+    (root / "ansible-remote").mkdir(mode=0o700, exist_ok=True)
+    return dict(
+        base,
+        ANSIBLE_CONFIG=str(ANSIBLE_DIR / "ansible.cfg"),
+        ANSIBLE_LOCAL_TEMP=str(root / "ansible-local"),
+        ANSIBLE_REMOTE_TEMP=str(root / "ansible-remote"),
+        ANSIBLE_HOME=str(root / "ansible-home"),
+        ANSIBLE_NOCOLOR="1",
+        PATH=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+    )
+
+
 NAMES = ("a", "b", "c")
 
 
@@ -89,16 +107,7 @@ class Fleet:
         (folder / f"{name}.yml").write_text(json.dumps(values) + "\n")  # JSON is YAML
 
     def playbook(self, name: str, *args: str) -> subprocess.CompletedProcess[str]:
-        (self.root / "ansible-remote").mkdir(mode=0o700, exist_ok=True)
-        env = dict(
-            os.environ,
-            ANSIBLE_CONFIG=str(ANSIBLE_DIR / "ansible.cfg"),
-            ANSIBLE_LOCAL_TEMP=str(self.root / "ansible-local"),
-            ANSIBLE_REMOTE_TEMP=str(self.root / "ansible-remote"),
-            ANSIBLE_HOME=str(self.root / "ansible-home"),
-            ANSIBLE_NOCOLOR="1",
-            PATH=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-        )
+        env = ansible_env(self.root)
         for key in ("UNIT", "ENV_FILE", "STATE_DIR"):  # settings come from the inventory only
             env.pop(f"LLAMA_LAUNCHER_{key}", None)
         command = [str(VENV_BIN / "ansible-playbook"), "-i", str(self.inventory)]
@@ -368,16 +377,7 @@ def test_playbooks_pass_ansible_lint(tmp_path: Path) -> None:
 
 def _adhoc(host: Host, args: dict[str, Any], *flags: str) -> subprocess.CompletedProcess[str]:
     """The module alone, as an ad-hoc task on localhost (no playbook, no fleet)."""
-    (host.root / "ansible-remote").mkdir(mode=0o700, exist_ok=True)
-    env = dict(
-        os.environ,
-        ANSIBLE_CONFIG=str(ANSIBLE_DIR / "ansible.cfg"),
-        ANSIBLE_LOCAL_TEMP=str(host.root / "ansible-local"),
-        ANSIBLE_REMOTE_TEMP=str(host.root / "ansible-remote"),
-        ANSIBLE_HOME=str(host.root / "ansible-home"),
-        ANSIBLE_NOCOLOR="1",
-        PATH=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-    )
+    env = ansible_env(host.root)
     task = {
         "unit": host.unit,
         "scope": "user",

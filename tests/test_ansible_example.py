@@ -31,7 +31,7 @@ import pytest
 import tinymodel
 from conftest import REPO, Sandbox
 from realserver import free_port
-from test_ansible import recap
+from test_ansible import ansible_env, recap
 
 from launcher import home
 
@@ -159,17 +159,8 @@ class Example:
         return Path(self.status(host)["env_file"])
 
     def playbook_argv(self, name: str, *args: str) -> tuple[list[str], dict[str, str]]:
-        for d in ("ansible-remote", "ansible-local"):
-            (self.root / d).mkdir(mode=0o700, exist_ok=True)
-        env = dict(
-            self.box.environ(),
-            ANSIBLE_CONFIG=str(ANSIBLE_DIR / "ansible.cfg"),
-            ANSIBLE_LOCAL_TEMP=str(self.root / "ansible-local"),
-            ANSIBLE_REMOTE_TEMP=str(self.root / "ansible-remote"),
-            ANSIBLE_HOME=str(self.root / "ansible-home"),
-            ANSIBLE_NOCOLOR="1",
-            PATH=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-        )
+        (self.root / "ansible-local").mkdir(mode=0o700, exist_ok=True)
+        env = ansible_env(self.root, self.box.environ())
         inventories = ["-i", str(EXAMPLE), "-i", str(self.overlay)]
         playbook = [str(VENV_BIN / "ansible-playbook"), *inventories, str(ANSIBLE_DIR / name)]
         return [*playbook, *args], env
