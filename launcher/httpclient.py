@@ -24,8 +24,7 @@ def client(
 ) -> C:
     """A ``kind`` (``httpx.Client`` or ``httpx.AsyncClient``) for one server. A plain
     ``http://`` server has no certificate to check: its client skips loading the CA bundle
-    (81 ms a client on the loaded 2-core test VM, 0.7 ms without; three clients a
-    deploy); an ``https://`` one verifies."""
+    (tens of milliseconds a client, three clients a deploy); an ``https://`` one verifies."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     return kind(
         base_url=base_url.rstrip("/"),

@@ -77,8 +77,8 @@ class Waits:
     health_timeouts: tuple[float, float] = (0.005, 1.0)
     health_patience_after: float = 1.0
     # ... and to no more than this until the port has answered HTTP once: a request that
-    # waits on a holder that never answers delays seeing the new process die (a stand-in
-    # that loads before it binds a taken port: 0.8 s later, bench-deploy's crashing config)
+    # waits on a holder that never answers delays seeing the new process die (bench-deploy's
+    # crashing config: a stand-in that loads before it binds a taken port)
     health_unanswered_cap: float = 0.1
     # the pause between two /health requests: a loading server answers 503 within a
     # millisecond, so without a pause a long load meant 100+ requests a second; the first
@@ -87,7 +87,7 @@ class Waits:
     # capped at 0.05 s: twenty requests a second (each a millisecond of the server's HTTP
     # thread), and a server ready while the gate waits is seen within 0.05 s; the startup
     # line that makes the polls fast again reaches a journal follower up to 0.25 s late
-    # (capped at 0.5 s, bench-deploy's gate added 146 ms to the restart)
+    # (bench-deploy's "restart -> serving, gated" shows what the cap costs)
     health_polls: tuple[float, float] = (0.01, 0.05)
     health_fast_for: float = 0.5
 
