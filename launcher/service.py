@@ -106,8 +106,12 @@ def _under(path: str, folder: str) -> bool:
 
 
 def check(svc: ServiceView, cfg: config.ServerConfig) -> None:
-    """Refuse (step ``service``) a file the service's user will not be able to open."""
-    files = files_of(cfg)
+    """Refuse (step ``service``) a file the service's user will not be able to open: those
+    llama-server opens, and the launcher package the unit's ExecStart runs from."""
+    from launcher import units
+
+    package = Path(units.this_python()[1]) / "launcher" / "launch.py"
+    files = [*files_of(cfg), ("launcher package (the unit's ExecStart)", package)]
     for what, path in files:
         p = str(path)
         hidden = next((f for f in PRIVATE if _under(p, f)), None)
