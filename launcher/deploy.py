@@ -26,7 +26,6 @@ from typing import Any
 from launcher import (
     budgets,
     config,
-    envfile,
     handover,
     home,
     keys,
@@ -80,25 +79,31 @@ class Deployer:
         #: the generation a ``rollback`` puts back: its gate gets that one's budget
         self.restoring: store.Generation | None = None
 
+    def require_unit(self) -> None:
+        """A deploy restarts the unit: refuse before anything changes when it is not there."""
+        if self.systemd.state().load_state == "not-found":
+            scope = self.settings.scope
+            raise ConfigInvalid(
+                f"{self.settings.unit_name} is not installed in {scope} scope (systemctl"
+                f"{' --user' if scope == 'user' else ''} knows no such unit); run "
+                "llama-launcher install first (it writes the unit and deploys the config "
+                "through the gate), or name the unit you installed with --unit"
+            )
+
     def deploy(
         self, cfg: config.ServerConfig, check: bool = False, origin: str = "deploy"
     ) -> Result:
         """Deploy a whole desired config (``check``: validate and diff only)."""
         with self._locked(check) as recovered:
-            return self._deploy(cfg, check, origin, recovered=recovered)
+            return self._deploy(cfg, check, origin, recovered)
 
-    def set_flags(self, tokens: list[str], check: bool = False) -> Result:
-        """Change some flags of the live config."""
+    def change(
+        self, edit: Callable[[dict[str, Any]], config.ServerConfig], origin: str, check: bool
+    ) -> Result:
+        """Deploy ``edit`` of the live config (``set``, ``unset``), read under the lock."""
         with self._locked(check) as recovered:
-            cfg = config.from_flags(tokens, self.live_config_data())
-            return self._deploy(
-                cfg, check, "set " + envfile.join_words(tokens), recovered=recovered
-            )
-
-    def unset_flags(self, names: list[str], check: bool = False) -> Result:
-        with self._locked(check) as recovered:
-            cfg = config.build(config.remove_flags(self.live_config_data(), names))
-            return self._deploy(cfg, check, "unset " + " ".join(names), recovered=recovered)
+            cfg = edit(self.store.live_config(self.settings.unit_name))
+            return self._deploy(cfg, check, origin, recovered)
 
     def rollback(self, to: int | None = None) -> Result:
         """Go back to generation ``to`` or the last known-good one: its stored bytes, checked
@@ -106,15 +111,14 @@ class Deployer:
         with self._locked() as recovered:
             t0 = time.monotonic()
             live = self.store.live()
-            running = lambda: self.systemd.state().running  # noqa: E731
+            state = self.systemd.state()
+            running = lambda: state.running  # noqa: E731
             target = self.store.rollback_target(to, self.reverter.live_text(), running)
             self.restoring = target  # the gate gets the budget this generation needed
             self.gate.say("validate")
             checked = restore.candidate(target)
             origin = f"rollback to {target.number}"
-            result = self._proceed(
-                checked, self.systemd.state(), False, origin, True, recovered, t0
-            )
+            result = self._proceed(checked, state, False, origin, True, recovered, t0)
             if live is not None and target.number != live.number:
                 self.store.back_out(live)
             return result
@@ -125,15 +129,6 @@ class Deployer:
         with self._locked() as recovered:
             pass
         return self.reverter.restored_or_raise(recovered)
-
-    def live_config_data(self) -> dict[str, Any]:
-        live = self.store.live()
-        if live is None:
-            raise ConfigInvalid(
-                f"nothing deployed yet for {self.settings.unit_name} (no live generation in "
-                f"{self.store.root}); run llama-launcher install or deploy --config FILE first"
-            )
-        return dict(live.meta["config"])
 
     @contextlib.contextmanager
     def _locked(self, check: bool = False) -> Iterator[dict[str, Any] | None]:
@@ -160,7 +155,6 @@ class Deployer:
         cfg: config.ServerConfig,
         check: bool,
         origin: str,
-        force_restart: bool = False,
         recovered: dict[str, Any] | None = None,
     ) -> Result:
         t0 = time.monotonic()
@@ -178,9 +172,9 @@ class Deployer:
             service.view(self.settings),
             box=self.devices,
             unified=self.settings.unified_memory,
-            live_meta=self._live_meta,
+            live_meta=self.store.live_meta,
         )
-        return self._proceed(checked, running, check, origin, force_restart, recovered, t0)
+        return self._proceed(checked, running, check, origin, False, recovered, t0)
 
     def _proceed(
         self,
@@ -193,6 +187,7 @@ class Deployer:
         t0: float,
     ) -> Result:
         live_text = self.reverter.live_text()
+        notes = self.reverter.notes(check, running, live_text == checked.env_text)
         result = Result(
             "checked" if check else "deployed",
             True,
@@ -201,23 +196,15 @@ class Deployer:
             planned=window.plan_dict(checked.plan),
             diff=config.argv_diff(self.reverter.argv_of(live_text), checked.argv),
             timings={"validate": round(time.monotonic() - t0, 3)},
-            warnings=[
-                *checked.memory.notes,
-                *self._notes(check, running, live_text == checked.env_text),
-            ],
+            warnings=[*checked.memory.notes, *notes],
             recovered=recovered,
         )
         down = running is not None and not running.running
-        if live_text == checked.env_text and not force_restart and not down and not result.warnings:
+        # the guard's notes (a fit deferred to the server) are no reason to restart
+        if live_text == checked.env_text and not force_restart and not down and not notes:
             live = self.store.live()
-            result.outcome, result.changed, result.diff = "unchanged", False, []
-            result.generation = result.previous_generation
-            result.message = "the rendered env file is byte-identical to the live one; "
-            result.message += "nothing restarted"
-            if live is not None:
-                result.startup = live.meta.get("startup")
-                result.client_window = self._window(checked, result.generation)
-            return result
+            window_data = self._window(checked, result.previous_generation) if live else None
+            return result.unchanged(live.meta.get("startup") if live else None, window_data)
         if check:
             result.message = "valid; nothing was changed (check mode)"
             return result
@@ -230,24 +217,6 @@ class Deployer:
         if old_text is None:
             old_text = self.reverter.deleted_live(result.warnings)
         return self._transaction(checked, old_text, origin, result, t0, running)
-
-    def _live_meta(self) -> dict[str, Any] | None:
-        live = self.store.live()
-        return live.meta if live else None
-
-    def _notes(self, check: bool, running: UnitState | None, identical: bool) -> list[str]:
-        notes = []
-        if check and self.store.txn():
-            notes.append(
-                "llama-launcher: a deploy was interrupted (txn.json); a real run reverts it "
-                "first, restarting the unit"
-            )
-        if running is not None and not running.running and identical:
-            notes.append(
-                f"llama-launcher: {self.systemd.unit} is not running ({running.active}/"
-                f"{running.sub}); the identical config is started again through the gate"
-            )
-        return notes
 
     # -- register the rollback -> store + swap -> restart -> gate -> commit ----------------
 
@@ -295,18 +264,7 @@ class Deployer:
             result.memory["devices"] = memory.measured(gate.log, checked.memory.devices)
             result.client_window = window.publish(self.settings, self._window(checked, gen.number))
             result.timings["total"] = round(time.monotonic() - t0, 3)
-            self.store.update(
-                gen,
-                outcome="deployed",
-                startup=gate.startup,
-                probe=gate.probe,
-                memory=result.memory,
-                warnings=gate.warnings,
-                timings=result.timings,
-                load=gate.load.to_dict() if gate.load else None,
-            )
-            self.store.set_live(gen.number)
-            self.store.end()
+            self.store.commit(gen, memory=result.memory, timings=result.timings, **gate.record())
         result.message = f"generation {gen.number} is serving: {checked.plan.describe()}"
         if self.signals.pending is not None:
             result.message += " (a signal arrived after the gate passed; the deploy stands)"
@@ -321,43 +279,34 @@ class Deployer:
         planned: dict[str, Any] | None,
         before: UnitState,
     ) -> store.Generation:
-        """Write the transaction record (it names the old text: the rollback is registered
-        before anything live is touched), then the new generation."""
+        """The transaction record and the new generation, then the handover (hold the
+        front, drain, save the slots): nothing live has changed yet."""
         meta = {**checked.meta(), "origin": origin, "planned": planned, "previous": prev}
         record = {"phase": "begin", "from": prev, "to": None, "env_file": str(self.env_file)}
         try:
-            self.store.begin({**record, "old_text": live_text})
-            gen = self.store.new(checked.env_text, meta)
-            self.store.mark(to=gen.number)
+            gen = self.store.stage(checked.env_text, meta, {**record, "old_text": live_text})
             self._phase("stored")
-            self._prepare_handover(live_text, prev, before)
+            old = None
+            if live_text is not None:
+                url = self.gate.url_for(self.reverter.argv_of(live_text))
+                old = handover.Endpoint(url, keys.key_of_env(live_text, str(self.env_file)))
+            old_meta = self.store.get(prev).meta if prev else None
+            self.handover = handover.prepare(
+                self.store.root,
+                self.systemd.unit,
+                old,
+                old_meta,
+                before,
+                self.settings.drain_timeout,
+                self.gate.say,
+            )
             return gen
-        except (OSError, StoreError, Interrupted) as e:
+        except Interrupted:
             self.reverter.discard()
-            if isinstance(e, StoreError):
-                raise StoreError(f"{e}; nothing live was changed") from e
-            if isinstance(e, OSError):
-                raise StoreError(
-                    f"cannot write the new generation to {self.store.root}: {e}; "
-                    "nothing live was changed (free space or fix the permissions, then retry)"
-                ) from e
             raise
-
-    def _prepare_handover(self, live_text: str | None, prev: int | None, before: UnitState) -> None:
-        """Before anything live changes: hold the front, drain, save the slots."""
-        old = handover.Endpoint(
-            self.gate.url_for(self.reverter.argv_of(live_text)),
-            keys.key_of_env(live_text, str(self.env_file)),
-        )
-        self.handover = handover.prepare(
-            self.store.root,
-            self.systemd.unit,
-            old if live_text is not None else None,
-            self.store.get(prev).meta if prev else None,
-            before,
-            self.settings.drain_timeout,
-            self.gate.say,
-        )
+        except (OSError, StoreError) as e:
+            self.reverter.discard()
+            raise store.nothing_live_changed(e, self.store.root) from e
 
     def _window(self, checked: validate.Validated, number: int | None) -> dict[str, Any]:
         return window.window_data(self.settings.unit_name, checked, number)

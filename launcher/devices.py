@@ -11,7 +11,7 @@ free / MiB)`` for every device that is not a CPU, or ``  (none)`` when there is 
 CPU-only build, as the wheel the tests run). The listing does not say whether a device is an
 integrated GPU whose memory is the host's (ggml's ``GGML_BACKEND_DEVICE_TYPE_IGPU`` is not
 printed), so ``unified`` is decided here: a Metal device always, any device whose total is
-the host's ``MemTotal`` (within ``UNIFIED_TOLERANCE``: seed 000's GB10 reports the 128 GB it
+the host's ``MemTotal`` (within ``UNIFIED_TOLERANCE``: an NVIDIA GB10 reports the 128 GB it
 shares with the CPU), or what the operator says (``unified_memory`` in the tool settings).
 
 ``llama-fit-params --fit-print on`` is the build's own estimate (tools/fit-params,

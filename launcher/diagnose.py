@@ -27,7 +27,7 @@ What the three eras print differs (``serverlog``): b9093 gives the offset as ``i
 failure with ``srv update_slots: Context size has been exceeded. i = ...`` and per slot
 ``send_error`` + ``release``, and prints no ``decode() failed:`` line; b10405 and b11434 print
 ``srv decode: ... off = ...``, the same pairs, then ``update_slots: decode() failed: ...``.
-People paste shortened excerpts (seed 000's): no timestamps or task ids, no ``, ret = N``,
+People paste shortened excerpts: no timestamps or task ids, no ``, ret = N``,
 the release lines placed *before* the final ``decode() failed`` line. All of these group into
 failures: release lines that follow a cascade are held until the next line says whether the
 cascade failed (a ``decode() failed`` line) or found room (anything else).
@@ -932,7 +932,7 @@ class _Scanner:
             self._settle()  # a slot released twice: requests went on after the cascade
         if self.n_steps:
             # after a cascade: the loop found room, unless a ``decode() failed`` line follows
-            # (seed 000's excerpt puts the failure's release lines before it)
+            # (a shortened excerpt may put the failure's release lines before it)
             self.held.append(share)
 
     def _settle(self) -> None:

@@ -3,7 +3,7 @@
 llama-server does not drain on SIGTERM (b11434, measured: every stream in flight is cut at
 once, and the process then lingers ~30 s until systemd's ``TimeoutStopSec`` ends it with
 SIGKILL; idle, it exits in ~20 ms). So a restart waits until ``GET /slots`` shows no slot
-``is_processing`` (FACTS §4.6), bounded by a timeout; with an admission-holding front
+``is_processing``, bounded by a timeout; with an admission-holding front
 (``launcher.front``) it also waits until the front has no request in flight or queued,
 which closes the race of a request that arrives between the last poll and the SIGTERM.
 

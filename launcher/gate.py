@@ -64,6 +64,16 @@ class GateResult:
     log: list[str] = field(default_factory=list)  # the new process's lines up to serving
     load: budgets.Load | None = None  # what this start took (the next budgets' measure)
 
+    def record(self) -> dict[str, Any]:
+        """What a generation's meta keeps of its gate."""
+        load = self.load.to_dict() if self.load else None
+        return {
+            "startup": self.startup,
+            "probe": self.probe,
+            "warnings": self.warnings,
+            "load": load,
+        }
+
 
 @dataclass
 class _Ready:

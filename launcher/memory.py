@@ -355,9 +355,18 @@ def process_memory(state: UnitState) -> int | None:
     return None
 
 
+def side_frees(side: Side, frees: Mapping[str, int]) -> int:
+    """What the running server frees on ``side``. For the host and devices as one pool, a
+    live generation that was placed by the server's fit too is known only as a whole
+    (``total``): that or what its members free, whichever is more (never both: the host's
+    share of the whole is in the host's figure)."""
+    back = sum(frees.get(m, 0) for m in side.members)
+    return max(back, frees.get("total", 0)) if side.name == "total" else back
+
+
 def side_room(side: Side, host_free: int, frees: Mapping[str, int]) -> int:
     """What ``side`` can give: its free memory plus what the running server frees there."""
-    back = sum(frees.get(m, 0) for m in side.members)
+    back = side_frees(side, frees)
     if side.name == "total":
         return host_free + (side.device_free or 0) + back
     return (host_free if side.device_free is None else side.device_free) + back
@@ -376,7 +385,7 @@ def _check_side(need: Need, side: Side, host_free: int, frees: Mapping[str, int]
         parts += f" + prompt cache {side.cache_ram / MiB:,.0f}"
     if side.margin:
         parts += f" + {side.margin / MiB:,.0f} kept free for compute buffers (-fitt)"
-    back = sum(frees.get(m, 0) for m in side.members)
+    back = side_frees(side, frees)
     raise MemoryGuardError(
         f"{what} needs about {total / MiB:,.0f} MiB ({parts}) but can give "
         f"{room / MiB:,.0f} MiB ({_free_words(side)} + {back / MiB:,.0f} the running server "
@@ -481,8 +490,9 @@ def by_side(
 
 def device_releasable(live_meta: Mapping[str, Any] | None) -> dict[str, int]:
     """What the running generation holds on each device, freed by a restart: the buffers
-    its log reported, else its estimate per device. The host's share is not here (that is
-    the process's anonymous memory, read from /proc)."""
+    its log reported, else its estimate per device (``total``: host and devices as one,
+    where the server's fit placed the layers). The host's share is not here (that is the
+    process's anonymous memory, read from /proc)."""
     if not live_meta:
         return {}
     mem = live_meta.get("memory") or {}
@@ -493,11 +503,10 @@ def device_releasable(live_meta: Mapping[str, Any] | None) -> dict[str, int]:
     est = live_meta.get("kv_estimate") or {}
     out: dict[str, int] = {}
     for side in est.get("sides") or ():
-        if side.get("name") in (offload.HOST, "total"):
-            continue
-        out[str(side["name"])] = int(side.get("weights_bytes") or 0) + int(
-            side.get("kv_bytes") or 0
-        )
+        if side.get("name") != offload.HOST:
+            out[str(side["name"])] = int(side.get("weights_bytes") or 0) + int(
+                side.get("kv_bytes") or 0
+            )
     return out
 
 

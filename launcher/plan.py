@@ -30,7 +30,7 @@ from launcher.errors import ConfigInvalid
 from launcher.memory import DEFAULT_CACHE_RAM_MIB, mem_available
 
 MIB = 1024 * 1024
-#: The per-slot cap of seed 000 (b10901 and later).
+#: The per-slot cap of a shared pool (b10901 and later).
 CAP = "--kv-unified-per-slot"
 #: Memory left free for what the estimate leaves out (compute buffers, output buffer, the
 #: prompt cache's first entries): llama-server's own --fit-target default, 1024 MiB

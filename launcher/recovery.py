@@ -60,6 +60,22 @@ class Reverter:
         except FileNotFoundError:
             return None
 
+    def notes(self, check: bool, running: UnitState | None, identical: bool) -> list[str]:
+        """What a deploy warns of before it starts: a transaction a real run reverts first,
+        a stopped unit whose identical config is started again."""
+        notes = []
+        if check and self.store.txn():
+            notes.append(
+                "llama-launcher: a deploy was interrupted (txn.json); a real run reverts it "
+                "first, restarting the unit"
+            )
+        if running is not None and not running.running and identical:
+            notes.append(
+                f"llama-launcher: {self.systemd.unit} is not running ({running.active}/"
+                f"{running.sub}); the identical config is started again through the gate"
+            )
+        return notes
+
     def deleted_live(self, warnings: list[str]) -> str | None:
         """The live env file is gone (deleted by hand): what a failure restores, the live
         generation's bytes when it is known-good (rather than leaving the unit stopped)."""

@@ -36,5 +36,15 @@ class Result:
     def ok(self) -> bool:
         return self.outcome in ("deployed", "unchanged", "checked")
 
+    def unchanged(
+        self, startup: dict[str, Any] | None, client_window: dict[str, Any] | None
+    ) -> Result:
+        """Nothing to do: the rendered env file is byte-identical to the live one."""
+        self.outcome, self.changed, self.diff = "unchanged", False, []
+        self.generation = self.previous_generation
+        self.message = "the rendered env file is byte-identical to the live one; nothing restarted"
+        self.startup, self.client_window = startup, client_window
+        return self
+
     def to_dict(self) -> dict[str, Any]:
         return {"ok": self.ok, **self.__dict__}

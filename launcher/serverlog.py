@@ -331,7 +331,7 @@ MEMORY_SLOT = _compile(r"decode: failed to find a memory slot for batch of size 
 # tools/server/server-context.cpp:4061 (SRV_WRN). n_batch is the size of the NEXT try: it is
 # halved, or kept when try_clear_idle_slots purged an idle slot (unified pools only). The
 # offset is ``off =`` from b10405 on, ``i =`` in b9093 (server-context.cpp:2850); a shortened
-# excerpt (seed 000's) may drop ``, ret = N``.
+# excerpt may drop ``, ret = N``.
 RETRY_TEXT = "failed to find free space in the KV cache, retrying with smaller batch size, "
 DECODE_RETRY = _compile(
     re.escape(RETRY_TEXT)

@@ -53,6 +53,8 @@ class ServiceView:
     unit_file: Path
     groups: tuple[str, ...] = ()
     bound: tuple[str, ...] = ()
+    #: the folder the unit's ExecStart imports the launcher package from (its PYTHONPATH)
+    package: str | None = None
 
 
 def view(settings: config.ToolSettings) -> ServiceView | None:
@@ -80,7 +82,17 @@ def view(settings: config.ToolSettings) -> ServiceView | None:
         unit_file,
         tuple(values.get("SupplementaryGroups", ())),
         tuple(p.split(":", 1)[0].lstrip("-") for p in values.get("BindReadOnlyPaths", ())),
+        _package_dir(values.get("Environment", [])),
     )
+
+
+def _package_dir(environment: list[str]) -> str | None:
+    """The first folder of the unit's ``PYTHONPATH`` that holds the launcher package."""
+    paths = [a.partition("=")[2] for a in environment if a.startswith("PYTHONPATH=")]
+    for folder in (f for p in paths for f in p.split(":") if f):
+        if (Path(folder) / "launcher" / "launch.py").exists():
+            return folder
+    return None
 
 
 def files_of(cfg: config.ServerConfig) -> list[tuple[str, Path]]:
@@ -108,10 +120,10 @@ def _under(path: str, folder: str) -> bool:
 def check(svc: ServiceView, cfg: config.ServerConfig) -> None:
     """Refuse (step ``service``) a file the service's user will not be able to open: those
     llama-server opens, and the launcher package the unit's ExecStart runs from."""
-    from launcher import units
-
-    package = Path(units.this_python()[1]) / "launcher" / "launch.py"
-    files = [*files_of(cfg), ("launcher package (the unit's ExecStart)", package)]
+    files = files_of(cfg)
+    if svc.package is not None:
+        package = Path(svc.package) / "launcher" / "launch.py"
+        files.append(("launcher package (the unit's ExecStart)", package))
     for what, path in files:
         p = str(path)
         hidden = next((f for f in PRIVATE if _under(p, f)), None)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
-from launcher.errors import LockTimeout, StoreError, SwapFailed
+from launcher.errors import ConfigInvalid, LockTimeout, StoreError, SwapFailed
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -56,6 +56,16 @@ def write_failed(e: OSError, folder: Path, option: str) -> str:
     where = e.filename or folder
     fix = _FIXES.get(e.errno or 0, "fix the file system there, or")
     return f"cannot write {where}: {e.strerror or e}; {fix} point {option} at another folder"
+
+
+def nothing_live_changed(e: OSError | StoreError, root: Path) -> StoreError:
+    """A failure before the swap: the error says nothing live was changed."""
+    if isinstance(e, StoreError):
+        return StoreError(f"{e}; nothing live was changed")
+    return StoreError(
+        f"cannot write the new generation to {root}: {e}; nothing live was changed (free "
+        "space or fix the permissions, then retry)"
+    )
 
 
 #: Outcomes that make a generation "known good".
@@ -254,6 +264,20 @@ class Store:
         _fsync_dir(self.gen_dir)
         return Generation(number, path, meta)
 
+    def stage(self, env_text: str, meta: dict[str, Any], record: dict[str, Any]) -> Generation:
+        """Write the transaction record (it names the old text: the rollback is registered
+        before anything live is touched), then the new generation."""
+        self.begin(record)
+        gen = self.new(env_text, meta)
+        self.mark(to=gen.number)
+        return gen
+
+    def commit(self, gen: Generation, **meta: Any) -> None:
+        """The gate passed: ``gen`` is deployed and live, the transaction record goes."""
+        self.update(gen, outcome="deployed", **meta)
+        self.set_live(gen.number)
+        self.end()
+
     @_writes
     def update(self, gen: Generation, **changes: Any) -> Generation:
         meta = {**gen.meta, **changes}
@@ -267,6 +291,20 @@ class Store:
             return None
 
     @_writes
+    def live_meta(self) -> dict[str, Any] | None:
+        live = self.live()
+        return live.meta if live else None
+
+    def live_config(self, unit_name: str) -> dict[str, Any]:
+        """The live generation's typed config (what ``set`` and ``unset`` build on)."""
+        live = self.live()
+        if live is None:
+            raise ConfigInvalid(
+                f"nothing deployed yet for {unit_name} (no live generation in {self.root}); "
+                "run llama-launcher install or deploy --config FILE first"
+            )
+        return dict(live.meta["config"])
+
     def set_live(self, number: int) -> None:
         atomic_write(self.root / "live", f"{number}\n".encode(), 0o600)
 

@@ -76,9 +76,10 @@ def test_model_bigger_than_vram_is_refused_naming_the_device_and_fixes(
     with pytest.raises(MemoryGuardError) as e:
         validate.validate(cfg, box=_box(gf.RTX_4060), available=64 * GiB)
     msg = str(e.value)
-    assert msg.startswith("device CUDA0 needs about 12,")
+    # README quotes this message: its figures are checked here
+    assert msg.startswith("device CUDA0 needs about 12,326 MiB (weights 7,206 + KV 4,096 + 1,024")
     assert "can give 7,600 MiB (CUDA0's free memory" in msg
-    assert "fewer layers on CUDA0: -ngl " in msg
+    assert "fewer layers on CUDA0: -ngl 19 (about 342 MiB per layer" in msg
     assert "-ctk q8_0 -ctv q8_0" in msg and "a smaller pool" in msg
     assert "--force-memory" in msg
     # and the number of layers it names does fit
@@ -157,6 +158,24 @@ def test_what_the_running_server_holds_on_a_device_counts_as_free(
     assert back == {"CUDA0": round(7605.33 * MiB) + 4400 * MiB}
     # 7,600 MiB free + the 12,005 MiB the running server gives back: it fits
     validate.validate(cfg, box=_box(gf.RTX_4060), available=64 * GiB, releasable=back)
+
+
+def test_a_running_server_the_fit_placed_frees_its_whole_estimate(
+    llama_server_bin: str, model_8b: Path
+) -> None:
+    """The issue's box: the live generation ran with -ngl auto (the server's fit placed
+    it), so only its total is known; the next change is checked with that total freed."""
+    cfg = _cfg(llama_server_bin, model_8b)
+    box = _box(gf.RTX_4060)
+    first = validate.validate(cfg, box=box, available=16 * GiB).memory
+    live = {"kv_estimate": first.to_dict()}
+    back = memory.device_releasable(live)
+    (total,) = [s for s in first.sides if s.name == "total"]
+    assert back == {"total": total.weights + (total.kv or 0)}
+    # while it runs, the host has 4 GiB free: refused without what it frees, fits with it
+    with pytest.raises(MemoryGuardError, match=r"\+ 0 the running server frees"):
+        validate.validate(cfg, box=box, available=4 * GiB)
+    validate.validate(cfg, box=box, available=4 * GiB, releasable={**back, "host": GiB})
 
 
 def test_plan_shows_each_side_and_which_limits(model_8b: Path, tmp_path: Path) -> None:
@@ -252,7 +271,7 @@ def test_a_deploy_records_the_estimate_per_side_and_status_shows_it(host: Host) 
     assert rc == 0, out
     d = Deployer(_settings(host))
     d.devices = _box(gf.RTX_6000)
-    cfg = config.from_flags(["-ngl", "all", "-lv", "4"], d.live_config_data())
+    cfg = config.from_flags(["-ngl", "all", "-lv", "4"], d.store.live_config(d.settings.unit_name))
     result = d.deploy(cfg)
     assert result.outcome == "deployed", result.to_dict()
     sides = {s["name"]: s for s in result.memory["estimate"]["sides"]}
@@ -267,6 +286,23 @@ def test_a_deploy_records_the_estimate_per_side_and_status_shows_it(host: Host) 
     assert "estimate: host " in text and "CUDA0 " in text
     hist = inventory.history_text(inventory.history(_settings(host)))
     assert "per side: reported by llama-server" in hist
+
+
+def test_an_identical_config_on_a_gpu_box_is_unchanged_despite_the_guards_notes(
+    host: Host,
+) -> None:
+    """``-ngl auto`` with ``--fit on`` (llama-server's defaults) defers the layers to the
+    server's own fit and says so; a note is no reason to restart an identical config."""
+    from launcher.deploy import Deployer
+
+    rc, out = host.install("-c", "4096", "-np", "1")
+    assert rc == 0, out
+    d = Deployer(_settings(host))
+    d.devices = _box(gf.RTX_6000)
+    result = d.deploy(config.build(d.store.live_config(d.settings.unit_name)))
+    assert any("fit" in w for w in result.warnings), result.warnings
+    assert result.outcome == "unchanged", result.to_dict()
+    assert result.generation == out["generation"]
 
 
 def test_a_deploy_at_default_verbosity_says_why_no_buffers(host: Host) -> None:

@@ -182,6 +182,48 @@ def shared(tmp_path: Path) -> Path:
     shutil.rmtree(folder)
 
 
+def _package(root: Path) -> Path:
+    """A copy of where a unit imports the launcher from: ``root/launcher/launch.py``."""
+    (root / "launcher").mkdir(parents=True)
+    (root / "launcher" / "launch.py").write_text("")
+    os.chmod(root / "launcher" / "launch.py", 0o644)
+    return root
+
+
+def test_the_package_the_unit_runs_from_is_read_from_its_pythonpath(
+    shared: Path, tmp_path: Path
+) -> None:
+    package = _package(shared / "site")
+    unit = tmp_path / "llama-server.service"
+    unit.write_text(f"[Service]\nEnvironment=PYTHONPATH=/nonexistent:{package}\nDynamicUser=yes\n")
+    settings = config.ToolSettings(scope="system", unit_dir=tmp_path)
+    svc = service.view(settings)
+    assert svc is not None and svc.package == str(package)
+
+
+def test_a_launcher_package_in_a_folder_the_service_cannot_enter_is_refused(
+    shared: Path, tmp_path: Path
+) -> None:
+    """A checkout in a 0700 folder (what ``mktemp -d`` makes): the unit would exit 1 with
+    no log line; validation names the folder and the fix instead."""
+    private = shared / "checkout"
+    package = _package(private / "repo")
+    os.chmod(private, 0o700)
+    model = shared / "m.gguf"
+    model.write_bytes(b"GGUF")
+    os.chmod(model, 0o644)
+    svc = service.ServiceView(tmp_path / "llama-server.service", ("video",), (), str(package))
+    with pytest.raises(ValidationFailed, match=rf"launcher package .*chmod o\+x {private} "):
+        service.check(svc, _cfg(tmp_path, model))
+
+
+def test_a_launcher_package_under_tmp_is_refused_for_private_tmp(tmp_path: Path) -> None:
+    package = _package(tmp_path / "repo")
+    svc = service.ServiceView(tmp_path / "llama-server.service", (), (), str(package))
+    with pytest.raises(ValidationFailed, match=r"launcher package .* PrivateTmp=yes"):
+        service.check(svc, _cfg(tmp_path, Path("/dev/null")))
+
+
 def test_a_world_readable_model_passes(shared: Path, tmp_path: Path) -> None:
     model = shared / "m.gguf"
     model.write_bytes(b"GGUF")

@@ -335,22 +335,8 @@ def deployer_for(ns: argparse.Namespace, unit_needed: bool = True) -> Deployer:
         on_phase=ns.on_phase,
     )
     if unit_needed and not getattr(ns, "check", False):
-        _require_unit(d)
+        d.require_unit()
     return d
-
-
-def _require_unit(d: Deployer) -> None:
-    """A deploy restarts the unit: refuse before anything changes when it is not there."""
-    from launcher.errors import ConfigInvalid
-
-    if d.systemd.state().load_state == "not-found":
-        scope = d.settings.scope
-        raise ConfigInvalid(
-            f"{d.settings.unit_name} is not installed in {scope} scope (systemctl"
-            f"{' --user' if scope == 'user' else ''} knows no such unit); run llama-launcher "
-            "install first (it writes the unit and deploys the config through the gate), "
-            "or name the unit you installed with --unit"
-        )
 
 
 def _progress() -> Any:
@@ -496,8 +482,11 @@ def cmd_set(ns: argparse.Namespace) -> int:
     if not ns.flags:
         raise ConfigInvalid("set needs llama-server flags, e.g. llama-launcher set -ctk q8_0")
     flags = ns.flags + (["--allow-overcommit"] if ns.allow_overcommit else [])
+    from launcher import config, envfile
+
     d = deployer_for(ns)
-    return _finish(ns, d.set_flags(flags, check=ns.check))
+    origin = "set " + envfile.join_words(flags)
+    return _finish(ns, d.change(lambda live: config.from_flags(flags, live), origin, ns.check))
 
 
 def cmd_unset(ns: argparse.Namespace) -> int:
@@ -505,7 +494,13 @@ def cmd_unset(ns: argparse.Namespace) -> int:
 
     if not ns.flags:
         raise ConfigInvalid("unset needs flag names, e.g. llama-launcher unset -ctk -ctv")
-    return _finish(ns, deployer_for(ns).unset_flags(ns.flags, check=ns.check))
+    from launcher import config
+
+    def edit(live: dict[str, Any]) -> ServerConfig:
+        return config.build(config.remove_flags(live, ns.flags))
+
+    origin = "unset " + " ".join(ns.flags)
+    return _finish(ns, deployer_for(ns).change(edit, origin, ns.check))
 
 
 def cmd_rollback(ns: argparse.Namespace) -> int:

@@ -74,7 +74,8 @@ options:
     description:
       - Generations and the transaction record of the unit. Left out, the folder that manages
         the unit (recorded beside its env file by the first command, C(install)), else the
-        launcher's default (C(/var/lib/llama-launcher/UNIT) in system scope).
+        launcher's default (C(/var/lib/llama-launcher/UNIT) in system scope, UNIT the unit's
+        name without C(.service), e.g. C(llama-server@chat)).
       - A folder other than the recorded one is refused (exit 2), so a unit never gets a
         second history. Set it only for a unit installed with C(--state-dir), to the same path.
     type: path
