@@ -78,10 +78,23 @@ class Deployer:
         self.devices: validate.Devices | None = None
         #: the generation a ``rollback`` puts back: its gate gets that one's budget
         self.restoring: store.Generation | None = None
+        #: refuse a unit systemd does not know (``require_unit``); the state read for it
+        self.unit_required = False
+        self.early: UnitState | None = None
 
     def require_unit(self) -> None:
-        """A deploy restarts the unit: refuse before anything changes when it is not there."""
-        if self.systemd.state().load_state == "not-found":
+        """A deploy restarts the unit: the next verb refuses, before anything changes, when
+        it is not there (checked under the lock, on the state the deploy then uses)."""
+        self.unit_required = True
+
+    def _unit_state(self) -> UnitState:
+        """The state read under the lock, once, unless a recovery changed it; else now."""
+        state, self.early = self.early, None
+        return state or self.systemd.state()
+
+    def _check_unit(self) -> None:
+        self.early = self.systemd.state()
+        if self.early.load_state == "not-found":
             scope = self.settings.scope
             raise ConfigInvalid(
                 f"{self.settings.unit_name} is not installed in {scope} scope (systemctl"
@@ -111,7 +124,7 @@ class Deployer:
         with self._locked() as recovered:
             t0 = time.monotonic()
             live = self.store.live()
-            state = self.systemd.state()
+            state = self._unit_state()
             running = lambda: state.running  # noqa: E731
             target = self.store.rollback_target(to, self.reverter.live_text(), running)
             self.restoring = target  # the gate gets the budget this generation needed
@@ -139,8 +152,14 @@ class Deployer:
             return
         wait = budgets.lock_wait(self.settings, self.gate.waits, budgets.last_load(self.store))
         with self.store.lock(wait), self.signals.installed():
+            if self.unit_required:
+                self._check_unit()  # before the state dir or its record is made
+            self.store.ensure()
             home.claim(self.settings, self.store.root)
-            yield self.reverter.recover()
+            recovered = self.reverter.recover()
+            if recovered:
+                self.early = None  # a recovery restarts the unit
+            yield recovered
 
     def _phase(self, phase: str) -> None:
         """Record the phase in the transaction record (and tell ``on_phase``)."""
@@ -166,7 +185,7 @@ class Deployer:
             cfg = handover.with_slot_dir(cfg, folder, create)
         checked, running = validate.beside_state(
             cfg,
-            self.systemd.state,
+            self._unit_state,
             check,
             self.force_memory,
             service.view(self.settings),

@@ -194,8 +194,10 @@ class Store:
 
     @contextlib.contextmanager
     def lock(self, timeout: float) -> Iterator[None]:
-        """Hold the unit's exclusive lock; wait up to ``timeout`` seconds for it."""
-        self.ensure()
+        """Hold the unit's exclusive lock; wait up to ``timeout`` seconds for it. The state
+        dir is made only when the lock lives in it (the caller makes it otherwise)."""
+        if self.lock_path.parent == self.root:
+            self.ensure()
         try:
             self.lock_path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
             fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
