@@ -488,6 +488,31 @@ def by_side(
     return out
 
 
+#: How far llama-fit-params' figure for a device may be from this estimate before the
+#: report says so (a quarter, and at least 256 MiB).
+FIT_TOLERANCE = 0.25
+
+
+def fit_disagreements(need: Need, lines: Sequence[devices.FitLine]) -> list[str]:
+    """Where llama-fit-params (the build's own estimate) puts much more or less of the
+    weights and context on a device than this estimate: said, not refused (the guard checks
+    its own figure, the gate what the server does)."""
+    ours = {s.name: s.weights + (s.kv or 0) for s in need.sides}
+    out = []
+    for line in lines:
+        mine, theirs = ours.get(line.name), line.model + line.context
+        if mine is None or line.name in (offload.HOST, "total"):
+            continue
+        off = abs(theirs - mine)
+        if off > FIT_TOLERANCE * max(theirs, mine) and off > 256 * MiB:
+            out.append(
+                f"llama-fit-params puts {theirs / MiB:,.0f} MiB of weights and context on "
+                f"{line.name} where this estimate has {mine / MiB:,.0f} MiB; the guard checks "
+                "its own figure, and the gate what the server really allocates"
+            )
+    return out
+
+
 def device_releasable(live_meta: Mapping[str, Any] | None) -> dict[str, int]:
     """What the running generation holds on each device, freed by a restart: the buffers
     its log reported, else its estimate per device (``total``: host and devices as one,

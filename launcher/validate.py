@@ -487,4 +487,5 @@ def with_fit_params(
         "sides": [line.to_dict() for line in lines],
         "flags_left_out": dropped,
     }
-    return replace(need, fit_params=figures)
+    disagree = memory.fit_disagreements(need, lines)
+    return replace(need, fit_params=figures, deferred=(*need.deferred, *disagree))

@@ -312,6 +312,20 @@ def test_a_deploy_at_default_verbosity_says_why_no_buffers(host: Host) -> None:
     assert "-lv 4" in out["memory"]["devices"]["note"]
 
 
+def test_fit_params_far_from_the_estimate_is_said(llama_server_bin: str, model_8b: Path) -> None:
+    """llama-fit-params' own figure per device beside the estimate: within a quarter it is
+    quiet, beyond it the report names both (a fixture line: no GPU build here)."""
+    cfg = _cfg(llama_server_bin, model_8b, n_gpu_layers="999")
+    need = validate.validate(cfg, box=_box(gf.RTX_6000), available=64 * GiB).memory
+    (gpu,) = [s for s in need.sides if s.name == "CUDA0"]
+    ours = gpu.weights + (gpu.kv or 0)
+    close = devices.FitLine("CUDA0", gpu.weights, gpu.kv or 0, 512 * MiB)
+    assert memory.fit_disagreements(need, [close, devices.FitLine("Host", 1, 1, 1)]) == []
+    far = devices.FitLine("CUDA0", gpu.weights * 2, gpu.kv or 0, 0)
+    (note,) = memory.fit_disagreements(need, [far])
+    assert f"on CUDA0 where this estimate has {ours / MiB:,.0f} MiB" in note
+
+
 def test_fit_params_figures_are_recorded_beside_the_estimate(
     llama_server_bin: str, tiny_model: Path
 ) -> None:
