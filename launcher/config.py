@@ -323,7 +323,7 @@ def overcommit_message(
             f"llama-launcher set -c {n * w} -np {n} -no-kvu\n"
             f"  3. one slot, which owns the whole pool: llama-launcher set -np 1\n"
             f"or accept the risk with allow_overcommit = true (--allow-overcommit). "
-            f"The per-slot cap (--kv-unified-per-slot) is not offered: {lacks_cap}."
+            f"A per-slot cap is not offered: {lacks_cap}."
         )
     return head + (
         f"  1. cap each slot and size the pool for all of them: "
