@@ -292,7 +292,6 @@ class Store:
         except (FileNotFoundError, ValueError):
             return None
 
-    @_writes
     def live_meta(self) -> dict[str, Any] | None:
         live = self.live()
         return live.meta if live else None
@@ -307,6 +306,7 @@ class Store:
             )
         return dict(live.meta["config"])
 
+    @_writes
     def set_live(self, number: int) -> None:
         atomic_write(self.root / "live", f"{number}\n".encode(), 0o600)
 
