@@ -497,11 +497,13 @@ def fit_disagreements(need: Need, lines: Sequence[devices.FitLine]) -> list[str]
     """Where llama-fit-params (the build's own estimate) puts much more or less of the
     weights and context on a device than this estimate: said, not refused (the guard checks
     its own figure, the gate what the server does)."""
-    ours = {s.name: s.weights + (s.kv or 0) for s in need.sides}
+    ours = {
+        s.name: s.weights + (s.kv or 0) for s in need.sides if s.name not in (offload.HOST, "total")
+    }
     out = []
     for line in lines:
         mine, theirs = ours.get(line.name), line.model + line.context
-        if mine is None or line.name in (offload.HOST, "total"):
+        if mine is None:  # the Host line, or a device this estimate does not place
             continue
         off = abs(theirs - mine)
         if off > FIT_TOLERANCE * max(theirs, mine) and off > 256 * MiB:
