@@ -122,6 +122,8 @@ def check(svc: ServiceView, cfg: config.ServerConfig) -> None:
     llama-server opens, and the launcher package the unit's ExecStart runs from."""
     files = files_of(cfg)
     if svc.package is not None:
+        # Python lists a PYTHONPATH folder to import from it: read, not only enter
+        files.append(("folder the unit imports the launcher from", Path(svc.package)))
         package = Path(svc.package) / "launcher" / "launch.py"
         files.append(("launcher package (the unit's ExecStart)", package))
     for what, path in files:

@@ -217,6 +217,21 @@ def test_a_launcher_package_in_a_folder_the_service_cannot_enter_is_refused(
         service.check(svc, _cfg(tmp_path, model))
 
 
+def test_a_pythonpath_folder_the_service_can_enter_but_not_list_is_refused(
+    shared: Path, tmp_path: Path
+) -> None:
+    """o+x alone lets the service open launch.py by name, but Python lists a PYTHONPATH
+    folder to import from it: the unit would exit 1 with no log line."""
+    package = _package(shared / "repo")
+    os.chmod(package, 0o701)
+    model = shared / "m.gguf"
+    model.write_bytes(b"GGUF")
+    os.chmod(model, 0o644)
+    svc = service.ServiceView(tmp_path / "llama-server.service", (), (), str(package))
+    with pytest.raises(ValidationFailed, match=rf"folder the unit imports .*chmod o\+r {package}"):
+        service.check(svc, _cfg(tmp_path, model))
+
+
 def test_a_launcher_package_under_tmp_is_refused_for_private_tmp(tmp_path: Path) -> None:
     package = _package(tmp_path / "repo")
     svc = service.ServiceView(tmp_path / "llama-server.service", (), (), str(package))
