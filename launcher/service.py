@@ -123,7 +123,7 @@ def check(svc: ServiceView, cfg: config.ServerConfig) -> None:
     files = files_of(cfg)
     if svc.package is not None:
         # Python lists a PYTHONPATH folder to import from it: read, not only enter
-        files.append(("folder the unit imports the launcher from", Path(svc.package)))
+        files.append(("launcher package folder (the unit's PYTHONPATH)", Path(svc.package)))
         package = Path(svc.package) / "launcher" / "launch.py"
         files.append(("launcher package (the unit's ExecStart)", package))
     for what, path in files:

@@ -228,7 +228,7 @@ def test_a_pythonpath_folder_the_service_can_enter_but_not_list_is_refused(
     model.write_bytes(b"GGUF")
     os.chmod(model, 0o644)
     svc = service.ServiceView(tmp_path / "llama-server.service", (), (), str(package))
-    with pytest.raises(ValidationFailed, match=rf"folder the unit imports .*chmod o\+r {package}"):
+    with pytest.raises(ValidationFailed, match=rf"launcher package folder .*chmod o\+r {package}"):
         service.check(svc, _cfg(tmp_path, model))
 
 
