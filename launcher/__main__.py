@@ -17,11 +17,11 @@ def main() -> None:
     """Console-script entry point."""
     args = sys.argv[1:]
     if args[:1] == ["exec"]:
-        from launcher import launch
+        from launcher.host import launch
 
         raise SystemExit(launch.main(args[1:]))
     if args[:1] == ["prestart"]:
-        from launcher import prestart
+        from launcher.deploy import prestart
 
         raise SystemExit(prestart.main(args[1:]))
     from launcher.cli import main as cli_main
@@ -34,7 +34,7 @@ def main() -> None:
         code = 128 + 13  # as if killed by SIGPIPE, like the tools it is piped with
     # the readers proc.end killed, if a command ran any (a verb that ran none, such as
     # `diagnose --log`, never imports the subprocess chokepoint)
-    proc = sys.modules.get("launcher.proc")
+    proc = sys.modules.get("launcher.host.proc")
     if proc is not None:
         proc.reap()
     os._exit(code)

@@ -10,7 +10,7 @@ policy             what it waits for
 ``lock``           another deploy to release the state dir's lock (``lock_timeout``)
 ``ready``          the restarted unit: the replaced process gone (the unit's TimeoutStopSec),
                    then the new process, the startup line (``start``), ``/health`` 200
-                   (``health``); the budgets are sized per restart (``launcher.budgets``)
+                   (``health``); the budgets are sized per restart (``launcher.deploy.budgets``)
 ``health_polls``   the pause between two ``/health`` requests while the server loads: short
                    for the first moments of the start, then doubled to the cap; short again
                    once the startup line is seen
@@ -28,7 +28,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import tenacity
 from tenacity import (
@@ -42,8 +42,20 @@ from tenacity import (
     wait_none,
 )
 
-if TYPE_CHECKING:
-    from launcher.config import ToolSettings
+
+class BudgetSettings(Protocol):
+    """The settings the budgets come from (``launcher.config.ToolSettings``)."""
+
+    @property
+    def start_timeout(self) -> float | None: ...
+    @property
+    def health_timeout(self) -> float | None: ...
+    @property
+    def probe_timeout(self) -> float: ...
+    @property
+    def settle_seconds(self) -> float: ...
+    @property
+    def lock_timeout(self) -> float | None: ...
 
 
 @dataclass(frozen=True)
@@ -51,7 +63,7 @@ class Waits:
     """The numbers of every policy below (seconds unless named otherwise)."""
 
     # the budgets, from the settings (``from_settings``); None: sized per restart from the
-    # measured load (``launcher.budgets``: max(floor, load_factor x measured))
+    # measured load (``launcher.deploy.budgets``: max(floor, load_factor x measured))
     start: float | None = None  # the old process gone -> the startup line (start_timeout)
     health: float | None = None  # the startup line -> /health 200 (health_timeout)
     probe: float = 60.0  # the real completion (probe_timeout)
@@ -103,7 +115,7 @@ class Waits:
     respawns: int = 1
 
     @classmethod
-    def from_settings(cls, settings: ToolSettings, **overrides: Any) -> Waits:
+    def from_settings(cls, settings: BudgetSettings, **overrides: Any) -> Waits:
         """The budgets of ``settings`` (each field's comment names its setting), and
         ``overrides`` of any field."""
         budgets = {field: getattr(settings, name) for field, name in _SETTING_OF.items()}
@@ -145,10 +157,11 @@ def ready(
     )
 
 
-def respawn(w: Waits, before_retry: Callable[[BaseException], None]) -> Retrying:
-    """Run the wait again after ``SpawnFailed``, ``w.respawns`` times (``before_retry`` gets the
-    failure and restarts the unit)."""
-    from launcher.gate import SpawnFailed
+def respawn(
+    w: Waits, failed: type[BaseException], before_retry: Callable[[BaseException], None]
+) -> Retrying:
+    """Run the wait again after ``failed`` (systemd could not spawn the process), ``w.respawns``
+    times (``before_retry`` gets the failure and restarts the unit)."""
 
     def hook(state: tenacity.RetryCallState) -> None:
         assert state.outcome is not None
@@ -157,7 +170,7 @@ def respawn(w: Waits, before_retry: Callable[[BaseException], None]) -> Retrying
         before_retry(error)
 
     return Retrying(
-        retry=retry_if_exception_type(SpawnFailed),
+        retry=retry_if_exception_type(failed),
         stop=stop_after_attempt(1 + w.respawns),
         wait=wait_none(),
         before_sleep=hook,

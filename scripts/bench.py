@@ -24,8 +24,8 @@ sys.path.insert(0, str(REPO / "tests"))
 import realserver  # noqa: E402
 import tinymodel  # noqa: E402
 
-from launcher import units, validate  # noqa: E402
-from launcher.config import build  # noqa: E402
+from launcher.config import build, validate  # noqa: E402
+from launcher.host import units  # noqa: E402
 
 
 def unit_dir() -> Path:
@@ -242,8 +242,9 @@ def bench_imports(n: int = 15) -> None:
     imports without them), and what the interpreter's teardown would add to every verb."""
     # what a deploy imported before the three (the validation chain, systemd, the log lines)
     before = (
-        "import launcher.config, launcher.validate, launcher.systemd, launcher.serverlog, "
-        "launcher.envfile, launcher.launch, concurrent.futures"
+        "import launcher.config, launcher.config.validate, launcher.host.systemd, "
+        "launcher.server.serverlog, launcher.host.envfile, launcher.host.launch, "
+        "concurrent.futures"
     )
     libs = ("tenacity", "httpx", "sh")
     cost = {
@@ -268,7 +269,11 @@ def bench_imports(n: int = 15) -> None:
         print(f"  {lib:9s} {s * 1000:6.1f} ms")
     print(f"  together  {together * 1000:6.1f} ms")
     teardown = "import sys, time\nsys.stderr.write(repr(time.time()))\nsys.stderr.flush()"
-    verb = "from launcher import cli, config, status  # noqa\nconfig.load_settings()\n"
+    verb = (
+        "from launcher import cli, config  # noqa\n"
+        "from launcher.reports import status  # noqa\n"
+        "config.load_settings()\n"
+    )
     times: dict[str, list[float]] = {"os._exit": [], "exit": []}
     for _ in range(n):
         for how, tail in (("os._exit", "\nimport os\nos._exit(0)"), ("exit", "")):

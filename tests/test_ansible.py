@@ -348,7 +348,7 @@ def test_yaml_booleans_for_flash_attn_become_on_off(given: object, passed: str) 
     "word", ["-c", "--port", "--port=8080", "-1", "-0.5", "-1.2.3", "-x1", "--", "8080", "q8_0", ""]
 )
 def test_the_module_tells_flags_from_values_as_the_launcher_does(word: str) -> None:
-    from launcher import envfile
+    from launcher.host import envfile
 
     assert _module().is_flag(word) == envfile.is_flag(word)
 

@@ -33,7 +33,7 @@ from conftest import REPO, Sandbox
 from realserver import free_port
 from test_ansible import ansible_env, recap
 
-from launcher import home
+from launcher.deploy import home
 
 ANSIBLE_DIR = REPO / "scripts" / "ansible"
 EXAMPLE = ANSIBLE_DIR / "inventory.example.ini"

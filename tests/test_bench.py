@@ -21,9 +21,9 @@ import pytest
 import realserver
 import tinymodel
 
-from launcher import bench
 from launcher.cli import main
 from launcher.errors import InvalidInput, ProbeError
+from launcher.reports import bench
 
 AGENTS = (1, 4)
 MAX_TOKENS = 16
@@ -231,7 +231,7 @@ def test_plot_is_a_png(
 def test_plot_without_matplotlib_names_the_extra() -> None:
     code = (
         "import sys; sys.modules['matplotlib'] = None\n"
-        "from launcher import bench\n"
+        "from launcher.reports import bench\n"
         "try:\n    bench.check_plot_available()\n"
         "except bench.InvalidInput as e:\n    print(e)\n"
     )

@@ -1,12 +1,14 @@
-"""The budgets of a restart (launcher.budgets), the stop's TimeoutStopSec as systemctl
+"""The budgets of a restart (launcher.deploy.budgets), the stop's TimeoutStopSec as systemctl
 prints it, and the /health backoff (launcher.waits.Backoff)."""
 
 from __future__ import annotations
 
 import pytest
 
-from launcher import budgets, config, systemd, waits
-from launcher.budgets import Load
+from launcher import config, waits
+from launcher.deploy import budgets
+from launcher.deploy.budgets import Load
+from launcher.host import systemd
 
 W = waits.Waits()  # nothing given: every budget sized
 SLOW = Load(stop=0.02, start=200.0, health=1.0, stop_budget=35.0)

@@ -28,7 +28,10 @@ sys.path.insert(0, str(REPO / "scripts"))
 import realserver
 import repro
 
-from launcher import binary, diagnose, plan, systemd
+from launcher.config import plan
+from launcher.host import systemd
+from launcher.reports import diagnose
+from launcher.server import binary
 
 pytestmark = pytest.mark.real
 

@@ -6,8 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from launcher import binary, config, launch, validate
+from launcher import config
+from launcher.config import validate
 from launcher.errors import ConfigInvalid, OvercommitError, ValidationFailed
+from launcher.host import launch
+from launcher.server import binary
 
 BASE = {"llama_server": "/usr/bin/llama-server", "model": "/m/model.gguf"}
 HEAD = ["-m", "/m/model.gguf", "--host", "127.0.0.1", "--port", "8080"]

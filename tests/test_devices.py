@@ -12,8 +12,10 @@ from pathlib import Path
 import gpufixtures as gf
 import pytest
 
-from launcher import binary, config, devices, memory, offload
+from launcher import config
+from launcher.config import memory, offload
 from launcher.errors import ConfigInvalid
+from launcher.server import binary, devices
 
 MiB = 1 << 20
 

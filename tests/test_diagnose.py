@@ -1,4 +1,4 @@
-"""The pure parts of ``launcher.diagnose``: fixes from the pool arithmetic, inputs, argv.
+"""The pure parts of ``launcher.reports.diagnose``: fixes from the pool arithmetic, inputs, argv.
 
 Counting and grouping are tested on real server logs in tests/test_diagnose_real.py.
 """
@@ -10,8 +10,10 @@ from typing import Any
 
 import pytest
 
-from launcher import diagnose, kvlayout, systemd
 from launcher.errors import ConfigInvalid
+from launcher.host import systemd
+from launcher.reports import diagnose
+from launcher.server import kvlayout
 
 
 def config(n: int, slot: int, cells: int, unified: bool = True) -> diagnose.Config:

@@ -1,4 +1,4 @@
-"""Where the blocks of ``launcher.diagnose``'s reader end changes nothing in the report.
+"""Where the blocks of ``launcher.reports.diagnose``'s reader end changes nothing in the report.
 
 The reader looks for a few phrases over whole blocks and parses only the lines around them,
 so every line that matters can be cut by a block's end, and a window around a phrase near a
@@ -23,7 +23,7 @@ import pytest
 from test_diagnose import NEW_BATCH, SEED
 from test_forms import B9093_FAILURE, B9093_STARTUP, DATA
 
-from launcher import diagnose
+from launcher.reports import diagnose
 
 #: A busy server's request traffic between failures (the real b11434 lines of NEW_BATCH's
 #: last request), enough of it that the failure lies past the first window's reach back.

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher import diagnose
+from launcher.reports import diagnose
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from payloads import bash_values, systemd_exec, systemd_read
 
-from launcher import envfile
+from launcher.host import envfile
 
 # -- accepted forms -------------------------------------------------------------------------
 

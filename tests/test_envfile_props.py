@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from payloads import bash_values, batches, safe_to_render, systemd_read
 
-from launcher import envfile
+from launcher.host import envfile
 
 settings.register_profile(
     "envfile-props",

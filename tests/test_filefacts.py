@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from launcher import binary, validate
+from launcher.config import validate
+from launcher.server import binary
 
 
 @pytest.mark.parametrize("damage", [{}, {"version": "x", "flags": []}, {"flags": {"--a": 3}}])

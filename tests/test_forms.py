@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from launcher import binary, diagnose, serverlog
+from launcher.reports import diagnose
+from launcher.server import binary, serverlog
 
 DATA = Path(__file__).parent / "data"
 
@@ -129,7 +130,7 @@ def test_a_binary_without_the_cap_names_the_build_that_adds_it() -> None:
 
 
 def test_a_build_whose_log_colors_is_a_switch_is_refused_by_name() -> None:
-    from launcher import validate
+    from launcher.config import validate
     from launcher.errors import ValidationFailed
 
     flags = binary.parse_help("--log-colors                            enable colors\n")

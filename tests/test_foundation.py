@@ -10,8 +10,10 @@ from pathlib import Path
 
 from conftest import REPO, Host, Sandbox
 
-from launcher import config, launch, units, validate
-from launcher.systemd import Systemd
+from launcher import config
+from launcher.config import validate
+from launcher.host import launch, units
+from launcher.host.systemd import Systemd
 
 
 def test_units_folder_is_the_rendered_template() -> None:
@@ -88,7 +90,7 @@ def test_unit_runs_llama_server_itself_not_a_wrapper(host: Host) -> None:
 
 
 def test_a_killed_reader_is_reaped_later_not_waited_for() -> None:
-    from launcher import proc
+    from launcher.host import proc
 
     p = proc.spawn(["sleep", "60"])
     proc.end(p)  # returns at once; the kernel tears the process down meanwhile

@@ -1,5 +1,5 @@
-"""The handover around a restart (launcher/handover.py): drain, slot save/restore, the HAProxy
-front. Real parts: the sandboxed systemd, llama-server b11434, Debian's HAProxy 2.6."""
+"""The handover around a restart (launcher/deploy/handover.py): drain, slot save/restore, the
+HAProxy front. Real parts: the sandboxed systemd, llama-server b11434, Debian's HAProxy 2.6."""
 
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ import pytest
 import tinymodel
 from conftest import Host
 
-from launcher import drain, slots
-from launcher.front import Front, FrontSpec
+from launcher.deploy import drain
+from launcher.deploy.front import Front, FrontSpec
+from launcher.server import slots
 
 #: A model slow enough that a long generation outlasts a deploy's validation (~1 s here):
 #: wider and deeper than the tiny default, still random weights.
@@ -310,7 +311,7 @@ def test_the_front_config_is_valid_for_the_real_haproxy(tmp_path: Path) -> None:
 
 
 def test_haproxy_refuses_a_broken_front_config_and_says_so(tmp_path: Path) -> None:
-    from launcher.front import FrontError
+    from launcher.deploy.front import FrontError
 
     front = Front(tmp_path, "llama-server.service")
     spec = FrontSpec("127.0.0.1", 8080, "127.0.0.1", 18080)

@@ -1,4 +1,4 @@
-"""One unit, one state (launcher.home), without systemd: the unit's lock, the record of its
+"""One unit, one state (launcher.deploy.home), without systemd: the unit's lock, the record of its
 state folder beside the env file, and the refusal of a second state folder."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from launcher import config, home, store
+from launcher import config
+from launcher.deploy import home, store
 from launcher.errors import LockTimeout, StateDirMismatch
 
 
@@ -69,66 +70,66 @@ def test_the_lock_is_keyed_by_scope_and_unit_name(
 def test_without_a_record_the_default_folder_is_the_home(private_home: Path) -> None:
     s = settings()
     expected = private_home / "home/.local/state/llama-launcher/llama-server@chat"
-    assert s.resolved_state_dir() == expected
+    assert home.state_dir(s) == expected
     assert s.resolved_env_file() == private_home / "home/.config/llama-launcher/chat.env"
 
 
 def test_the_first_command_records_the_folder_it_uses(tmp_path: Path) -> None:
     s = settings(state_dir=tmp_path / "chosen")
-    home.claim(s, s.resolved_state_dir())
+    home.claim(s, home.state_dir(s))
     record = json.loads(home.record_path(s.resolved_env_file()).read_text())
     assert record["state_dir"] == str(tmp_path / "chosen")
     assert (record["unit"], record["scope"]) == ("llama-server@chat.service", "user")
     # a later command that names no folder finds the recorded one
-    assert settings().resolved_state_dir() == tmp_path / "chosen"
+    assert home.state_dir(settings()) == tmp_path / "chosen"
 
 
 def test_a_state_folder_other_than_the_recorded_one_is_refused(tmp_path: Path) -> None:
     default = settings()
-    home.claim(default, default.resolved_state_dir())
+    home.claim(default, home.state_dir(default))
     with pytest.raises(StateDirMismatch) as e:
-        settings(state_dir=tmp_path / "other").resolved_state_dir()
+        home.state_dir(settings(state_dir=tmp_path / "other"))
     message = str(e.value)
     assert str(tmp_path / "other") in message
-    assert str(default.resolved_state_dir()) in message
-    assert f"--state-dir {default.resolved_state_dir()}" in message
+    assert str(home.state_dir(default)) in message
+    assert f"--state-dir {home.state_dir(default)}" in message
     assert e.value.exit_code == 2
     assert not (tmp_path / "other").exists()
 
 
 def test_the_recorded_folder_named_again_is_accepted(tmp_path: Path) -> None:
     default = settings()
-    home.claim(default, default.resolved_state_dir())
-    again = settings(state_dir=default.resolved_state_dir())
-    assert again.resolved_state_dir() == default.resolved_state_dir()
+    home.claim(default, home.state_dir(default))
+    again = settings(state_dir=home.state_dir(default))
+    assert home.state_dir(again) == home.state_dir(default)
 
 
 def test_another_unit_with_the_same_env_file_is_refused(tmp_path: Path) -> None:
     env = tmp_path / "etc/chat.env"
     chat = settings(env_file=env)
-    home.claim(chat, chat.resolved_state_dir())
+    home.claim(chat, home.state_dir(chat))
     with pytest.raises(StateDirMismatch, match=r"is the env file of llama-server@chat\.service"):
-        settings(unit="chat", env_file=env).resolved_state_dir()
+        home.state_dir(settings(unit="chat", env_file=env))
 
 
 def test_an_install_from_before_the_record_keeps_its_folder(tmp_path: Path) -> None:
     """No record yet, and the default folder's live generation is the live env file: a second
     folder named now would adopt it into a second history."""
     old = settings()
-    s = store.Store(old.resolved_state_dir())
+    s = store.Store(home.state_dir(old))
     gen = s.new("LLAMA_ARG_X=1\n", {"origin": "install"})
     s.set_live(gen.number)
     old.resolved_env_file().parent.mkdir(parents=True)
     old.resolved_env_file().write_text("LLAMA_ARG_X=1\n")
     with pytest.raises(StateDirMismatch) as e:
-        settings(state_dir=tmp_path / "other").resolved_state_dir()
-    assert f"is generation 1 of {old.resolved_state_dir()}" in str(e.value)
-    assert old.resolved_state_dir() == s.root  # the old folder itself is fine, unrecorded
+        home.state_dir(settings(state_dir=tmp_path / "other"))
+    assert f"is generation 1 of {home.state_dir(old)}" in str(e.value)
+    assert home.state_dir(old) == s.root  # the old folder itself is fine, unrecorded
 
 
 def test_the_cli_refuses_a_mismatched_state_dir_with_json(tmp_path: Path) -> None:
     default = settings()
-    home.claim(default, default.resolved_state_dir())
+    home.claim(default, home.state_dir(default))
     where = [
         "--unit",
         "llama-server@chat",
@@ -147,5 +148,5 @@ def test_the_cli_refuses_a_mismatched_state_dir_with_json(tmp_path: Path) -> Non
     out = json.loads(p.stdout)
     assert out["error"] == "StateDirMismatch"
     assert out["state_dir"] == str(tmp_path / "other")
-    assert out["recorded_state_dir"] == str(default.resolved_state_dir())
+    assert out["recorded_state_dir"] == str(home.state_dir(default))
     assert out["record"] == str(home.record_path(default.resolved_env_file()))

@@ -29,7 +29,7 @@ from payloads import (
     systemd_read,
 )
 
-from launcher import envfile
+from launcher.host import envfile
 
 SERVER = "/opt/llama/bin/llama-server"
 IDS = [f"{i:02d}-{p.why}" for i, p in enumerate(PAYLOADS)]

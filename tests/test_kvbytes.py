@@ -1,4 +1,5 @@
-"""launcher.kvbytes without a server: the formula's parts, the GGUF reading, and the refusals."""
+"""launcher.server.kvbytes without a server: the formula's parts, the GGUF reading, and the
+refusals."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import gguf
 import pytest
 import tinymodel
 
-from launcher import kvbytes, kvlayout
 from launcher.errors import ConfigInvalid, LauncherError
+from launcher.server import kvbytes, kvlayout
 
 KIB, MIB, GIB = 1024, 1024**2, 1024**3
 

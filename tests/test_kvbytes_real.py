@@ -17,7 +17,7 @@ import pytest
 import realserver
 import tinymodel
 
-from launcher import kvbytes, kvlayout
+from launcher.server import kvbytes, kvlayout
 
 # src/llama-kv-cache.cpp:289-293 (INFO: hidden at the default verbosity 3, shown with -lv 4)
 KV_SIZE = re.compile(

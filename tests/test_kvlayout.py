@@ -1,4 +1,4 @@
-"""launcher.kvlayout: case tables, properties of the arithmetic, the real startup line."""
+"""launcher.server.kvlayout: case tables, properties of the arithmetic, the real startup line."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import realserver
 from hypothesis import given
 from hypothesis import strategies as st
 
-from launcher import config, kvlayout, serverlog
+from launcher import config
+from launcher.server import kvlayout, serverlog
 
 # (ctx_size, parallel, kv_unified, per_slot, n_ctx_train) ->
 # (n_slots, kv_unified, n_ctx, n_ctx_seq, n_ctx_slot, guaranteed_window, overcommitted)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from payloads import REPO, launcher
 
-from launcher import envfile, launch
+from launcher.host import envfile, launch
 
 SERVER = "/opt/llama/bin/llama-server"
 
@@ -404,7 +404,7 @@ def test_exec_replaces_the_process_and_passes_the_exit_status(tmp_path: Path) ->
 
 def test_launch_imports_no_third_party_module() -> None:
     code = (
-        "import sys, launcher.launch, launcher.__main__; "
+        "import sys, launcher.host.launch, launcher.__main__; "
         "print(' '.join(sorted(m.split('.')[0] for m in sys.modules)))"
     )
     r = subprocess.run(
@@ -443,6 +443,6 @@ def test_exec_help_does_not_import_the_cli(tmp_path: Path) -> None:
     )
     assert r.returncode == 0 and "usage: llama-launcher exec" in r.stdout
     imported = {line.split("|")[-1].strip() for line in r.stderr.splitlines() if "|" in line}
-    assert "launcher.launch" in imported
+    assert "launcher.host.launch" in imported
     assert not {m for m in imported if m.split(".")[0] in {"pydantic", "httpx", "sh", "tenacity"}}
     assert "launcher.cli" not in imported

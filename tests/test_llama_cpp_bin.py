@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher import binary
+from launcher.server import binary
 
 WHEELS = Path(os.environ.get("LLAMA_LAUNCHER_CACHE", "/var/cache/llama-launcher")) / "wheels"
 

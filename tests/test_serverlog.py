@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from launcher import serverlog
+from launcher.server import serverlog
 
 RELEASE = "slot      release: id  2 | task 8 | stop processing: n_tokens = 445, truncated = 0"
 WRAPPERS = [

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from launcher import store
+from launcher.deploy import store
 
 
 def test_a_generation_killed_while_being_written_is_not_listed_and_is_replaced(

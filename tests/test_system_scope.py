@@ -136,7 +136,7 @@ def test_hardened_unit_exposure_is_within_the_threshold(serving: System) -> None
 
 
 def test_installed_unit_is_the_stamped_rendering_with_this_hosts_paths(serving: System) -> None:
-    from launcher import units
+    from launcher.host import units
 
     text = serving.bed.read(f"/etc/systemd/system/{UNIT}")
     assert not units.hand_edited(text)

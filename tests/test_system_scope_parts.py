@@ -14,8 +14,11 @@ from pathlib import Path
 import pytest
 from conftest import Host
 
-from launcher import config, install, launch, prestart, service, units
+from launcher import config
+from launcher.config import validate
+from launcher.deploy import install, prestart
 from launcher.errors import ConfigInvalid, ValidationFailed
+from launcher.host import launch, service, units
 
 # -- the unit --------------------------------------------------------------------------------
 
@@ -183,10 +186,10 @@ def shared(tmp_path: Path) -> Path:
 
 
 def _package(root: Path) -> Path:
-    """A copy of where a unit imports the launcher from: ``root/launcher/launch.py``."""
-    (root / "launcher").mkdir(parents=True)
-    (root / "launcher" / "launch.py").write_text("")
-    os.chmod(root / "launcher" / "launch.py", 0o644)
+    """A copy of where a unit imports the launcher from: ``root/launcher/host/launch.py``."""
+    (root / "launcher" / "host").mkdir(parents=True)
+    (root / "launcher" / "host" / "launch.py").write_text("")
+    os.chmod(root / "launcher" / "host" / "launch.py", 0o644)
     return root
 
 
@@ -197,7 +200,7 @@ def test_the_package_the_unit_runs_from_is_read_from_its_pythonpath(
     unit = tmp_path / "llama-server.service"
     unit.write_text(f"[Service]\nEnvironment=PYTHONPATH=/nonexistent:{package}\nDynamicUser=yes\n")
     settings = config.ToolSettings(scope="system", unit_dir=tmp_path)
-    svc = service.view(settings)
+    svc = validate.service_view(settings)
     assert svc is not None and svc.package == str(package)
 
 
@@ -214,7 +217,7 @@ def test_a_launcher_package_in_a_folder_the_service_cannot_enter_is_refused(
     os.chmod(model, 0o644)
     svc = service.ServiceView(tmp_path / "llama-server.service", ("video",), (), str(package))
     with pytest.raises(ValidationFailed, match=rf"launcher package .*chmod o\+x {private} "):
-        service.check(svc, _cfg(tmp_path, model))
+        service.check(svc, validate.files_of(_cfg(tmp_path, model)))
 
 
 def test_a_pythonpath_folder_the_service_can_enter_but_not_list_is_refused(
@@ -229,21 +232,21 @@ def test_a_pythonpath_folder_the_service_can_enter_but_not_list_is_refused(
     os.chmod(model, 0o644)
     svc = service.ServiceView(tmp_path / "llama-server.service", (), (), str(package))
     with pytest.raises(ValidationFailed, match=rf"launcher package folder .*chmod o\+r {package}"):
-        service.check(svc, _cfg(tmp_path, model))
+        service.check(svc, validate.files_of(_cfg(tmp_path, model)))
 
 
 def test_a_launcher_package_under_tmp_is_refused_for_private_tmp(tmp_path: Path) -> None:
     package = _package(tmp_path / "repo")
     svc = service.ServiceView(tmp_path / "llama-server.service", (), (), str(package))
     with pytest.raises(ValidationFailed, match=r"launcher package .* PrivateTmp=yes"):
-        service.check(svc, _cfg(tmp_path, Path("/dev/null")))
+        service.check(svc, validate.files_of(_cfg(tmp_path, Path("/dev/null"))))
 
 
 def test_a_world_readable_model_passes(shared: Path, tmp_path: Path) -> None:
     model = shared / "m.gguf"
     model.write_bytes(b"GGUF")
     os.chmod(model, 0o644)
-    service.check(_view(tmp_path), _cfg(tmp_path, model))
+    service.check(_view(tmp_path), validate.files_of(_cfg(tmp_path, model)))
 
 
 def test_a_model_only_root_can_read_is_refused_with_chmod(shared: Path, tmp_path: Path) -> None:
@@ -253,7 +256,7 @@ def test_a_model_only_root_can_read_is_refused_with_chmod(shared: Path, tmp_path
     with pytest.raises(
         ValidationFailed, match=rf"model {model} is -rw------- root:root.*chmod o\+r {model}"
     ):
-        service.check(_view(tmp_path), _cfg(tmp_path, model))
+        service.check(_view(tmp_path), validate.files_of(_cfg(tmp_path, model)))
 
 
 def test_a_folder_the_service_cannot_enter_is_named(shared: Path, tmp_path: Path) -> None:
@@ -269,12 +272,12 @@ def test_a_folder_the_service_cannot_enter_is_named(shared: Path, tmp_path: Path
     with pytest.raises(
         ValidationFailed, match=rf"LoRA adapter {lora}.*folder {inner}.*chmod o\+x {inner}"
     ):
-        service.check(_view(tmp_path), cfg)
+        service.check(_view(tmp_path), validate.files_of(cfg))
 
 
 def test_a_model_under_tmp_is_refused_for_private_tmp(tmp_path: Path) -> None:
     with pytest.raises(ValidationFailed, match="PrivateTmp=yes"):
-        service.check(_view(tmp_path), _cfg(tmp_path, tmp_path / "m.gguf"))
+        service.check(_view(tmp_path), validate.files_of(_cfg(tmp_path, tmp_path / "m.gguf")))
 
 
 def test_a_folder_bound_into_the_service_is_not_hidden(tmp_path: Path) -> None:
@@ -282,7 +285,7 @@ def test_a_folder_bound_into_the_service_is_not_hidden(tmp_path: Path) -> None:
     model.write_bytes(b"GGUF")
     svc = service.ServiceView(tmp_path / "u.service", (), (str(tmp_path),))
     with pytest.raises(ValidationFailed) as e:  # visible now, but tmp_path is 0700
-        service.check(svc, _cfg(tmp_path, model))
+        service.check(svc, validate.files_of(_cfg(tmp_path, model)))
     assert "PrivateTmp" not in str(e.value) and "chmod o+x" in str(e.value)
 
 

@@ -15,9 +15,9 @@ import httpx
 import pytest
 
 from launcher import config, waits
-from launcher.errorhandler import Signals, on_error
+from launcher.deploy.errorhandler import Signals, on_error
 from launcher.errors import Interrupted, ProbeError
-from launcher.probe import Probe
+from launcher.server.probe import Probe
 
 FAST = waits.Waits(probe_retry=(3, 0.001))
 LOADING = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}

@@ -86,7 +86,7 @@ def fail(error: Exception, as_json: bool) -> int:
     else:
         result = getattr(error, "result", None)
         if result is not None:
-            from launcher.cli.deploy import human
+            from launcher.cli.results import human
 
             print(human(result))
         print(f"llama-launcher: {error}", file=sys.stderr)
@@ -104,7 +104,7 @@ def main(args: Sequence[str], on_phase: Callable[[str], None] | None = None) -> 
     ns.flags = extra
     ns.on_phase = on_phase
     if ns.verb == "exec":
-        from launcher import launch
+        from launcher.host import launch
 
         return launch.main(
             ["--env-file", ns.env_file, *(["--print-argv"] if ns.print_argv else [])]

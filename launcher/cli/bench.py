@@ -67,13 +67,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def _live(unit: str) -> dict[str, Any] | None:
     """The live generation of ``unit`` (number, argv, plan, URL), if llama-launcher manages it."""
-    from launcher import config, store
+    from launcher import config
+    from launcher.deploy import home, store
+    from launcher.deploy.gate import url_from_argv
     from launcher.errors import LauncherError
-    from launcher.gate import url_from_argv
 
     try:
         settings = config.load_settings(unit=unit)
-        gen = store.Store(settings.resolved_state_dir()).live()
+        gen = store.Store(home.state_dir(settings)).live()
     except (LauncherError, OSError):
         return None
     if gen is None:
@@ -90,7 +91,7 @@ def _live(unit: str) -> dict[str, Any] | None:
 
 def run(ns: argparse.Namespace, generation: Mapping[str, Any] | None = None) -> int:
     """Run the bench. ``generation``: the live generation, when llama-launcher deployed it."""
-    from launcher import bench
+    from launcher.reports import bench
 
     url = ns.url
     if ns.unit:

@@ -10,11 +10,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from launcher.cli import emit
+from launcher.cli.results import human
 
 if TYPE_CHECKING:
     from launcher.config import ServerConfig, ToolSettings
-    from launcher.deploy import Deployer
-    from launcher.result import Result
+    from launcher.deploy.result import Result
+    from launcher.deploy.transaction import Deployer
 
 
 def _settings_options(p: argparse.ArgumentParser) -> None:
@@ -71,7 +72,7 @@ def _memory_option(p: argparse.ArgumentParser) -> None:
 
 
 def _drain_options(p: argparse.ArgumentParser) -> None:
-    """The handover of a restart (launcher/handover.py)."""
+    """The handover of a restart (launcher/deploy/handover.py)."""
     g = p.add_argument_group("before the restart")
     g.add_argument(
         "--drain-timeout",
@@ -267,7 +268,8 @@ def _mode_options(p: argparse.ArgumentParser) -> None:
 
 
 def settings_from(ns: argparse.Namespace) -> ToolSettings:
-    from launcher import config, install
+    from launcher import config
+    from launcher.deploy import install
 
     unit = getattr(ns, "unit", None)
     if getattr(ns, "instance", None):
@@ -326,7 +328,7 @@ def _default_server() -> str:
 
 
 def deployer_for(ns: argparse.Namespace, unit_needed: bool = True) -> Deployer:
-    from launcher.deploy import Deployer
+    from launcher.deploy.transaction import Deployer
 
     d = Deployer(
         settings_from(ns),
@@ -365,82 +367,6 @@ def _progress() -> Any:
     return show
 
 
-def human(result: Result, show_diff: bool = True) -> str:
-    lines = [f"{result.outcome}: {result.message}".rstrip(": ")]
-    if result.planned:
-        p = result.planned
-        lines.append(
-            f"  plan: n_slots = {p['n_slots']}, n_ctx_slot = {p['n_ctx_slot']}, "
-            f"kv_unified = {str(p['kv_unified']).lower()}, pool = {p['pool_cells']} "
-            f"cells; guaranteed per-slot window {p['guaranteed_window']}"
-        )
-    if result.startup:
-        s = result.startup
-        lines.append(
-            f"  startup line: n_slots = {s['n_slots']}, n_ctx_slot = {s['n_ctx_slot']}, "
-            f"kv_unified = '{str(s['kv_unified']).lower()}'"
-        )
-    if result.probe:
-        lines.append(
-            f"  completion: {result.probe['completion_tokens']} tokens in {result.probe['ms']} ms"
-        )
-    lines += handover_lines(result.handover)
-    for w in result.warnings:
-        lines.append(f"  warning: {w}")
-    if result.memory.get("after"):
-        before = result.memory.get("before")
-        lines.append(f"  memory of the service: {_mib(before)} -> {_mib(result.memory['after'])}")
-        from launcher.status import sides_line
-
-        if sides := sides_line(result.memory, result.memory.get("estimate")):
-            lines.append(f"  memory per side: {sides}")
-    if show_diff and result.diff:
-        lines.append("  argv diff:")
-        lines += [f"    {d}" for d in result.diff]
-    if result.failure:
-        lines.append(f"  failure ({result.failure['phase']}): {result.failure['message']}")
-        for line in result.failure.get("log_tail", [])[-8:]:
-            lines.append(f"    | {line}")
-    if result.recovered:
-        lines.append(f"  recovered an interrupted deploy first: {result.recovered}")
-    return "\n".join(lines)
-
-
-def handover_lines(data: dict[str, Any] | None) -> list[str]:
-    """The drain, the slots carried and the front, one line each."""
-    if not data:
-        return []
-    lines = []
-    drained = data.get("drain") or {}
-    if drained:
-        lines.append(
-            "  drain: " + str(drained.get("message") or f"no drain: {drained.get('skipped')}")
-        )
-    carried = data.get("slots") or {}
-    if carried.get("saved") or carried.get("skipped"):
-        restored = carried.get("restored", [])
-        tokens = sum(int(r.get("tokens", 0)) for r in restored)
-        lines.append(
-            f"  slots: {len(carried.get('saved', []))} saved, {len(restored)} restored "
-            f"({tokens} tokens), {len(carried.get('skipped', []))} skipped"
-        )
-        for s in carried.get("skipped", [])[:4]:
-            lines.append(f"    skipped slot {s.get('slot')}: {s.get('reason')}")
-    elif carried.get("note"):
-        lines.append(f"  slots: {carried['note']}")
-    held = (data.get("front") or {}).get("held_seconds")
-    if held is not None:
-        lines.append(f"  front: new requests were held for {held:.2f}s, then released")
-    stop = data.get("stop") or {}
-    if stop.get("exited_after") is not None:
-        lines.append(f"  old process: exited {stop['exited_after']:.2f}s after the restart began")
-    return lines
-
-
-def _mib(value: Any) -> str:
-    return f"{value / 2**20:.1f} MiB" if isinstance(value, int) else "?"
-
-
 def _finish(ns: argparse.Namespace, result: Result) -> int:
     if not ns.json and sys.stderr.isatty():
         print("\r\x1b[2K", end="", file=sys.stderr)
@@ -456,7 +382,7 @@ def _finish(ns: argparse.Namespace, result: Result) -> int:
 
 
 def cmd_render(ns: argparse.Namespace) -> int:
-    from launcher import validate
+    from launcher.config import validate
 
     cfg = config_from(ns)
     text = validate.render(cfg)
@@ -482,7 +408,8 @@ def cmd_set(ns: argparse.Namespace) -> int:
     if not ns.flags:
         raise ConfigInvalid("set needs llama-server flags, e.g. llama-launcher set -ctk q8_0")
     flags = ns.flags + (["--allow-overcommit"] if ns.allow_overcommit else [])
-    from launcher import config, envfile
+    from launcher import config
+    from launcher.host import envfile
 
     d = deployer_for(ns)
     origin = "set " + envfile.join_words(flags)
@@ -518,7 +445,7 @@ def cmd_recover(ns: argparse.Namespace) -> int:
 
 
 def cmd_status(ns: argparse.Namespace) -> int:
-    from launcher import status
+    from launcher.reports import status
 
     data = status.status(settings_from(ns))
     emit(data, ns.json, lambda: status.status_text(data))
@@ -526,7 +453,7 @@ def cmd_status(ns: argparse.Namespace) -> int:
 
 
 def cmd_history(ns: argparse.Namespace) -> int:
-    from launcher import status
+    from launcher.reports import status
 
     data = status.history(settings_from(ns))
     emit(data, ns.json, lambda: status.history_text(data))
@@ -534,7 +461,7 @@ def cmd_history(ns: argparse.Namespace) -> int:
 
 
 def cmd_install(ns: argparse.Namespace) -> int:
-    from launcher import install
+    from launcher.deploy import install
 
     settings = settings_from(ns)
     result = install.install(
@@ -552,7 +479,7 @@ def cmd_install(ns: argparse.Namespace) -> int:
 
 
 def cmd_uninstall(ns: argparse.Namespace) -> int:
-    from launcher import install
+    from launcher.deploy import install
 
     data = install.uninstall(settings_from(ns), purge=ns.purge)
     emit(data, ns.json, lambda: "\n".join(f"{k}: {v}" for k, v in data.items()))

@@ -9,9 +9,9 @@ from collections.abc import Iterator
 from typing import IO, TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from launcher.diagnose import Failure, Fix, MemoryCost, Report
-    from launcher.kvlayout import PoolPlan
-    from launcher.store import Generation
+    from launcher.deploy.store import Generation
+    from launcher.reports.diagnose import Failure, Fix, MemoryCost, Report
+    from launcher.server.kvlayout import PoolPlan
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -52,8 +52,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 @contextlib.contextmanager
 def _open(ns: argparse.Namespace) -> Iterator[tuple[IO[bytes], str]]:
-    from launcher import diagnose
     from launcher.errors import ConfigInvalid
+    from launcher.reports import diagnose
 
     if ns.since and not ns.unit:
         raise ConfigInvalid(
@@ -80,12 +80,13 @@ def _open(ns: argparse.Namespace) -> Iterator[tuple[IO[bytes], str]]:
 
 def _live_generation(unit: str) -> Generation | None:
     """The generation llama-launcher deployed for ``unit``, if it manages that unit."""
-    from launcher import config, store
+    from launcher import config
+    from launcher.deploy import home, store
     from launcher.errors import LauncherError
 
     try:
         settings = config.load_settings(unit=unit)
-        return store.Store(settings.resolved_state_dir()).live()
+        return store.Store(home.state_dir(settings)).live()
     except (LauncherError, OSError):
         return None
 
@@ -96,8 +97,8 @@ def _pricer(model: str | None) -> MemoryCost | None:
         return None
     from pathlib import Path
 
-    from launcher import kvbytes
     from launcher.errors import LauncherError
+    from launcher.server import kvbytes
 
     try:
         info = kvbytes.ModelInfo.from_gguf(Path(model))
@@ -123,15 +124,17 @@ def _lacks_cap(path: str | None, live: Generation | None) -> str | None:
     path = path or os.environ.get("LLAMA_SERVER_BIN")
     if not path:
         return None
-    from launcher import binary  # with the subprocess chokepoint: only when a binary is known
+    from launcher.server import (
+        binary,  # with the subprocess chokepoint: only when a binary is known
+    )
 
     return binary.inspect(path).lacks("--kv-unified-per-slot")
 
 
 def run(ns: argparse.Namespace) -> int:
-    from launcher import diagnose
     from launcher.cli import emit
     from launcher.errors import ConfigInvalid
+    from launcher.reports import diagnose
 
     if ns.pool is not None and ns.pool <= 0:
         raise ConfigInvalid(f"--pool {ns.pool} is not a positive number of cells; give -c")

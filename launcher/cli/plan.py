@@ -7,7 +7,7 @@ import re
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from launcher.plan import Plan
+    from launcher.config.plan import Plan
 
 GIB = 1024.0
 
@@ -92,7 +92,7 @@ def _whole(flag: str, value: str, example: str) -> int:
 def handle(ns: argparse.Namespace) -> int:
     """Run the plan and print it."""
     from launcher.cli import emit
-    from launcher.plan import MIB, make_plan
+    from launcher.config.plan import MIB, make_plan
 
     slots = _count("--slots", ns.slots, "4")
     window = _count("--window", ns.window, "262144")
@@ -106,7 +106,7 @@ def handle(ns: argparse.Namespace) -> int:
     box = _box(ns)
     import os
 
-    from launcher import binary
+    from launcher.server import binary
 
     path = ns.llama_server or os.environ.get("LLAMA_SERVER_BIN")
     server = binary.inspect(path) if path else None
@@ -129,16 +129,16 @@ def _box(ns: argparse.Namespace) -> tuple[Any, ...]:
     """The devices to plan for: --devices FILE, else --llama-server's, else none."""
     from pathlib import Path
 
-    from launcher import devices
+    from launcher.config.memory import mem_total
     from launcher.errors import ConfigInvalid
-    from launcher.memory import mem_total
+    from launcher.server import devices
 
     if ns.devices and ns.llama_server:
         raise ConfigInvalid("give --devices FILE or --llama-server BIN, not both")
     if ns.devices:
         found = devices.read_list_file(Path(ns.devices))
     elif ns.llama_server:
-        from launcher import binary
+        from launcher.server import binary
 
         found = binary.list_devices(ns.llama_server)
     else:

@@ -512,7 +512,7 @@ class Launcher:
 
 
 def is_flag(word: str) -> bool:
-    """``launcher.envfile.is_flag``, which this module (run by Ansible's interpreter on the
+    """``launcher.host.envfile.is_flag``, which this module (run by Ansible's interpreter on the
     target, where the launcher's package need not import) cannot import; a test holds the
     two equal."""
     return word.startswith("-") and not re.fullmatch(r"-\d+(\.\d+)?", word)

@@ -1,0 +1,525 @@
+"""The validation chain: prove what llama-server will receive before anything live is touched.
+
+Runs on the rendered temporary file; each step is named in its error:
+
+1. ``lint``       the launcher's strict parser reads the file;
+2. ``bash -n``    bash parses it;
+3. ``subshell``   ``env -i bash -c 'set -f; source FILE; printf ...'`` prints exactly the
+                  expected values (with expansion and globbing off);
+4. ``argv``       ``llama-launcher exec --print-argv`` on the file equals the typed argv;
+5. ``flags``      every flag is known to the installed llama-server (``--help``);
+6. ``model``      the model exists, is readable and is a GGUF whose metadata loads;
+   ``files``      every other file llama-server opens (``--lora``, ``--mmproj``, ``-md``,
+                  ``--chat-template-file``, ...) is an absolute path that exists and is
+                  readable, and a GGUF where llama-server loads one;
+7. ``service``    (system scope) the hardened unit's own user can open the binary, the model
+                  and every other file llama-server reads (``launcher.host.service``);
+8. ``pool``       the pool arithmetic: no over-committed shared pool unless allowed;
+9. ``memory``     KV estimate + weights + prompt cache fit what the box can give, on each
+                  side: the host and every device of ``--list-devices``
+                  (``launcher.config.memory``).
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from launcher import config
+from launcher.config import memory
+from launcher.errors import CommandError, ConfigInvalid, ValidationFailed
+from launcher.host import envfile, launch, proc, service, units
+from launcher.server import binary, devices, filefacts, kvbytes, kvlayout
+
+if TYPE_CHECKING:
+    from launcher.host.systemd import UnitState
+
+#: The per-slot cap: offered only where the binary has it (b10901 and later).
+CAP = "--kv-unified-per-slot"
+STEPS = (
+    "lint",
+    "bash -n",
+    "subshell",
+    "argv",
+    "flags",
+    "model",
+    "files",
+    "service",
+    "pool",
+    "memory",
+)
+#: llama-server flags whose value is a file it reads (common/arg.cpp, b11434); --lora and
+#: --mmproj also take comma-separated lists.
+FILE_FLAGS = {
+    "--lora": "LoRA adapter",
+    "--lora-scaled": "LoRA adapter",
+    "-mm": "multimodal projector",
+    "--mmproj": "multimodal projector",
+    "-md": "draft model",
+    "--model-draft": "draft model",
+    "--grammar-file": "grammar file",
+    "-jf": "JSON schema file",
+    "--json-schema-file": "JSON schema file",
+    "--control-vector": "control vector",
+    "--control-vector-scaled": "control vector",
+    "-lcs": "lookup cache",
+    "--lookup-cache-static": "lookup cache",
+}
+#: Files llama-server loads as GGUF beside the model (names of ``FILE_FLAGS``).
+GGUF_FILES = ("LoRA adapter", "multimodal projector", "draft model", "control vector")
+
+
+def files_of(cfg: config.ServerConfig) -> list[tuple[str, Path]]:
+    """(what it is, path) of every file llama-server opens, the binary first."""
+    files = [("llama-server binary", cfg.llama_server), ("model", cfg.model)]
+    if cfg.chat_template_file:
+        files.append(("chat template", cfg.chat_template_file))
+    words = list(cfg.extra_args)
+    for i, word in enumerate(words):
+        name, eq, value = word.partition("=")
+        if name in FILE_FLAGS:
+            value = value if eq else (words[i + 1] if i + 1 < len(words) else "")
+            for v in value.split(","):
+                if name.endswith("-scaled"):  # FNAME:SCALE
+                    v = v.rpartition(":")[0] or v
+                if v:
+                    files.append((FILE_FLAGS[name], Path(v)))
+    return files
+
+
+def service_view(settings: config.ToolSettings) -> service.ServiceView | None:
+    """The installed system unit's view, whose user must be able to read every file; None in
+    user scope or for a unit that runs as root (the service reads as the caller then)."""
+    if settings.scope != "system":
+        return None
+    return service.view(settings.resolved_unit_file())
+
+
+@dataclass(frozen=True)
+class Validated:
+    """A config that passed every step, with what the steps learned."""
+
+    config: config.ServerConfig
+    env_text: str
+    values: dict[str, str]
+    argv: list[str]
+    plan: kvlayout.PoolPlan
+    model: dict[str, Any]
+    server: binary.BinaryInfo
+    memory: memory.Need
+    steps: tuple[str, ...] = field(default=STEPS)
+
+    def meta(self) -> dict[str, Any]:
+        """What the generation store keeps about it (the config with its secrets masked)."""
+        return {
+            "time": time.time(),
+            "user": _user(),
+            "argv": self.argv,
+            "config": self.config.masked(),
+            "model": self.model,
+            "llama_server": {
+                "path": self.server.path,
+                "version": self.server.version,
+                "fingerprint": self.server.fingerprint,
+            },
+            "kv_estimate": self.memory.to_dict(),
+        }
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return str(os.getuid())
+
+
+def env_values(cfg: config.ServerConfig, key_file: str | None = None) -> dict[str, str]:
+    """The env file's variables for ``cfg``, in file order."""
+    values = {
+        "LLAMA_SERVER": str(cfg.llama_server),
+        "EXTRA_ARGS": envfile.join_words(cfg.server_args()),
+    }
+    key = key_file or (str(cfg.api_key_file) if cfg.api_key_file else None)
+    if key:
+        values["API_KEY_FILE"] = key
+    return values
+
+
+HEADER = (
+    "llama-server settings, rendered by llama-launcher.",
+    "Change them with `llama-launcher set ...` or `deploy`;",
+    "a hand edit is kept as a generation and replaced on the next deploy.",
+    "Values are quoted so bash `source`, systemd EnvironmentFile= and the launcher read the same.",
+)
+
+
+def render(cfg: config.ServerConfig, key_file: str | None = None) -> str:
+    """The env file text for ``cfg``: pure and deterministic."""
+    try:
+        return envfile.render_assignments(env_values(cfg, key_file), HEADER)
+    except ValueError as e:
+        raise ConfigInvalid(str(e)) from None
+
+
+def _step_lint(path: Path) -> list[str]:
+    try:
+        return launch.read_argv(str(path))
+    except launch.LaunchError as e:
+        raise ValidationFailed("lint", str(e)) from None
+
+
+def _step_bash_n(path: Path) -> None:
+    try:
+        proc.run(["bash", "-n", str(path)], timeout=10)
+    except CommandError as e:
+        raise ValidationFailed("bash -n", e.stderr.strip() or str(e)) from e
+
+
+def check_bytes(path: Path) -> list[str]:
+    """The cheap checks on an env file's own bytes (a rollback's, ``launcher.deploy.restore``):
+    the strict parse and ``bash -n``; the argv it launches."""
+    argv = _step_lint(path)
+    _step_bash_n(path)
+    return argv
+
+
+def _step_subshell(path: Path, values: dict[str, str]) -> None:
+    names = list(values)
+    script = 'set -f; source "$1" || exit 97; shift; for n in "$@"; do printf "%s\\0" "${!n}"; done'
+    try:
+        r = proc.run(
+            ["env", "-i", "bash", "-c", script, "bash", str(path), *names], timeout=10, env={}
+        )
+    except CommandError as e:
+        raise ValidationFailed("subshell", f"sourcing the file failed: {e}") from e
+    got = r.stdout.split("\0")[: len(names)]
+    for name, value in zip(names, got, strict=False):
+        if value != values[name]:
+            raise ValidationFailed(
+                "subshell", f"bash reads {name} as [{value}] but the config means [{values[name]}]"
+            )
+    if len(got) != len(names):
+        raise ValidationFailed("subshell", f"bash printed {len(got)} values for {len(names)}")
+
+
+def _step_argv(path: Path, expected: list[str]) -> None:
+    # exactly the way the unit runs it: python -S -m launcher, the package on PYTHONPATH
+    python, package_dir = units.this_python()
+    try:
+        r = proc.run(
+            [python, "-S", "-m", "launcher", "exec", "--env-file", str(path), "--print-argv"],
+            timeout=30,
+            env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": package_dir},
+        )
+        got = json.loads(r.stdout)
+    except (CommandError, ValueError) as e:
+        raise ValidationFailed("argv", f"llama-launcher exec --print-argv failed: {e}") from e
+    if got != expected:
+        raise ValidationFailed(
+            "argv",
+            "the launcher would exec\n  "
+            + json.dumps(got)
+            + "\nbut the config means\n  "
+            + json.dumps(expected),
+        )
+
+
+def check_flags(info: binary.BinaryInfo, args: list[str]) -> None:
+    """Refuse flags the installed llama-server does not know, with a did-you-mean."""
+    if info.log_colors_off() != ["--log-colors", "off"]:
+        # the launcher turns colours off with "--log-colors off" (launch.py, config.argv)
+        raise ValidationFailed(
+            "flags",
+            f"{info.path} ({info.name}) takes --log-colors without a value; llama-launcher "
+            "needs a build whose --log-colors takes on|off|auto (b9093 and later do)",
+        )
+    for name in binary.unknown_flags(info, args):
+        if replaced := info.replacement(name):
+            hint = f"this build dropped it; use {replaced}"
+        elif name == CAP:
+            hint = (
+                f"it came with b{binary.FLAG_ADDED_IN[CAP]} ({binary.FLAG_ADDED_BY[CAP]}); on this "
+                "build guarantee each slot its window with split pools (-no-kvu, -c slots x "
+                "window), fewer slots (-np) or a smaller window, or install b"
+                f"{binary.FLAG_ADDED_IN[CAP]} or later"
+            )
+        else:
+            close = info.suggest(name)
+            hint = f"did you mean {' or '.join(close)}?" if close else "see llama-server --help"
+        raise ValidationFailed(
+            "flags", f"{name} is not a flag of {info.path} ({info.name}); {hint}"
+        )
+
+
+def model_facts(path: Path) -> tuple[dict[str, Any], kvbytes.ModelInfo | None, str | None]:
+    """Identity and metadata of the GGUF at ``path``, its KV layout (None with the reason
+    when the estimator does not cover it); raises ValidationFailed('model')."""
+    if not path.exists():
+        raise ValidationFailed("model", f"the model file {path} does not exist; check -m/model")
+    if not os.access(path, os.R_OK):
+        raise ValidationFailed("model", f"the model file {path} is not readable; fix its mode")
+    meta = filefacts.cached(
+        "gguf-meta-v1",
+        filefacts.file_key(path),
+        lambda: _read_meta(path),
+        valid=lambda d: isinstance(d.get("metadata"), dict) and isinstance(d.get("weights"), int),
+    )
+    md, weights = meta["metadata"], int(meta["weights"])
+    arch = str(md.get("general.architecture", ""))
+    n_ctx_train = md.get(f"{arch}.context_length")
+    st = path.stat()
+    facts = {
+        "path": str(path),
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+        "inode": st.st_ino,
+        "arch": arch,
+        "weights": weights,
+        "n_ctx_train": n_ctx_train if isinstance(n_ctx_train, int) else None,
+    }
+    try:
+        return facts, kvbytes.ModelInfo.from_metadata(md, str(path), weights), None
+    except kvbytes.EstimateUnsupported as e:
+        return facts, None, str(e)
+    except ConfigInvalid as e:
+        raise ValidationFailed("model", str(e)) from None
+
+
+def check_files(cfg: config.ServerConfig) -> None:
+    """Step ``files``: the files beside the model, checked the way ``-m`` is (the server
+    would fail at start, after the restart, with a log line naming only one of them)."""
+    for what, path in files_of(cfg)[2:]:
+        if not path.is_absolute():
+            raise ValidationFailed(
+                "files",
+                f"the {what} {str(path)!r} is a relative path; the unit runs llama-server "
+                f"from /, where it names another file: give the absolute path",
+            )
+        if not path.is_file():
+            state = "is not a file" if path.exists() else "does not exist"
+            raise ValidationFailed("files", f"the {what} {path} {state}; check its flag's value")
+        try:
+            with path.open("rb") as f:
+                magic = f.read(4)
+        except OSError as e:
+            raise ValidationFailed(
+                "files", f"the {what} {path} is not readable ({e.strerror}); fix its mode"
+            ) from None
+        if what in GGUF_FILES and magic != b"GGUF":
+            raise ValidationFailed(
+                "files",
+                f"the {what} {path} is not a GGUF file (it starts with {magic!r}, not "
+                "b'GGUF'); llama-server loads only GGUF files there",
+            )
+
+
+def _read_meta(path: Path) -> dict[str, Any]:
+    """The GGUF metadata, read with the gguf package (llama.cpp's reader); JSON-able."""
+    try:
+        md = kvbytes.read_metadata(path)
+        weights = kvbytes.weights_size(path, md)
+    except ConfigInvalid as e:
+        raise ValidationFailed("model", str(e)) from None
+    except Exception as e:
+        raise ValidationFailed(
+            "model", f"{path} is not a GGUF model llama-server can load ({e})"
+        ) from e
+    return {"metadata": md, "weights": weights}
+
+
+def validate_file(
+    path: Path, cfg: config.ServerConfig, values: dict[str, str], expected_argv: list[str]
+) -> binary.BinaryInfo:
+    """Steps 1-5 on an env file already written at ``path``."""
+    argv = _step_lint(path)
+    if argv != expected_argv:
+        raise ValidationFailed(
+            "lint", f"the parser reads {argv} but the config means {expected_argv}"
+        )
+    # The three subprocess steps are independent: run them at once (they cost a process
+    # start each on every deploy), then report the first failure in chain order.
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(3) as workers:
+        steps = [
+            workers.submit(_step_bash_n, path),
+            workers.submit(_step_subshell, path, values),
+            workers.submit(_step_argv, path, expected_argv),
+        ]
+        info = binary.inspect(str(cfg.llama_server))
+        for step in steps:
+            step.result()
+    check_flags(info, expected_argv[1:])
+    return info
+
+
+#: The box's devices, passed in: a tuple, or a function that reads them (the binary's
+#: ``--list-devices``, asked only when the memory step is reached).
+Devices = Sequence[devices.Device] | Callable[[], Sequence[devices.Device]]
+Releasable = int | Mapping[str, int] | Callable[[], int | Mapping[str, int]]
+
+
+def validate(
+    cfg: config.ServerConfig,
+    key_file: str | None = None,
+    workdir: Path | None = None,
+    releasable: Releasable = 0,
+    force_memory: bool = False,
+    box: Devices | None = None,
+    available: int | None = None,
+    unified: devices.UnifiedSetting = "auto",
+    svc: service.ServiceView | None = None,
+) -> Validated:
+    """Render ``cfg`` to a temporary file and run the whole chain on it.
+
+    ``releasable``: bytes the running server frees when it is restarted (memory guard), on
+    the host or per side, or a function that gives them, asked only when the guard is
+    reached. ``box``: the devices (default: the binary's ``--list-devices``, each marked
+    unified per ``unified``); ``available``: the host's free memory (default MemAvailable).
+    ``svc``: the hardened unit's view, whose user must be able to read every file (None: the
+    service reads as the caller).
+    """
+    text = render(cfg, key_file)
+    values = env_values(cfg, key_file)
+    expected = cfg.argv(key_file)
+    with tempfile.TemporaryDirectory(prefix="llama-launcher-", dir=workdir) as tmp:
+        path = Path(tmp) / "candidate.env"
+        path.write_text(text)
+        os.chmod(path, 0o600)
+        info = validate_file(path, cfg, values, expected)
+    model, layout, unsupported = model_facts(cfg.model)
+    check_files(cfg)
+    if svc is not None:
+        service.check(svc, files_of(cfg))
+    try:
+        plan = cfg.check_overcommit(model.get("n_ctx_train"), info.lacks(CAP), info.np_default)
+    except ConfigInvalid as e:
+        raise ValidationFailed("pool", str(e)) from None
+    need = memory_step(cfg, plan, model, layout, unsupported, info, box, unified)
+    memory.guard(
+        need, releasable() if callable(releasable) else releasable, force_memory, available
+    )
+    return Validated(cfg, text, values, expected, plan, model, info, need)
+
+
+def beside_state(
+    cfg: config.ServerConfig,
+    read_state: Callable[[], UnitState],
+    check: bool,
+    force_memory: bool = False,
+    svc: service.ServiceView | None = None,
+    box: Devices | None = None,
+    unified: devices.UnifiedSetting = "auto",
+    live_meta: Callable[[], Mapping[str, Any] | None] = lambda: None,
+) -> tuple[Validated, UnitState | None]:
+    """``validate`` with the unit's state (a systemctl) read beside the chain's processes;
+    the state tells the memory guard what the running server frees, on the host (its
+    anonymous memory) and on each device (what the live generation's log reported there,
+    ``live_meta``). Check mode works without a reachable systemd (a build box): the state
+    is None then."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from launcher.errors import LauncherError
+
+    with ThreadPoolExecutor(1) as workers:
+        shown = workers.submit(read_state)
+
+        def unit_state() -> UnitState | None:
+            try:
+                return shown.result()
+            except LauncherError:
+                if not check:
+                    raise
+                return None
+
+        def releasable() -> dict[str, int]:
+            running = unit_state()
+            if not running or not running.running:
+                return {}
+            on_devices = memory.device_releasable(live_meta())
+            return {**on_devices, "host": memory.releasable_memory(running)}
+
+        checked = validate(
+            cfg,
+            releasable=releasable,
+            force_memory=force_memory,
+            svc=svc,
+            box=box,
+            unified=unified,
+        )
+        return checked, unit_state()
+
+
+def box_devices(
+    server: str, unified: devices.UnifiedSetting = "auto"
+) -> tuple[devices.Device, ...]:
+    """The devices of the llama-server at ``server``, each marked unified or not."""
+    found = binary.list_devices(server)
+    return devices.mark_unified(found, memory.mem_total(), unified) if found else ()
+
+
+def memory_step(
+    cfg: config.ServerConfig,
+    plan: kvlayout.PoolPlan,
+    model: dict[str, Any],
+    layout: kvbytes.ModelInfo | None,
+    unsupported: str | None,
+    info: binary.BinaryInfo,
+    box: Devices | None,
+    unified: devices.UnifiedSetting = "auto",
+) -> memory.Need:
+    """Where the bytes go on this box; with devices, llama-fit-params' figures beside."""
+    if box is None:
+        found: Sequence[devices.Device] = box_devices(str(cfg.llama_server), unified)
+    else:
+        found = box() if callable(box) else box
+    tensors = model_tensors(cfg.model) if found else None
+    need = memory.need(cfg, plan, layout, model["weights"], unsupported, tuple(found), tensors)
+    if need.sides and box is None:
+        need = with_fit_params(need, cfg, info)
+    return need
+
+
+def model_tensors(path: Path) -> dict[str, int]:
+    """The model's weight tensors by name and bytes (cached per file identity)."""
+    data = filefacts.cached(
+        "gguf-tensors-v1",
+        filefacts.file_key(path),
+        lambda: {"tensors": _read_tensors(path)},
+        valid=lambda d: isinstance(d.get("tensors"), dict),
+    )
+    return {str(k): int(v) for k, v in data["tensors"].items()}
+
+
+def _read_tensors(path: Path) -> dict[str, int]:
+    try:
+        return kvbytes.read_tensor_sizes(path)
+    except Exception as e:
+        raise ValidationFailed("model", f"the tensors of {path} cannot be read ({e})") from e
+
+
+def with_fit_params(
+    need: memory.Need, cfg: config.ServerConfig, server: binary.BinaryInfo
+) -> memory.Need:
+    """``need`` with llama-fit-params' own figures beside it (where the build ships it)."""
+    tool = binary.fit_params_binary(str(cfg.llama_server))
+    if tool is None:
+        return need
+    try:
+        lines, dropped = binary.fit_print(tool, cfg.server_args(), server)
+    except (ValidationFailed, ConfigInvalid) as e:
+        return replace(need, deferred=(*need.deferred, f"llama-fit-params gave no figures: {e}"))
+    figures = {
+        "tool": tool,
+        "sides": [line.to_dict() for line in lines],
+        "flags_left_out": dropped,
+    }
+    disagree = memory.fit_disagreements(need, lines)
+    return replace(need, fit_params=figures, deferred=(*need.deferred, *disagree))

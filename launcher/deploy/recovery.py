@@ -1,0 +1,337 @@
+"""Putting the previous config back: after a failed deploy (``undo``), and after a deployer
+that died mid-transaction (``recover``, run first by every verb that takes the lock).
+
+Both restore the old env file first (every millisecond here is clients without a model),
+restart it and run the same gate on it; the outcome is "restored and serving" or "restore
+failed", never an exception from the restore itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from launcher import config
+from launcher.deploy import budgets, handover, keys, store
+from launcher.deploy.errorhandler import Signals
+from launcher.deploy.gate import Gate, together
+from launcher.errors import (
+    ConfigInvalid,
+    DeployFailed,
+    GateFailure,
+    Interrupted,
+    LauncherError,
+    RollbackFailed,
+    StoreError,
+    SwapFailed,
+)
+from launcher.host import launch
+from launcher.host.systemd import Systemd, UnitState
+
+if TYPE_CHECKING:
+    from launcher.deploy.result import Result
+
+#: Phases of the record before ``systemctl restart`` was asked for: the old process still
+#: runs the old config, so undoing the swap is all a rollback does (nothing restarts).
+BEFORE_RESTART = ("begin", "stored", "swap", "swapped")
+NOT_RESTARTED = {
+    "ok": True,
+    "note": "nothing was restarted (the failure came before the restart); the old env file "
+    "is live and the unit is as it was before",
+}
+
+
+class Reverter:
+    """Restores one unit's env file from the store and gets it serving again."""
+
+    def __init__(
+        self, st: store.Store, env_file: Path, systemd: Systemd, gate: Gate, signals: Signals
+    ) -> None:
+        self.store, self.env_file, self.systemd, self.gate = st, env_file, systemd, gate
+        self.signals = signals
+
+    def live_text(self) -> str | None:
+        """The live env file as it is on disk: no newline translation (a CR in it is what
+        the launcher refuses); bytes that are not UTF-8 (the launcher refuses them too) read
+        as U+FFFD, so the file differs from any rendering (the swap's .bak keeps the bytes)."""
+        try:
+            return self.env_file.read_bytes().decode("utf-8", "replace")
+        except FileNotFoundError:
+            return None
+
+    def notes(self, check: bool, running: UnitState | None, identical: bool) -> list[str]:
+        """What a deploy warns of before it starts: a transaction a real run reverts first,
+        a stopped unit whose identical config is started again."""
+        notes = []
+        if check and self.store.txn():
+            notes.append(
+                "llama-launcher: a deploy was interrupted (txn.json); a real run reverts it "
+                "first, restarting the unit"
+            )
+        if running is not None and not running.running and identical:
+            notes.append(
+                f"llama-launcher: {self.systemd.unit} is not running ({running.active}/"
+                f"{running.sub}); the identical config is started again through the gate"
+            )
+        return notes
+
+    def deleted_live(self, warnings: list[str]) -> str | None:
+        """The live env file is gone (deleted by hand): what a failure restores, the live
+        generation's bytes when it is known-good (rather than leaving the unit stopped)."""
+        live = self.store.live()
+        if live is None or not live.good:
+            return None
+        warnings.append(
+            f"llama-launcher: the live env file {self.env_file} is missing; if this deploy "
+            f"fails, generation {live.number}'s env file is put back and started"
+        )
+        return live.env_text
+
+    def argv_of(self, text: str | None) -> list[str]:
+        return launch.argv_of_text(text, str(self.env_file))
+
+    def restore_text(self, old_text: str | None) -> None:
+        if old_text is None:
+            with contextlib.suppress(FileNotFoundError):
+                self.env_file.unlink()
+        elif self.live_text() != old_text:
+            store.swap_env(self.env_file, old_text, backup=False)
+
+    def restart_old(self, number: Any, old_text: str | None) -> dict[str, Any]:
+        """Start the restored config and gate it; never raises: the result says ``ok``."""
+        if old_text is None:
+            try:
+                self.systemd.stop()
+                self.systemd.reset_failed()
+            except LauncherError as e:
+                return {"ok": False, "message": f"could not stop the unit: {e}"}
+            return {"ok": True, "note": "there was no previous config; the unit is stopped"}
+        plan, load = None, None
+        if number:
+            with contextlib.suppress(StoreError, ConfigInvalid, KeyError):
+                gen = self.store.get(int(number))
+                load = budgets.Load.of_meta(gen.meta)
+                plan = config.build(dict(gen.meta["config"])).pool_plan(
+                    gen.meta.get("model", {}).get("n_ctx_train")
+                )
+        # the budget its own generation needed; the stop is a phase of its own (a hung
+        # server that ignores SIGTERM takes TimeoutStopSec to go, and the start waits)
+        budget = budgets.for_rollback(self.gate.waits, load)
+
+        def reset_then_state() -> UnitState:
+            self.systemd.reset_failed()
+            return self.systemd.state()
+
+        try:
+            cursor, before = together(self.systemd.cursor, reset_then_state)
+            self.systemd.restart()
+            key = keys.key_of_env(old_text, str(self.env_file))
+            gate = self.gate(plan, cursor, before, key, self.argv_of(old_text), budget)
+            if number and gate.load is not None:
+                self._mark(int(number), load=gate.load.to_dict())
+            return {"ok": True, "startup": gate.startup, "timings": gate.timings}
+        except LauncherError as e:  # a gate, a probe, systemctl or journalctl: reported
+            return {"ok": False, "message": str(e)}
+
+    # -- a dead deployer's transaction -----------------------------------------------------
+
+    def recover(self) -> dict[str, Any] | None:
+        """Complete or revert a transaction a dead deployer left behind, and remove the
+        temporary files a killed writer left (``store.sweep_temp``)."""
+        removed = self.sweep()
+        txn = self.store.txn()
+        if not txn:
+            return {"removed_temp_files": removed} if removed else None
+        with self.signals.deferred():  # a recovery is a rollback: it is not interrupted
+            report = self._recover(txn)
+        self.signals.stop_if_asked()  # asked to stop during it: stop now
+        if removed:
+            report["removed_temp_files"] = removed
+        return report
+
+    def sweep(self) -> list[str]:
+        """The folders ``store.atomic_write`` writes in for this unit: the env file's, the
+        state dir, its generations and key files, and the client window's folder."""
+        root = self.store.root
+        folders = [self.env_file.parent, root, root / "keys", root.parent]
+        folders += [self.store.gen_dir / f"{n:04d}" for n in self.store.numbers()]
+        return store.sweep_temp(folders)
+
+    def restored_or_raise(self, report: dict[str, Any] | None) -> dict[str, Any] | None:
+        """``report`` of ``recover``; ``RollbackFailed`` when the restored config failed its
+        gate."""
+        gate = (report or {}).get("gate")
+        if report is not None and gate is not None and not gate.get("ok"):
+            raise RollbackFailed(
+                f"restored the env file of generation {report['from']} (the deploy of "
+                f"generation {report['to']} was interrupted at {report['interrupted_phase']}), "
+                f"but it failed its gate: {gate.get('message')}. Nothing was deleted; read "
+                f"`journalctl -u {self.systemd.unit}`, fix the cause, then run "
+                "llama-launcher rollback",
+                data={"recovered": report},
+            )
+        return report
+
+    def _recover(self, txn: dict[str, Any]) -> dict[str, Any]:
+        # Under the lock the record's writer is gone (the lock dies with its holder); its pid
+        # may belong to another process by now (a reboot), so it is not consulted.
+        phase = str(txn.get("phase", "begin"))
+        report: dict[str, Any] = {
+            "interrupted_phase": phase,
+            "from": txn.get("from"),
+            "to": txn.get("to"),
+        }
+        old_text = txn.get("old_text")
+        if phase in ("begin", "stored") and self._new_file_is_live(txn, old_text):
+            # the record's phase is written without fsync, the swap with it: after a power
+            # loss the new file can be live while the record still says it was not swapped
+            phase = "gate"
+            report["interrupted_phase"] = f"{txn.get('phase')} (the new file was live)"
+        if phase in ("begin", "stored"):
+            report["action"] = "nothing live was touched; discarded"
+        else:
+            self.restore_text(old_text)
+            if phase in ("restart", "gate"):
+                report["action"] = "restored the previous env file and restarted it"
+                report["gate"] = self.restart_old(txn.get("from"), old_text)
+            else:
+                report["action"] = "restored the previous env file (no restart had happened)"
+            if txn.get("from") is not None:
+                self.store.set_live(int(txn["from"]))
+        if txn.get("to"):
+            self._mark(int(txn["to"]), outcome="interrupted")
+        report.update(handover.recover(self.store.root, self.systemd.unit))  # a held front
+        if not report.get("gate", {"ok": True}).get("ok") and txn.get("from") is not None:
+            self._mark(int(txn["from"]), gate_failed_at=time.time())
+        self.store.end()
+        return report
+
+    def discard(self) -> None:
+        """Nothing live was touched: the record goes, a stored generation stays as a trace."""
+        with self.signals.deferred(), contextlib.suppress(OSError, StoreError):
+            to = self.store.txn().get("to")
+            if to:
+                self._mark(int(to), outcome="interrupted")
+            self.store.end()
+
+    def _mark(self, number: int, **changes: Any) -> None:
+        with contextlib.suppress(StoreError):
+            self.store.update(self.store.get(number), **changes)
+
+    def _new_file_is_live(self, txn: dict[str, Any], old_text: str | None) -> bool:
+        if not txn.get("to"):
+            return False
+        try:
+            new_text = self.store.get(int(txn["to"])).env_text
+            live = self.live_text()
+        except (StoreError, OSError):
+            return False
+        return live == new_text and live != old_text
+
+    # -- a failed deploy -------------------------------------------------------------------
+
+    def undo(
+        self,
+        error: BaseException,
+        gen: store.Generation,
+        live_text: str | None,
+        prev_number: int | None,
+        result: Result,
+        t0: float,
+        after_restore: Callable[[bool], dict[str, Any]] | None = None,
+    ) -> NoReturn:
+        """Restore generation ``prev_number`` after ``error``; raise ``DeployFailed`` when it
+        serves again, ``RollbackFailed`` when it does not (signals are deferred by the
+        caller, ``errorhandler.on_error``). ``after_restore`` gets whether the old config
+        serves again (the handover: the front's old config, the slots, the release)."""
+        failure = self._failure(error)
+        self.gate.say("rollback")
+        restarted = self._phase() not in BEFORE_RESTART
+        restored = False
+        try:
+            self.restore_text(live_text)
+            restored = True
+        except (OSError, StoreError) as e:
+            # the record stays: the next invocation restores the file before anything else
+            rb: dict[str, Any] = {
+                "ok": False,
+                "message": f"cannot write the previous env file back to {self.env_file}: "
+                f"{e}; the transaction record in {self.store.root} keeps it",
+            }
+        else:
+            rb = self.restart_old(prev_number, live_text) if restarted else dict(NOT_RESTARTED)
+        if after_restore is not None:
+            result.handover = after_restore(bool(rb.get("ok")))
+        with contextlib.suppress(OSError, StoreError):
+            self.store.update(gen, outcome="failed", failure=failure)
+            if restored:
+                self.store.end()
+                if prev_number is not None:
+                    self.store.set_live(prev_number)
+        result.failure, result.rollback = failure, rb
+        result.timings["total"] = round(time.monotonic() - t0, 3)
+        exc: LauncherError
+        if rb.get("ok"):
+            result.outcome = "rolled_back"
+            what = (
+                f"generation {prev_number} is serving again"
+                if live_text is not None and "note" not in rb
+                else rb.get("note", "")
+            )
+            result.message = (
+                f"generation {gen.number} failed ({failure['class']}: {failure['message']}); {what}"
+            )
+            exc = DeployFailed(result.message, result)
+        else:
+            result.outcome = "rollback_failed"
+            if prev_number is not None:
+                self._mark(prev_number, gate_failed_at=time.time())
+            result.message = self._restore_failed(gen, failure, prev_number, rb, restored)
+            exc = RollbackFailed(result.message, result)
+        if self.signals.pending is not None or isinstance(error, Interrupted):
+            result.message += " (interrupted by a signal)"
+        raise exc
+
+    def _phase(self) -> str:
+        """The phase the transaction record reached (``gate`` when it cannot be read)."""
+        try:
+            return str(self.store.txn().get("phase", "gate"))
+        except StoreError:
+            return "gate"
+
+    def _failure(self, error: BaseException) -> dict[str, Any]:
+        if isinstance(error, GateFailure):
+            return error.to_dict()
+        if isinstance(error, SwapFailed):
+            return {"phase": "swap", "class": "swap_failed", "message": str(error), "log_tail": []}
+        interrupted = isinstance(error, Interrupted)
+        return {
+            "phase": "interrupted" if interrupted else "gate",
+            "class": "interrupted" if interrupted else type(error).__name__,
+            "message": str(error),
+            "log_tail": self.gate.tail(),
+        }
+
+    def _restore_failed(
+        self,
+        gen: store.Generation,
+        failure: dict[str, Any],
+        prev_number: int | None,
+        rb: dict[str, Any],
+        restored: bool,
+    ) -> str:
+        return (
+            f"generation {gen.number} failed ({failure['message']}) and restoring generation "
+            f"{prev_number} failed too ({rb.get('message')}). Nothing was deleted"
+            + (
+                f": the old env file is back in {self.env_file}; "
+                if restored
+                else f", but {self.env_file} still holds the new file: free space or fix "
+                "the permissions, then run llama-launcher recover; "
+            )
+            + f"read `journalctl -u {self.systemd.unit}`, fix the cause (model, binary, "
+            "port, memory), then run llama-launcher rollback"
+        )

@@ -1,0 +1,52 @@
+"""What a verb of the config life cycle did: the one JSON object of ``--json``.
+
+``outcome`` is one of ``deployed``, ``unchanged``, ``checked`` (the success outcomes, ``ok``),
+``rolled_back`` (the new config failed, the old one serves again) and ``rollback_failed``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Result:
+    """What a verb did: the one JSON object of ``--json``."""
+
+    outcome: str
+    changed: bool
+    generation: int | None = None
+    previous_generation: int | None = None
+    message: str = ""
+    startup: dict[str, Any] | None = None
+    planned: dict[str, Any] | None = None
+    probe: dict[str, Any] | None = None
+    client_window: dict[str, Any] | None = None
+    warnings: list[str] = field(default_factory=list)
+    diff: list[str] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+    memory: dict[str, Any] = field(default_factory=dict)
+    failure: dict[str, Any] | None = None
+    rollback: dict[str, Any] | None = None
+    recovered: dict[str, Any] | None = None
+    handover: dict[str, Any] | None = (
+        None  # drain, slots, front, stop (launcher/deploy/handover.py)
+    )
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome in ("deployed", "unchanged", "checked")
+
+    def unchanged(
+        self, startup: dict[str, Any] | None, client_window: dict[str, Any] | None
+    ) -> Result:
+        """Nothing to do: the rendered env file is byte-identical to the live one."""
+        self.outcome, self.changed, self.diff = "unchanged", False, []
+        self.generation = self.previous_generation
+        self.message = "the rendered env file is byte-identical to the live one; nothing restarted"
+        self.startup, self.client_window = startup, client_window
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ok": self.ok, **self.__dict__}

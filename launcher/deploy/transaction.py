@@ -1,0 +1,320 @@
+"""The deploy transaction, top to bottom.
+
+A config change ends either with the new config serving real completions, or with the old
+one serving again::
+
+    lock -> recover an interrupted transaction (launcher.deploy.recovery) -> render + validate
+    -> unchanged? stop here -> register the rollback (the transaction record names the old
+    text; launcher.deploy.errorhandler) -> store the new generation -> atomic swap of the env file
+    -> systemctl restart -> gate (launcher.deploy.gate) -> commit: mark the generation deployed
+    -> any failure, SIGINT, SIGTERM or SIGHUP: restore the previous generation and gate it
+       -> rolled_back, or rollback_failed (a swap that did not happen restarts nothing).
+
+A rollback skips render + validate: it takes a stored generation's own bytes, checked
+by the strict parse and ``bash -n`` only (launcher.deploy.restore).
+
+If the deployer dies (kill -9), the next invocation finds ``txn.json`` and reverts it first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from launcher import config, waits
+from launcher.config import memory, validate
+from launcher.deploy import budgets, handover, home, keys, restore, store, window
+from launcher.deploy.errorhandler import Signals, on_error
+from launcher.deploy.gate import Gate, Progress, together
+from launcher.deploy.recovery import Reverter
+from launcher.deploy.result import Result
+from launcher.errors import ConfigInvalid, Interrupted, StoreError
+from launcher.host.systemd import Systemd, UnitState
+
+#: Called with each phase as it is recorded (tests pass one in to inject a fault there).
+OnPhase = Callable[[str], None]
+
+
+class Deployer:
+    """Runs deploy, rollback and recovery for one unit. Collaborators are passed in."""
+
+    def __init__(
+        self,
+        settings: config.ToolSettings,
+        systemd: Systemd | None = None,
+        progress: Progress | None = None,
+        force_memory: bool = False,
+        on_phase: OnPhase | None = None,
+        policy: waits.Waits | None = None,
+    ) -> None:
+        self.settings = settings
+        self.systemd = systemd or Systemd(settings.unit_name, settings.scope)
+        self.store = store.Store(
+            home.state_dir(settings), home.lock_path(settings.scope, settings.unit_name)
+        )
+        self.env_file = settings.resolved_env_file()
+        policy = policy or waits.Waits.from_settings(settings)
+        self.gate = Gate(self.systemd, policy, settings.base_url, progress)
+        self.signals = Signals()
+        self.reverter = Reverter(self.store, self.env_file, self.systemd, self.gate, self.signals)
+        #: deploy even when the memory guard says the config does not fit (--force-memory)
+        self.force_memory = force_memory
+        self.on_phase = on_phase
+        self.handover = handover.Handover()  # replaced by handover.prepare() per restart
+        #: the box's devices for the memory guard (None: the binary's --list-devices)
+        self.devices: validate.Devices | None = None
+        #: the generation a ``rollback`` puts back: its gate gets that one's budget
+        self.restoring: store.Generation | None = None
+        #: refuse a unit systemd does not know (``require_unit``); the state read for it
+        self.unit_required = False
+        self.early: UnitState | None = None
+
+    def require_unit(self) -> None:
+        """A deploy restarts the unit: the next verb refuses, before anything changes, when
+        it is not there (checked under the lock, on the state the deploy then uses)."""
+        self.unit_required = True
+
+    def _unit_state(self) -> UnitState:
+        """The state read under the lock, once, unless a recovery changed it; else now."""
+        state, self.early = self.early, None
+        return state or self.systemd.state()
+
+    def _check_unit(self) -> None:
+        self.early = self.systemd.state()
+        if self.early.load_state == "not-found":
+            scope = self.settings.scope
+            raise ConfigInvalid(
+                f"{self.settings.unit_name} is not installed in {scope} scope (systemctl"
+                f"{' --user' if scope == 'user' else ''} knows no such unit); run "
+                "llama-launcher install first (it writes the unit and deploys the config "
+                "through the gate), or name the unit you installed with --unit"
+            )
+
+    def deploy(
+        self, cfg: config.ServerConfig, check: bool = False, origin: str = "deploy"
+    ) -> Result:
+        """Deploy a whole desired config (``check``: validate and diff only)."""
+        with self._locked(check) as recovered:
+            return self._deploy(cfg, check, origin, recovered)
+
+    def change(
+        self, edit: Callable[[dict[str, Any]], config.ServerConfig], origin: str, check: bool
+    ) -> Result:
+        """Deploy ``edit`` of the live config (``set``, ``unset``), read under the lock."""
+        with self._locked(check) as recovered:
+            cfg = edit(self.store.live_config(self.settings.unit_name))
+            return self._deploy(cfg, check, origin, recovered)
+
+    def rollback(self, to: int | None = None) -> Result:
+        """Go back to generation ``to`` or the last known-good one: its stored bytes, checked
+        cheaply (``launcher.deploy.restore``), through the same gate."""
+        with self._locked() as recovered:
+            t0 = time.monotonic()
+            live = self.store.live()
+            state = self._unit_state()
+            running = lambda: state.running  # noqa: E731
+            target = self.store.rollback_target(to, self.reverter.live_text(), running)
+            self.restoring = target  # the gate gets the budget this generation needed
+            self.gate.say("validate")
+            checked = restore.candidate(target)
+            origin = f"rollback to {target.number}"
+            result = self._proceed(checked, state, False, origin, True, recovered, t0)
+            if live is not None and target.number != live.number:
+                self.store.back_out(live)
+            return result
+
+    def recover_only(self) -> dict[str, Any] | None:
+        """The ``recover`` verb: revert what a killed deployer left; ``RollbackFailed`` when
+        the restored config does not pass its gate."""
+        with self._locked() as recovered:
+            pass
+        return self.reverter.restored_or_raise(recovered)
+
+    @contextlib.contextmanager
+    def _locked(self, check: bool = False) -> Iterator[dict[str, Any] | None]:
+        """Hold the lock and revert what a killed deployer left first; a check changes
+        nothing, so it neither takes the lock nor recovers (it says what a real run would)."""
+        if check:
+            yield None
+            return
+        wait = budgets.lock_wait(self.settings, self.gate.waits, budgets.last_load(self.store))
+        with self.store.lock(wait), self.signals.installed():
+            if self.unit_required:
+                self._check_unit()  # before the state dir or its record is made
+            self.store.ensure()
+            home.claim(self.settings, self.store.root)
+            recovered = self.reverter.recover()
+            if recovered:
+                self.early = None  # a recovery restarts the unit
+            yield recovered
+
+    def _phase(self, phase: str) -> None:
+        """Record the phase in the transaction record (and tell ``on_phase``)."""
+        self.store.mark(phase=phase)
+        if self.on_phase is not None:
+            self.on_phase(phase)
+
+    # -- validate -> unchanged? ------------------------------------------------------------
+
+    def _deploy(
+        self,
+        cfg: config.ServerConfig,
+        check: bool,
+        origin: str,
+        recovered: dict[str, Any] | None = None,
+    ) -> Result:
+        t0 = time.monotonic()
+        self.gate.say("validate")
+        cfg = keys.materialize(self.store, cfg, write=not check)
+        if self.settings.carry_slots:
+            folder = handover.slot_folder(self.settings.scope, self.store.root, self.systemd.show)
+            create = not check and self.settings.scope != "system"
+            cfg = handover.with_slot_dir(cfg, folder, create)
+        checked, running = validate.beside_state(
+            cfg,
+            self._unit_state,
+            check,
+            self.force_memory,
+            validate.service_view(self.settings),
+            box=self.devices,
+            unified=self.settings.unified_memory,
+            live_meta=self.store.live_meta,
+        )
+        return self._proceed(checked, running, check, origin, False, recovered, t0)
+
+    def _proceed(
+        self,
+        checked: validate.Validated,
+        running: UnitState | None,
+        check: bool,
+        origin: str,
+        force_restart: bool,
+        recovered: dict[str, Any] | None,
+        t0: float,
+    ) -> Result:
+        live_text = self.reverter.live_text()
+        notes = self.reverter.notes(check, running, live_text == checked.env_text)
+        result = Result(
+            "checked" if check else "deployed",
+            True,
+            None,
+            self.store.live_number(),
+            planned=window.plan_dict(checked.plan),
+            diff=config.argv_diff(self.reverter.argv_of(live_text), checked.argv),
+            timings={"validate": round(time.monotonic() - t0, 3)},
+            warnings=[*checked.memory.notes, *notes],
+            recovered=recovered,
+        )
+        down = running is not None and not running.running
+        # the guard's notes (a fit deferred to the server) are no reason to restart
+        if live_text == checked.env_text and not force_restart and not down and not notes:
+            live = self.store.live()
+            window_data = self._window(checked, result.previous_generation) if live else None
+            return result.unchanged(live.meta.get("startup") if live else None, window_data)
+        if check:
+            result.message = "valid; nothing was changed (check mode)"
+            return result
+        assert running is not None
+        prev = result.previous_generation
+        result.previous_generation = restore.adopt_unmanaged(
+            self.store, live_text, prev, str(self.env_file)
+        )
+        old_text = live_text
+        if old_text is None:
+            old_text = self.reverter.deleted_live(result.warnings)
+        return self._transaction(checked, old_text, origin, result, t0, running)
+
+    # -- register the rollback -> store + swap -> restart -> gate -> commit ----------------
+
+    def _transaction(
+        self,
+        checked: validate.Validated,
+        live_text: str | None,
+        origin: str,
+        result: Result,
+        t0: float,
+        before: UnitState,
+    ) -> Result:
+        prev = result.previous_generation
+        gen = self._store(checked, live_text, prev, origin, result.planned, before)
+        result.generation = gen.number
+        result.memory["before"] = memory.process_memory(before) if before.running else None
+        result.memory["estimate"] = checked.memory.to_dict()
+        undo = lambda e: self.reverter.undo(  # noqa: E731
+            e, gen, live_text, prev, result, t0, self.handover.after_rollback
+        )
+        with on_error(self.signals, undo):
+            self._phase("swap")
+            store.swap_env(self.env_file, checked.env_text)
+            self._phase("swapped")
+            cursor, _ = together(self.systemd.cursor, self.systemd.reset_failed)
+            self._phase("restart")
+            t_restart = time.monotonic()
+            self.systemd.restart()
+            self._phase("gate")
+            key = keys.read_api_key(checked.config.api_key_file)
+            budget = budgets.for_gate(self.gate.waits, self.store, self.restoring)
+            gate = self.gate(
+                checked.plan, cursor, before, key, checked.argv, budget, self.handover.watch
+            )
+            result.timings.update(gate.timings)
+            result.timings["restart_to_serving"] = round(time.monotonic() - t_restart, 3)
+            # the front's new config, the slots restored, the held requests released
+            new = handover.Endpoint(self.gate.url_for(checked.argv), key)
+            result.handover = self.handover.after_gate(gen.meta, new, checked.plan.n_slots)
+            result.warnings += self.handover.warnings
+        with self.signals.deferred():  # the gate passed: the bookkeeping is finished first
+            result.startup, result.probe = gate.startup, gate.probe
+            result.warnings = [*result.warnings, *gate.warnings]
+            result.memory["after"] = memory.process_memory(gate.state)
+            result.memory["devices"] = memory.measured(gate.log, checked.memory.devices)
+            result.client_window = window.publish(self.settings, self._window(checked, gen.number))
+            result.timings["total"] = round(time.monotonic() - t0, 3)
+            self.store.commit(gen, memory=result.memory, timings=result.timings, **gate.record())
+        result.message = f"generation {gen.number} is serving: {checked.plan.describe()}"
+        if self.signals.pending is not None:
+            result.message += " (a signal arrived after the gate passed; the deploy stands)"
+        return result
+
+    def _store(
+        self,
+        checked: validate.Validated,
+        live_text: str | None,
+        prev: int | None,
+        origin: str,
+        planned: dict[str, Any] | None,
+        before: UnitState,
+    ) -> store.Generation:
+        """The transaction record and the new generation, then the handover (hold the
+        front, drain, save the slots): nothing live has changed yet."""
+        meta = {**checked.meta(), "origin": origin, "planned": planned, "previous": prev}
+        record = {"phase": "begin", "from": prev, "to": None, "env_file": str(self.env_file)}
+        try:
+            gen = self.store.stage(checked.env_text, meta, {**record, "old_text": live_text})
+            self._phase("stored")
+            old = None
+            if live_text is not None:
+                url = self.gate.url_for(self.reverter.argv_of(live_text))
+                old = handover.Endpoint(url, keys.key_of_env(live_text, str(self.env_file)))
+            old_meta = self.store.get(prev).meta if prev else None
+            self.handover = handover.prepare(
+                self.store.root,
+                self.systemd.unit,
+                old,
+                old_meta,
+                before,
+                self.settings.drain_timeout,
+                self.gate.say,
+            )
+            return gen
+        except Interrupted:
+            self.reverter.discard()
+            raise
+        except (OSError, StoreError) as e:
+            self.reverter.discard()
+            raise store.nothing_live_changed(e, self.store.root) from e
+
+    def _window(self, checked: validate.Validated, number: int | None) -> dict[str, Any]:
+        return window.window_data(self.settings.unit_name, checked, number)

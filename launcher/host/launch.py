@@ -1,0 +1,221 @@
+"""The unit's ExecStart: read the env file without executing it, then exec llama-server.
+
+``llama-launcher exec --env-file PATH`` parses the file with the strict parser of
+``launcher.host.envfile``, builds llama-server's argv and replaces itself with llama-server
+(``os.execve``), so systemd supervises llama-server directly: signals and exit statuses pass
+through unchanged. A configuration error of the launcher's own exits with ``EX_CONFIG`` (78),
+which the units list in ``RestartPreventExitStatus=``.
+
+This is on the path of every server start. It imports the standard library and
+``launcher.host.envfile`` only - no pydantic, httpx or the rest of the tool.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+from collections.abc import Mapping, Sequence
+
+from launcher.host import envfile
+
+#: The keys an env file may hold. Anything else is refused: a stray ``LLAMA_ARG_*`` line
+#: would silently change llama-server behind the typed config's back.
+KEYS = ("LLAMA_SERVER", "EXTRA_ARGS", "API_KEY_FILE")
+REQUIRED = ("LLAMA_SERVER", "EXTRA_ARGS")
+#: Environment variables llama-server reads as flags; removed so only the argv counts.
+_SCRUBBED_PREFIXES = ("LLAMA_ARG_",)
+_SCRUBBED = ("LLAMA_API_KEY", "PYTHONPATH")  # PYTHONPATH: the unit's, for the launcher only
+
+
+class LaunchError(Exception):
+    """A configuration error of the launcher itself (exit status 78)."""
+
+
+def _key_lines(text: str) -> dict[str, int]:
+    """The line number of each key's last assignment in text the parser has accepted."""
+    lines: dict[str, int] = {}
+    for lineno, raw in enumerate(text.split("\n"), start=1):
+        line = raw.strip(" \t")
+        if line and not line.startswith("#"):
+            lines[line.partition("=")[0]] = lineno
+    return lines
+
+
+def argv_from_values(
+    values: Mapping[str, str], path: str = "<env>", lines: Mapping[str, int] | None = None
+) -> list[str]:
+    """Build llama-server's argv from parsed env file values.
+
+    ``lines`` maps each key to the line that set it, so a refusal can name it.
+    """
+
+    def where(key: str) -> str:
+        lineno = (lines or {}).get(key)
+        return f"{path}:{lineno}" if lineno else path
+
+    unknown = [k for k in values if k not in KEYS]
+    if unknown:
+        key = unknown[0]
+        reads = (
+            ", and llama-server reads LLAMA_ARG_* variables as flags behind the typed config"
+            if key.startswith("LLAMA_ARG_")
+            else ""
+        )
+        raise LaunchError(
+            f"{where(key)}: unknown key {key!r}: bash would set it (set -a exports it to "
+            f"llama-server){reads}; an env file for llama-launcher holds only "
+            f"{', '.join(KEYS)} (llama-server flags go into EXTRA_ARGS)"
+        )
+    missing = [k for k in REQUIRED if not values.get(k)]
+    if missing:
+        key = missing[0]
+        state = "is empty" if key in values else "is missing (no line sets it)"
+        raise LaunchError(
+            f"{where(key)}: {key} {state}: a bash launcher would "
+            + (
+                "start llama-server without its flags"
+                if key == "EXTRA_ARGS"
+                else "run the first word of EXTRA_ARGS as the program"
+            )
+            + f'; set it, e.g. {key}="..."'
+        )
+    try:
+        words = envfile.split_words(values["EXTRA_ARGS"])
+    except ValueError as e:
+        raise LaunchError(f"{where('EXTRA_ARGS')}: {e}") from None
+    for word in words:
+        if word in ("--api-key",) or word.startswith("--api-key="):
+            raise LaunchError(
+                f"{where('EXTRA_ARGS')}: EXTRA_ARGS carries --api-key: bash would put the key "
+                "on llama-server's command line, where any user can read it with ps; put "
+                "the key in a file and set API_KEY_FILE instead"
+            )
+    argv = [values["LLAMA_SERVER"], *words]
+    if not any(w == "--log-colors" or w.startswith("--log-colors=") for w in words):
+        argv += ["--log-colors", "off"]
+    if values.get("API_KEY_FILE"):
+        argv += ["--api-key-file", values["API_KEY_FILE"]]
+    return argv
+
+
+#: Credential names of the system-scope unit (``LoadCredential=``; launcher.host.units).
+ENV_CREDENTIAL = "env-file"
+KEY_CREDENTIAL = "api-key"
+
+
+def _credential(name: str) -> str | None:
+    """The path of credential ``name`` PID 1 loaded for this service, if any."""
+    folder = os.environ.get("CREDENTIALS_DIRECTORY")
+    if not folder:
+        return None
+    path = os.path.join(folder, name)
+    return path if os.path.isfile(path) else None
+
+
+def read_argv(path: str) -> list[str]:
+    """Read and parse the env file at ``path`` into llama-server's argv.
+
+    Under the hardened unit the service's own user cannot read the env file or the key:
+    PID 1 hands them over as credentials, read here in their place (messages still name
+    ``path``, the file an operator edits)."""
+    source = _credential(ENV_CREDENTIAL) or path
+    try:
+        # newline="": universal newlines would turn a CR into a line break and hide a CRLF
+        # file, which bash reads with a CR at the end of every value, from the parser.
+        with open(source, encoding="utf-8", newline="") as f:
+            text = f.read()
+    except OSError as e:
+        raise LaunchError(f"cannot read the env file {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise LaunchError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    try:
+        values = envfile.parse(text, path)
+    except envfile.EnvFileError as e:
+        raise LaunchError(str(e)) from None
+    argv = argv_from_values(values, path, _key_lines(text))
+    key = _credential(KEY_CREDENTIAL)
+    if values.get("API_KEY_FILE") and key and os.path.getsize(key):
+        argv[-1] = key  # the staged copy of API_KEY_FILE (launcher.deploy.prestart)
+    return argv
+
+
+def server_environ(environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment llama-server gets: ours, less the variables it would read as flags."""
+    return {
+        k: v
+        for k, v in environ.items()
+        if k not in _SCRUBBED and not k.startswith(_SCRUBBED_PREFIXES)
+    }
+
+
+#: execve errors that a restart cannot cure: the config names a wrong file
+_PERMANENT = frozenset(
+    {errno.ENOENT, errno.EACCES, errno.ENOEXEC, errno.ENOTDIR, errno.ELOOP, errno.EISDIR}
+)
+_USAGE = "usage: llama-launcher exec --env-file PATH [--print-argv]"
+
+
+def _parse_args(args: Sequence[str]) -> tuple[str, bool]:
+    env_file, print_argv, i = "", False, 0
+    while i < len(args):
+        a = args[i]
+        if a == "--env-file" and i + 1 < len(args):
+            env_file, i = args[i + 1], i + 2
+        elif a.startswith("--env-file="):
+            env_file, i = a.split("=", 1)[1], i + 1
+        elif a == "--print-argv":
+            print_argv, i = True, i + 1
+        elif a in ("-h", "--help"):
+            print(
+                _USAGE + "\n\nRead the env file strictly and exec llama-server "
+                "(--print-argv: print the argv as JSON and exit)."
+            )
+            raise SystemExit(0)
+        else:
+            raise LaunchError(f"unexpected argument {a!r}; {_USAGE}")
+    if not env_file:
+        raise LaunchError(f"--env-file is required; {_USAGE}")
+    return env_file, print_argv
+
+
+def main(args: Sequence[str]) -> int:
+    """Entry point of ``llama-launcher exec``; returns an exit status or does not return."""
+    try:
+        env_file, print_argv = _parse_args(args)
+        argv = read_argv(env_file)
+        if print_argv:
+            import json
+
+            print(json.dumps(argv))
+            return 0
+        try:
+            os.execve(argv[0], argv, server_environ(os.environ))
+        except OSError as e:
+            if e.errno not in _PERMANENT:
+                # ETXTBSY (the binary is being replaced), ENOMEM, EAGAIN, EIO: may clear
+                # on its own, so not EX_CONFIG - systemd's Restart= retries
+                print(
+                    f"llama-launcher: cannot execute {argv[0]!r}: {e.strerror}; "
+                    "exiting 1 so systemd's Restart= tries again",
+                    file=sys.stderr,
+                )
+                return 1
+            raise LaunchError(
+                f"cannot execute LLAMA_SERVER={argv[0]!r}: {e.strerror}; "
+                "set LLAMA_SERVER to the llama-server binary"
+            ) from None
+    except LaunchError as e:
+        print(f"llama-launcher: config error: {e}", file=sys.stderr, flush=True)
+        return envfile.EX_CONFIG
+    return 0  # pragma: no cover - execve does not return
+
+
+def argv_of_text(text: str | None, source: str) -> list[str]:
+    """The argv an env file's text launches (empty for no file), for diffs and the gate."""
+    if text is None:
+        return []
+    try:
+        return argv_from_values(envfile.parse(text, source))
+    except (envfile.EnvFileError, LaunchError):
+        return ["(unreadable live env file)"]

@@ -1,0 +1,217 @@
+"""Read-only views of a unit: ``status`` and ``history``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from launcher import config
+from launcher.config import argv_diff
+from launcher.config.memory import process_memory
+from launcher.deploy import home, store
+from launcher.errors import StoreError
+from launcher.host import launch
+from launcher.host.systemd import Systemd
+
+
+def status(settings: config.ToolSettings, systemd: Systemd | None = None) -> dict[str, Any]:
+    """Unit state, live generation, startup values, guaranteed window, memory."""
+    systemd = systemd or Systemd(settings.unit_name, settings.scope)
+    st = store.Store(home.state_dir(settings))
+    state = systemd.state()
+    live = st.live()
+    data: dict[str, Any] = {
+        "unit": settings.unit_name,
+        "scope": settings.scope,
+        "env_file": str(settings.resolved_env_file()),
+        "state_dir": str(st.root),
+        "state": state.to_dict(),
+        "memory": process_memory(state) if state.running else None,
+        "live_generation": live.number if live else None,
+        "pending_transaction": bool(st.txn()),
+    }
+    if live is not None:
+        data["live_file"] = live_file(settings.resolved_env_file(), live)
+        planned = live.meta.get("planned", {})
+        data.update(
+            {
+                "argv": live.meta.get("argv"),
+                "startup": live.meta.get("startup"),
+                "planned": planned,
+                "client_window": planned.get("guaranteed_window"),
+                "deployed_at": live.meta.get("time"),
+                "outcome": live.outcome,
+                "memory_at_deploy": live.meta.get("memory"),
+                "kv_estimate": live.meta.get("kv_estimate"),
+            }
+        )
+    return data
+
+
+def live_file(env_file: Path, live: store.Generation) -> dict[str, Any]:
+    """Whether the live env file is the live generation's bytes, and if not how it differs
+    (a hand edit, a deleted file): the argv diff, generation -> file."""
+    try:
+        text: str | None = env_file.read_bytes().decode("utf-8", "replace")
+    except FileNotFoundError:
+        text = None
+    if text == live.env_text:
+        return {"differs": False}
+    if text is None:
+        return {"differs": True, "missing": True, "diff": []}
+    diff = argv_diff(argv_of(live), launch.argv_of_text(text, str(env_file)))
+    labels = [f"--- generation {live.number}", f"+++ {env_file}"]
+    return {"differs": True, "missing": False, "diff": labels + diff[2:] if diff else []}
+
+
+def argv_of(gen: store.Generation) -> list[str]:
+    """A generation's argv: recorded, or read from its bytes (a hand edit adopted before
+    the adoption recorded it)."""
+    argv = list(gen.meta.get("argv") or [])
+    if argv:
+        return argv
+    try:
+        return launch.argv_of_text(gen.env_text, str(gen.path / "env"))
+    except StoreError:
+        return []
+
+
+def _live_file_lines(d: dict[str, Any]) -> list[str]:
+    lf = d.get("live_file") or {}
+    if not lf.get("differs"):
+        return []
+    if lf.get("missing"):
+        return [
+            f"  the live env file {d['env_file']} is missing (deleted by hand?): the next "
+            f"deploy puts generation {d['live_generation']}'s back if it fails; "
+            "llama-launcher rollback puts it back now"
+        ]
+    lines = [
+        f"  the live env file {d['env_file']} differs from generation {d['live_generation']} "
+        "(edited by hand?); the next deploy keeps it as a generation. argv diff:"
+    ]
+    return lines + [f"    {x}" for x in lf.get("diff") or ["(the same argv; other bytes differ)"]]
+
+
+def status_text(d: dict[str, Any]) -> str:
+    s = d["state"]
+    lines = [
+        f"{d['unit']} ({d['scope']}): {s['active']}/{s['sub']}, pid {s['main_pid']}, "
+        f"restarts {s['n_restarts']}, last exit status {s['exec_main_status']}"
+    ]
+    if d.get("memory"):
+        lines.append(f"  memory now: {d['memory'] / 2**20:.1f} MiB")
+    if d.get("live_generation") is None:
+        lines.append("  no generation deployed by llama-launcher yet")
+        return "\n".join(lines)
+    lines.append(f"  live generation: {d['live_generation']} ({d['outcome']})")
+    lines += _live_file_lines(d)
+    if d.get("startup"):
+        su = d["startup"]
+        lines.append(
+            f"  startup line: n_slots = {su['n_slots']}, n_ctx_slot = {su['n_ctx_slot']}, "
+            f"kv_unified = '{str(su['kv_unified']).lower()}'"
+        )
+    p = d.get("planned") or {}
+    if p:
+        lines.append(
+            f"  clients: guaranteed per-slot window {p['guaranteed_window']} tokens "
+            f"({p['n_slots']} slots, pool {p['pool_cells']} cells"
+            f"{', over-committed' if p.get('overcommitted') else ''})"
+        )
+    mem = d.get("memory_at_deploy") or {}
+    if mem.get("after"):
+        lines.append(f"  memory: {memory_line(mem, d.get('kv_estimate'))}")
+    if sides := sides_line(mem, d.get("kv_estimate")):
+        lines.append(f"  per side: {sides}")
+    if d.get("pending_transaction"):
+        lines.append("  a deploy was interrupted: the next verb recovers it")
+    return "\n".join(lines)
+
+
+def history(settings: config.ToolSettings) -> dict[str, Any]:
+    st = store.Store(home.state_dir(settings))
+    live = st.live_number()
+    out: list[dict[str, Any]] = []
+    argvs: dict[int, list[str]] = {}
+    for gen in st.all():
+        argv = argv_of(gen)
+        argvs[gen.number] = argv
+        prev = gen.meta.get("previous")
+        prev_argv = argvs.get(prev, []) if isinstance(prev, int) else []
+        mem = gen.meta.get("memory") or {}
+        out.append(
+            {
+                "generation": gen.number,
+                "time": gen.meta.get("time"),
+                "user": gen.meta.get("user"),
+                "origin": gen.meta.get("origin"),
+                "outcome": gen.outcome,
+                "live": gen.number == live,
+                "argv": argv,
+                "previous": prev,
+                "diff": argv_diff(prev_argv, argv) if prev_argv and argv else [],
+                "memory": mem,
+                "kv_estimate": gen.meta.get("kv_estimate"),
+                "failure": (gen.meta.get("failure") or {}).get("message"),
+            }
+        )
+    return {"unit": settings.unit_name, "live_generation": live, "generations": out}
+
+
+def history_text(d: dict[str, Any]) -> str:
+    import time as _t
+
+    if not d["generations"]:
+        return f"{d['unit']}: no generations yet"
+    lines = []
+    for g in d["generations"]:
+        when = _t.strftime("%Y-%m-%d %H:%M:%S", _t.localtime(g["time"])) if g["time"] else "?"
+        mark = "*" if g["live"] else " "
+        lines.append(f"{mark}{g['generation']:4d}  {when}  {g['outcome']:<12} {g['origin'] or ''}")
+        lines += [f"        {x}" for x in g["diff"]]
+        if g.get("failure"):
+            lines.append(f"        failed: {g['failure'][:200]}")
+        if g["memory"].get("after"):
+            lines.append(f"        memory: {memory_line(g['memory'], g.get('kv_estimate'))}")
+        if sides := sides_line(g["memory"], g.get("kv_estimate")):
+            lines.append(f"        per side: {sides}")
+    return "\n".join(lines)
+
+
+def memory_line(mem: dict[str, Any], estimate: dict[str, Any] | None) -> str:
+    """Measured service memory before -> after the deploy, next to the KV estimate."""
+
+    def mib(v: Any) -> str:
+        return f"{v / 2**20:.1f} MiB" if isinstance(v, int) else "?"
+
+    text = f"service {mib(mem.get('before'))} before -> {mib(mem.get('after'))} after the gate"
+    if estimate and estimate.get("kv_bytes") is not None:
+        text += f"; KV estimate {mib(estimate['kv_bytes'])}"
+    elif estimate and estimate.get("unsupported"):
+        text += "; KV not estimated (model not covered)"
+    return text
+
+
+def sides_line(mem: dict[str, Any], estimate: dict[str, Any] | None) -> str:
+    """Device memory the server reported in its log, per side, next to the estimate per side
+    ("" on a box without devices and without reported buffers)."""
+    reported = (mem.get("devices") or {}).get("by_side") or {}
+    sides = (estimate or {}).get("sides") or []
+    if not reported and not sides:
+        return ""
+
+    def mib(v: Any) -> str:
+        return f"{v / 2**20:,.0f} MiB" if isinstance(v, int) else "?"
+
+    parts = []
+    if reported:
+        shown = ", ".join(f"{name} {mib(size)}" for name, size in reported.items())
+        parts.append(f"reported by llama-server: {shown}")
+    elif sides:
+        note = (mem.get("devices") or {}).get("note")
+        parts.append(f"reported by llama-server: none ({note or 'not recorded'})")
+    if sides:
+        shown = ", ".join(f"{'+'.join(s['members'])} {mib(s.get('need_bytes'))}" for s in sides)
+        parts.append(f"estimate: {shown}")
+    return "; ".join(parts)

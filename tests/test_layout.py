@@ -1,0 +1,149 @@
+"""The package's folders are layers: imports point down, and the module graph has no loop.
+
+Every import counts, at the top of a module, inside a function, or under ``TYPE_CHECKING``:
+a lower room that needs a higher one holds a concept in the wrong room.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "launcher"
+
+#: lowest first; the package's own root modules (errors, waits) sit below every folder
+LAYERS = ["", "host", "server", "config", "deploy", "reports", "cli"]
+#: the entry point imports the CLI and the unit's two standard-library paths
+TOP = {"launcher.__main__"}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+@functools.cache
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imports_of(path: Path, known: set[str]) -> set[str]:
+    """The package's modules that ``path`` imports, anywhere in the file."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names = [f"{node.module}.{a.name}" for a in node.names] + [node.module]
+        else:
+            continue
+        for name in names:
+            # the longest known prefix: launcher.host.proc.run -> launcher.host.proc
+            while name and name not in known:
+                name = name.rpartition(".")[0]
+            if name.startswith("launcher") and name != "launcher":
+                found.add(name)
+    # `from launcher.host import proc` names the folder too: an empty __init__ is no import
+    return found - empty_packages() - {module_name(path)}
+
+
+FOLDERS = {f"launcher.{f}" for f in LAYERS if f}
+
+
+@functools.cache
+def empty_packages() -> frozenset[str]:
+    return frozenset(
+        module_name(p) for p in PACKAGE.rglob("__init__.py") if not p.read_text().strip()
+    )
+
+
+def layer(module: str) -> int:
+    if module == "launcher":
+        return 0
+    parts = module.split(".")
+    folder = parts[1] if len(parts) > 2 or f"launcher.{parts[1]}" in FOLDERS else ""
+    return LAYERS.index(folder)
+
+
+@functools.cache
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    known = set(mods)
+    return {name: imports_of(path, known) for name, path in mods.items()}
+
+
+def test_every_module_sits_in_a_known_folder() -> None:
+    strays = [
+        m for m in modules() if m not in TOP and m.count(".") > 1 and m.split(".")[1] not in LAYERS
+    ]
+    assert strays == []
+
+
+@pytest.mark.parametrize("module", sorted(set(modules()) - TOP))
+def test_imports_point_down(module: str) -> None:
+    here = layer(module)
+    upward = sorted(t for t in graph()[module] if t not in TOP and layer(t) > here)
+    assert upward == [], f"{module} ({LAYERS[here] or 'root'}) imports higher rooms: {upward}"
+
+
+def test_the_module_graph_has_no_loop() -> None:
+    g = graph()
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    loops: list[list[str]] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for t in sorted(g.get(m, ())):
+            if state.get(t) == 1:
+                loops.append([*stack[stack.index(t) :], t])
+            elif t not in state:
+                visit(t)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(g):
+        if m not in state:
+            visit(m)
+    assert loops == []
+
+
+def test_the_units_standard_library_paths_import_only_the_standard_library() -> None:
+    """``python -S -m launcher exec`` and ``prestart`` (the unit's ExecStart and
+    ExecStartPre) run without site-packages: their modules may import nothing but the
+    standard library and each other."""
+    g = graph()
+    allowed = {
+        "launcher.host.launch",
+        "launcher.host.envfile",
+        "launcher.deploy.prestart",
+        "launcher.deploy.store",
+        "launcher.errors",
+    }
+    for entry in ("launcher.host.launch", "launcher.deploy.prestart"):
+        seen, todo = set(), [entry]
+        while todo:
+            m = todo.pop()
+            if m in seen:
+                continue
+            seen.add(m)
+            todo += [t for t in g[m] if _imported_at_load(m, t)]
+        assert seen <= allowed, f"{entry} loads {sorted(seen - allowed)}"
+
+
+def _imported_at_load(module: str, target: str) -> bool:
+    """Whether ``module`` imports ``target`` when it is loaded (top level, not in a function
+    or under ``TYPE_CHECKING``)."""
+    tree = ast.parse(modules()[module].read_text())
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names = {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+            if target in names:
+                return True
+        elif isinstance(node, ast.Import) and target in {a.name for a in node.names}:
+            return True
+    return False
