@@ -2,7 +2,9 @@
 deploy transaction, for the crash-safety tests (passed in as the deployer's ``on_phase``).
 
 ``PHASE:kill`` kills the process with SIGKILL when the transaction records PHASE;
-``PHASE:pause`` sleeps there (60 s), so a test can signal it at a known point.
+``PHASE:pause`` sleeps there (60 s), so a test can signal it at a known point;
+``PHASE:stop`` stops it there (SIGSTOP), so a test can do something at that point and then
+let it go on (SIGCONT) at once.
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ from launcher.cli import main
 
 def hook(fault: str) -> Callable[[str], None]:
     at, _, action = fault.partition(":")
-    if action not in ("kill", "pause"):
-        raise SystemExit(f"faults.py: {fault!r} is not PHASE:kill or PHASE:pause")
+    if action not in ("kill", "pause", "stop"):
+        raise SystemExit(f"faults.py: {fault!r} is not PHASE:kill, PHASE:pause or PHASE:stop")
 
     def on_phase(phase: str) -> None:
         if phase == at and action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        elif phase == at and action == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
         elif phase == at:
             time.sleep(60)
 

@@ -4,12 +4,14 @@ HAProxy front. Real parts: the sandboxed systemd, llama-server b11434, Debian's 
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +24,8 @@ from launcher.deploy import drain
 from launcher.deploy.front import Front, FrontSpec
 from launcher.server import slots
 
-#: A model slow enough that a long generation outlasts a deploy's validation (~1 s here):
-#: wider and deeper than the tiny default, still random weights.
+#: A model slow enough that a long generation takes seconds, long past the moment a drain
+#: begins: wider and deeper than the tiny default, still random weights.
 SLOW = tinymodel.Shape(layers=6, n_embd=256, heads=4, kv_heads=2, ff=768, ctx_train=8192)
 
 
@@ -72,6 +74,45 @@ class Stream(threading.Thread):
             self.first_chunk.set()
 
 
+FAULTS = str(Path(__file__).with_name("faults.py"))
+
+
+def _state(pid: int) -> str:
+    """The state letter of ``/proc/PID/stat`` ('T': stopped by a signal)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    return stat[stat.rfind(")") + 2]
+
+
+@contextmanager
+def stopped_before_the_drain(host: Host, *args: str) -> Iterator[subprocess.Popen[str]]:
+    """The CLI deploying ``args``, stopped (SIGSTOP, tests/faults.py) once it has stored the
+    new generation, right before the drain: the block starts what the drain must find, and
+    the deploy goes on (SIGCONT) when it ends. The validation, however long it takes on a
+    busy machine, is over before the block starts."""
+    p = subprocess.Popen(
+        [sys.executable, FAULTS, "stored:stop", *args, "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=host.env,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while _state(p.pid) != "T":
+            assert p.poll() is None and time.monotonic() < deadline, "it never reached the drain"
+            time.sleep(0.01)
+        yield p
+    except BaseException as e:
+        p.kill()
+        out, err = p.communicate()
+        e.add_note(f"the deploy: rc={p.returncode}\n{out}\n{err}")
+        raise
+    p.send_signal(signal.SIGCONT)
+
+
 def deploy_in_background(host: Host, *args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "launcher", *args, "--json"],
@@ -115,10 +156,11 @@ HISTORY = " ".join(f"the river {i} holds" for i in range(60))
 
 def test_drain_waits_for_a_generation_and_cuts_nothing(host: Host) -> None:
     installed(slow_host(host), "-c", "8192", "-np", "1", "-t", "1")
-    stream = Stream(host.url, 1000)
-    stream.start()
-    assert stream.first_chunk.wait(30) and stream.error is None
-    rc, out = host.cli_json("set", "-t", "2")
+    with stopped_before_the_drain(host, "set", "-t", "2") as deploy:
+        stream = Stream(host.url, 1000)
+        stream.start()
+        assert stream.first_chunk.wait(30) and stream.error is None
+    rc, out = result_of(deploy)
     stream.join(120)
     assert (rc, out["outcome"]) == (0, "deployed"), out
     drained = out["handover"]["drain"]
@@ -129,11 +171,13 @@ def test_drain_waits_for_a_generation_and_cuts_nothing(host: Host) -> None:
 
 def test_drain_timeout_restarts_and_names_the_request_it_cut(host: Host) -> None:
     installed(slow_host(host), "-c", "8192", "-np", "1", "-t", "1")
-    stream = Stream(host.url, 2000)
-    stream.start()
-    assert stream.first_chunk.wait(30) and stream.error is None
     # a busy llama-server lingers after SIGTERM until systemd's TimeoutStopSec (30 s)
-    rc, out = host.cli_json("set", "-t", "2", "--drain-timeout", "0.2", "--start-timeout", "120")
+    flags = ("set", "-t", "2", "--drain-timeout", "0.2", "--start-timeout", "120")
+    with stopped_before_the_drain(host, *flags) as deploy:
+        stream = Stream(host.url, 2000)
+        stream.start()
+        assert stream.first_chunk.wait(30) and stream.error is None
+    rc, out = result_of(deploy)
     stream.join(120)
     assert (rc, out["outcome"]) == (0, "deployed"), out
     drained = out["handover"]["drain"]
@@ -146,32 +190,42 @@ def test_drain_timeout_restarts_and_names_the_request_it_cut(host: Host) -> None
     assert out["handover"]["stop"]["exited_after"] is not None, out["handover"]
 
 
-def _process(script: str) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen(["bash", "-c", script])
-    time.sleep(0.2)  # the trap is set
-    return proc
+class Clock:
+    """A clock that moves when the test moves it: what the watch says follows from what the
+    process did, not from how busy the machine was."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def test_the_exit_watch_sees_a_process_that_goes_at_sigterm() -> None:
-    proc = _process("exec sleep 30")
-    watch = drain.ExitWatch(proc.pid)
+    proc = subprocess.Popen(["sleep", "30"])
+    watch = drain.ExitWatch(proc.pid, Clock())
     proc.terminate()
     proc.wait(5)
-    time.sleep(0.1)
     seen = watch.result()
-    assert seen["lingered"] is False, seen
+    assert seen == {"old_pid": proc.pid, "exited_after": 0.0, "lingered": False}
     assert drain.linger_warning(seen) is None
 
 
 def test_the_exit_watch_names_a_process_that_lingers_after_sigterm() -> None:
-    proc = _process("trap '' TERM; sleep 1.6")
-    watch = drain.ExitWatch(proc.pid)
+    proc = subprocess.Popen(
+        ["bash", "-c", "trap '' TERM; echo ready; exec sleep 60"], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None and proc.stdout.readline() == "ready\n"  # SIGTERM ignored
+    clock = Clock()
+    watch = drain.ExitWatch(proc.pid, clock)
     proc.terminate()
+    clock.now = drain.ExitWatch.LINGER_SECONDS + 1  # still there: systemd's SIGKILL ends it
+    proc.kill()
     proc.wait(5)
     seen = watch.result()
-    assert seen["lingered"] is True and seen["exited_after"] > 1.0, seen
+    assert seen == {"old_pid": proc.pid, "exited_after": 2.0, "lingered": True}, seen
     line = drain.linger_warning(seen)
-    assert line and f"pid {proc.pid}" in line and "to exit after SIGTERM" in line
+    assert line and f"pid {proc.pid}" in line and "took 2.0s to exit after SIGTERM" in line
 
 
 def test_no_drain_restarts_at_once_and_says_so(host: Host) -> None:

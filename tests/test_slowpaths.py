@@ -87,10 +87,16 @@ def test_a_load_inside_its_budget_is_deployed_and_its_time_recorded(
     rc, out = host.cli_json("deploy", *flags(host, slow), "--start-timeout", "20")
     assert (rc, out["outcome"]) == (0, "deployed"), out
     load = generation_meta(host, out["generation"])["load"]
-    # the stand-in sleeps 2 s before the real server starts: the load the next budgets are
-    # sized by holds that wait, and the stop of the old server is not part of it
+    # the stand-in sleeps 2 s after the old server is gone, before the real one starts: the
+    # load the next budgets are sized by holds that wait
     assert load["start"] >= 2.0
-    assert load["stop"] < load["start"]
+    # and the stop of the old server is not part of it: the start is counted from the
+    # moment the gate saw the old process gone (to the startup line, or to /health 200 when
+    # that came first), not from the restart
+    gate = out["timings"]
+    started = gate.get("startup_line", gate["healthy"])
+    assert load["stop"] == gate["stopped"]
+    assert load["start"] == pytest.approx(started - gate["stopped"], abs=0.0015)
     assert load["stop_budget"] == 30 + 5  # the unit's TimeoutStopSec=30 and the grace
 
 
