@@ -63,13 +63,16 @@ class Bed:
         return self._script("run", "--", "env", *pairs, *argv, timeout=timeout)
 
     def cli(
-        self, *args: str, env: dict[str, str] | None = None
+        self, *args: str, env: dict[str, str] | None = None, exe: str | None = None
     ) -> subprocess.CompletedProcess[str]:
-        """The real CLI inside the bed, as root, in system scope (the default there)."""
-        return self.run(str(VENV_BIN / "llama-launcher"), *args, env=env)
+        """The real CLI inside the bed, as root, in system scope (the default there): the
+        test venv's, or ``exe`` (one installed in the bed)."""
+        return self.run(exe or str(VENV_BIN / "llama-launcher"), *args, env=env)
 
-    def cli_json(self, *args: str, env: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
-        p = self.cli(*args, "--json", env=env)
+    def cli_json(
+        self, *args: str, env: dict[str, str] | None = None, exe: str | None = None
+    ) -> tuple[int, dict[str, Any]]:
+        p = self.cli(*args, "--json", env=env, exe=exe)
         try:
             return p.returncode, json.loads(p.stdout.strip().splitlines()[-1])
         except (ValueError, IndexError):

@@ -70,13 +70,7 @@ class System:
     before: dict[str, Any] = field(default_factory=dict)  # the tree before any install
 
     def cli_json(self, *args: str, **env: str) -> tuple[int, dict[str, Any]]:
-        p = self.bed.run(CLI, *args, "--json", env={**TIMEOUTS, **env})
-        try:
-            return p.returncode, json.loads(p.stdout.strip().splitlines()[-1])
-        except (ValueError, IndexError):
-            raise AssertionError(
-                f"no JSON from {args}: rc={p.returncode}\n{p.stdout}\n{p.stderr}"
-            ) from None
+        return self.bed.cli_json(*args, env={**TIMEOUTS, **env}, exe=CLI)
 
     def sh(self, *commands: str) -> subprocess.CompletedProcess[str]:
         """Shell lines (README's), run by bash -e in the bed's share, as root."""
