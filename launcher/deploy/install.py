@@ -370,10 +370,11 @@ def _template_state_dir(settings: config.ToolSettings) -> str:
 def uninstall(
     settings: config.ToolSettings, purge: bool = False, systemd: Systemd | None = None
 ) -> dict[str, Any]:
-    """Stop, disable and remove the unit and its env file; the generations are kept (and
-    said so) unless ``purge``, which removes everything install made: the state folder,
-    the service's own ``StateDirectory=``, the record, the unit's lock, the folders left
-    empty, and the template unit after its last instance."""
+    """Stop, disable and remove the unit and its env file (an instance: its drop-in, and
+    the template with the template's last instance); the generations are kept (and said
+    so) unless ``purge``, which removes everything else install made: the state folder,
+    the service's own ``StateDirectory=``, the record, the unit's lock and the folders left
+    empty."""
     require_root(settings)
     systemd = systemd or Systemd(settings.unit_name, settings.scope)
     state = home.state_dir(settings)  # before the record beside the env file goes
