@@ -63,13 +63,16 @@ class Bed:
         return self._script("run", "--", "env", *pairs, *argv, timeout=timeout)
 
     def cli(
-        self, *args: str, env: dict[str, str] | None = None
+        self, *args: str, env: dict[str, str] | None = None, exe: str | None = None
     ) -> subprocess.CompletedProcess[str]:
-        """The real CLI inside the bed, as root, in system scope (the default there)."""
-        return self.run(str(VENV_BIN / "llama-launcher"), *args, env=env)
+        """The real CLI inside the bed, as root, in system scope (the default there): the
+        test venv's, or ``exe`` (one installed in the bed)."""
+        return self.run(exe or str(VENV_BIN / "llama-launcher"), *args, env=env)
 
-    def cli_json(self, *args: str, env: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
-        p = self.cli(*args, "--json", env=env)
+    def cli_json(
+        self, *args: str, env: dict[str, str] | None = None, exe: str | None = None
+    ) -> tuple[int, dict[str, Any]]:
+        p = self.cli(*args, "--json", env=env, exe=exe)
         try:
             return p.returncode, json.loads(p.stdout.strip().splitlines()[-1])
         except (ValueError, IndexError):
@@ -93,6 +96,19 @@ class Bed:
             raise FileNotFoundError(f"{path} inside the bed: {p.stderr.strip()}")
         return p.stdout
 
+    def tree(self) -> dict[str, Any]:
+        """What llama-launcher and systemd keep for the units, inside the bed, as data to
+        compare byte for byte: every file and link under ``HOST_TREES`` (type, mode, owner,
+        sha256 or link target) and systemd's list of the llama-server unit files."""
+        p = self.run("/usr/bin/python3", "-c", _TREE, *HOST_TREES)
+        if p.returncode != 0:
+            raise RuntimeError(f"the tree of the bed: {p.stderr}")
+        files = json.loads(p.stdout)
+        units = self.systemctl(
+            "list-unit-files", "--no-legend", "--no-pager", "llama-server*"
+        ).stdout
+        return {"files": files, "unit_files": sorted(units.split("\n"))}
+
     def chat(self, port: int, key: str | None = None) -> tuple[int, dict[str, Any]]:
         """A real chat completion from inside the bed's network (HTTP status, body)."""
         p = self.run(str(VENV_BIN / "python"), "-c", _CHAT, str(port), key or "")
@@ -103,6 +119,43 @@ class Bed:
             data = {"raw": body, "stderr": p.stderr}
         return int(code or 0), data
 
+
+#: Where install, a deploy and systemd put what they keep for a unit (the units and their
+#: wants links, the env files and records, the generations, the service's own state and its
+#: /var/lib link, the locks).
+HOST_TREES = (
+    "/etc/systemd/system",
+    "/etc/llama-launcher",
+    "/var/lib/llama-launcher",
+    "/var/lib/private",
+    "/var/lib/llama-server*",
+    "/run/lock/llama-launcher",
+)
+
+# The tree of some folders as JSON, run inside the bed. A lock file's bytes are the pid of
+# its last holder (deploy/store.py), not state: only its mode and owner are compared.
+_TREE = """
+import glob, hashlib, json, os, stat, sys
+out = {}
+def entry(p):
+    st = os.lstat(p)
+    kind = "link" if stat.S_ISLNK(st.st_mode) else "dir" if stat.S_ISDIR(st.st_mode) else "file"
+    what = None
+    if kind == "link":
+        what = os.readlink(p)
+    elif kind == "file" and not p.endswith(".lock"):
+        with open(p, "rb") as f:
+            what = hashlib.sha256(f.read()).hexdigest()
+    out[p] = [kind, oct(stat.S_IMODE(st.st_mode)), st.st_uid, st.st_gid, what]
+for pattern in sys.argv[1:]:
+    for root in sorted(glob.glob(pattern)):
+        entry(root)
+        if os.path.isdir(root) and not os.path.islink(root):
+            for d, dirs, files in os.walk(root):
+                for name in sorted(dirs + files):
+                    entry(os.path.join(d, name))
+print(json.dumps(out, sort_keys=True))
+"""
 
 # A chat completion with the standard library, run inside the bed (its own network).
 _CHAT = """

@@ -222,6 +222,8 @@ def test_check_mode_shows_the_argv_diff_and_changes_nothing(fleet: Fleet) -> Non
     assert "+# KV pool: 2 slots x n_ctx_slot 4096" in p.stdout
     assert "+# guaranteed per-slot window: 4096 tokens" in p.stdout
     assert p.stdout.count("checked: generation -, 2 slots x n_ctx_slot 4096") == 3
+    # the desired argv is the one the deploy writes: the slot carry's folder stays
+    assert "\n---slot-save-path" not in p.stdout and "\n+--slot-save-path" not in p.stdout
     assert {n: (h.env_file.read_text(), h.pid()) for n, h in fleet.hosts.items()} == before
     assert all(h.live()["live_generation"] == 1 for h in fleet.hosts.values())
 

@@ -91,6 +91,34 @@ def test_unknown_flags_are_named_and_values_are_not_taken_for_flags(
     assert binary.unknown_flags(info, args) == expected
 
 
+def test_the_help_parse_knows_how_many_values_each_flag_takes(server_bin: str) -> None:
+    info = binary.inspect(server_bin)
+    arity = {f: info.arity(f) for f in ("-c", "-fa", "-ot", "--metrics", "--log-colors")}
+    assert arity == {"-c": 1, "-fa": 1, "-ot": 1, "--metrics": 0, "--log-colors": 1}
+    assert info.arity("--control-vector-layer-range") == 2  # START END
+
+
+def test_a_word_no_flag_takes_is_refused_naming_it(server_bin: str) -> None:
+    from launcher.config import validate
+    from launcher.errors import ValidationFailed
+
+    info = binary.inspect(server_bin)
+    validate.check_flags(info, ["--control-vector-layer-range", "1", "2", "-fa", "on"])
+    with pytest.raises(ValidationFailed) as e:
+        validate.check_flags(info, ["-m", "m.gguf", "--metrics", "oops"])
+    assert "'oops'" in str(e.value) and "--metrics, which takes no value" in str(e.value)
+
+
+def test_a_stray_word_in_extra_args_restarts_nothing(build_host: Host) -> None:
+    install(build_host)
+    env, pid = build_host.env_file.read_text(), build_host.state()["MainPID"]
+    rc, out = build_host.cli_json("set", "--metrics", "x")
+    assert rc == 2 and "'x' follows --metrics" in out["message"], out
+    rc, out = build_host.cli_json("set", "--no-warmup", "x")
+    assert (rc, out.get("step")) == (2, "flags"), out
+    assert (build_host.env_file.read_text(), build_host.state()["MainPID"]) == (env, pid)
+
+
 def test_install_deploys_through_the_gate(build_host: Host) -> None:
     out = install(build_host)
     assert (out["startup"]["n_slots"], out["startup"]["n_ctx_slot"]) == (2, 2048)

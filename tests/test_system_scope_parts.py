@@ -62,6 +62,36 @@ def test_site_settings_are_rendered_into_the_unit() -> None:
     assert "\nAmbientCapabilities=CAP_SYS_NICE\n" in text and "@resources" not in text
 
 
+def test_an_instances_own_site_settings_go_to_its_drop_in() -> None:
+    shared = units.Site(groups=("video",))
+    own = units.Site(
+        groups=("video",), read_only_paths=("/tmp/m",), memory_deny_write_execute=False
+    )
+    text = units.site_dropin(own, shared)
+    assert text is not None
+    assert "\nBindReadOnlyPaths=/tmp/m\n" in text and "\nMemoryDenyWriteExecute=no\n" in text
+    assert units.site_dropin(shared, shared) is None  # the template's own: no drop-in
+
+
+def test_the_service_view_reads_drop_ins_and_files_about_to_be_written(tmp_path: Path) -> None:
+    template = tmp_path / "llama-server@.service"
+    template.write_text(units.render(template=True))
+    dropin = tmp_path / "llama-server@a.service.d" / units.SITE_DROPIN
+    dropin.parent.mkdir()
+    dropin.write_text(
+        units.site_dropin(units.Site(read_only_paths=("/tmp/m",)), units.Site()) or ""
+    )
+    a = service.view(template, "llama-server@a.service")
+    assert a is not None and a.bound == ("/tmp/m",)
+    assert a.state_dirs == ("/var/lib/llama-server@a",)  # %i is the instance
+    b = service.view(template, "llama-server@b.service")
+    assert b is not None and b.bound == ()
+    plain = tmp_path / "llama-server.service"
+    assert service.view(plain, plain.name) is None  # not installed
+    pending = service.view(plain, plain.name, {plain: units.render()})
+    assert pending is not None and pending.state_dirs == ("/var/lib/llama-server",)
+
+
 def test_shipped_units_name_debian_12s_package_folders() -> None:
     text = units.default_files()["llama-server.service"]
     assert (

@@ -33,12 +33,47 @@ EPILOG = """exit codes:
 
 Handler = Callable[[argparse.Namespace], int]
 
+#: The options of every verb that names a unit (cli/deploy.py ``_settings_options``), with
+#: the number of values each takes: given before the verb, they are read after it
+#: (``llama-launcher --scope system status``).
+GLOBAL_OPTIONS = {
+    "--unit": 1,
+    "--instance": 1,
+    "--scope": 1,
+    "--env-file": 1,
+    "--state-dir": 1,
+    "--base-url": 1,
+    "--start-timeout": 1,
+    "--health-timeout": 1,
+    "--probe-timeout": 1,
+    "--lock-timeout": 1,
+    "--json": 0,
+}
+
+
+def verb_first(args: list[str]) -> list[str]:
+    """``args`` with the global options given before the verb moved after it."""
+    moved: list[str] = []
+    i = 0
+    while i < len(args):
+        name, inline, _ = args[i].partition("=")
+        if name not in GLOBAL_OPTIONS:
+            break
+        n = 1 + (0 if inline else GLOBAL_OPTIONS[name])
+        moved += args[i : i + n]
+        i += n
+    if not moved or i >= len(args) or args[i].startswith("-"):
+        return args
+    return [args[i], *moved, *args[i + 1 :]]
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="llama-launcher",
         allow_abbrev=False,
-        description="Launch llama-server under systemd and deploy its flags safely.",
+        description="Launch llama-server under systemd and deploy its flags safely. The "
+        "options that say where (--unit, --instance, --scope, --env-file, --state-dir, "
+        "--base-url, the timeouts, --json) may come before the verb or after it.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -98,7 +133,7 @@ def main(args: Sequence[str], on_phase: Callable[[str], None] | None = None) -> 
     crash-safety tests pass one in to inject a fault at a phase)."""
     parser = build_parser()
     # llama-server flags (`set -ctk q8_0 ...`) are whatever the verb's own options are not.
-    ns, extra = parser.parse_known_args(list(args))
+    ns, extra = parser.parse_known_args(verb_first(list(args)))
     if extra and not getattr(ns, "takes_flags", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     ns.flags = extra

@@ -34,6 +34,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--unit",
         help="a unit llama-launcher deployed: measure its live generation and name it",
     )
+    p.add_argument("--instance", metavar="NAME", help="the same for llama-server@NAME.service")
     p.add_argument("--api-key-file", metavar="F", help="file holding the server's --api-key")
     p.add_argument(
         "--agents", type=int, nargs="+", default=[1, 2, 4], metavar="N",
@@ -94,6 +95,10 @@ def run(ns: argparse.Namespace, generation: Mapping[str, Any] | None = None) -> 
     from launcher.reports import bench
 
     url = ns.url
+    if ns.instance:
+        from launcher.cli.deploy import instance_unit
+
+        ns.unit = instance_unit(ns.instance, ns.unit)
     if ns.unit:
         live = _live(ns.unit)
         if live is not None:

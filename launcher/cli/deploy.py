@@ -19,8 +19,16 @@ if TYPE_CHECKING:
 
 
 def _settings_options(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("where (also LLAMA_LAUNCHER_* variables or settings.toml)")
+    g = p.add_argument_group(
+        "where (also LLAMA_LAUNCHER_* variables or settings.toml; before the verb as well)"
+    )
     g.add_argument("--unit", help="systemd unit (default llama-server.service)")
+    g.add_argument(
+        "--instance",
+        metavar="NAME",
+        help="the instance llama-server@NAME.service of the template unit (install "
+        "--instance NAME makes it)",
+    )
     g.add_argument("--scope", choices=["system", "user"], help="systemd manager to use")
     g.add_argument("--env-file", type=Path, help="the live env file")
     g.add_argument(
@@ -104,9 +112,15 @@ def _parser(sub: Any, name: str, help: str, flags: bool = False) -> argparse.Arg
 
 def register(sub: Any) -> None:
     flags_note = " LLAMA-SERVER FLAGS follow, in llama-server's own spellings (-c, -np, -ctk...)."
-    p = _parser(sub, "render", "print the env file for a config." + flags_note, True)
+    p = _parser(
+        sub,
+        "render",
+        "print the env file a deploy of a config writes (with the deploy's defaults: the "
+        "slot folder, the key file); change nothing." + flags_note,
+        True,
+    )
     _config_options(p)
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    _settings_options(p)
     p.set_defaults(func=cmd_render)
 
     p = _parser(
@@ -205,7 +219,6 @@ def register(sub: Any) -> None:
         True,
     )
     _config_options(p)
-    p.add_argument("--instance", help="install llama-server@INSTANCE.service (template unit)")
     p.add_argument("--unit-dir", type=Path, help="where the unit file goes")
     p.add_argument(
         "--force", action="store_true", help="replace a unit file that was edited by hand"
@@ -245,12 +258,13 @@ def register(sub: Any) -> None:
         "uninstall",
         "stop, disable and remove the unit and env file (generations are kept unless --purge)",
     )
-    p.add_argument(
-        "--instance",
-        help="uninstall llama-server@INSTANCE.service (the template unit file is kept)",
-    )
     p.add_argument("--unit-dir", type=Path, help="where the unit file is")
-    p.add_argument("--purge", action="store_true", help="also delete the generations")
+    p.add_argument(
+        "--purge",
+        action="store_true",
+        help="also delete the generations and all else install made (the service's "
+        "StateDirectory, the record, the lock, empty folders)",
+    )
     _settings_options(p)
     p.set_defaults(func=cmd_uninstall)
 
@@ -273,7 +287,7 @@ def settings_from(ns: argparse.Namespace) -> ToolSettings:
 
     unit = getattr(ns, "unit", None)
     if getattr(ns, "instance", None):
-        unit = f"llama-server@{ns.instance}.service"
+        unit = instance_unit(ns.instance, unit)
     settings = config.load_settings(
         unit=unit,
         scope=ns.scope,
@@ -289,6 +303,18 @@ def settings_from(ns: argparse.Namespace) -> ToolSettings:
     )
     install.require_root(settings)
     return settings
+
+
+def instance_unit(instance: str, unit: str | None = None) -> str:
+    """The template's unit of ``--instance NAME``; a different ``--unit`` beside it is refused."""
+    from launcher.errors import ConfigInvalid
+
+    name = f"llama-server@{instance}.service"
+    if unit is not None and (unit if "." in unit else f"{unit}.service") != name:
+        raise ConfigInvalid(
+            f"--instance {instance} is {name}, but --unit names {unit}: give one of them"
+        )
+    return name
 
 
 def config_from(ns: argparse.Namespace, base: dict[str, Any] | None = None) -> ServerConfig:
@@ -384,7 +410,7 @@ def _finish(ns: argparse.Namespace, result: Result) -> int:
 def cmd_render(ns: argparse.Namespace) -> int:
     from launcher.config import validate
 
-    cfg = config_from(ns)
+    cfg = deployer_for(ns, unit_needed=False).preview(config_from(ns))
     text = validate.render(cfg)
     emit({"env": text, "argv": cfg.argv()}, ns.json, lambda: text.rstrip("\n"))
     return 0

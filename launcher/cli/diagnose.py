@@ -25,7 +25,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         ),
     )
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--unit", help="read this systemd unit's journal (system or --user)")
+    src.add_argument(
+        "--unit",
+        help="read this systemd unit's journal (system or --user; default: the configured "
+        "unit, LLAMA_LAUNCHER_UNIT or settings.toml, else llama-server.service)",
+    )
+    src.add_argument(
+        "--instance", metavar="NAME", help="read the journal of llama-server@NAME.service"
+    )
     src.add_argument("--log", metavar="FILE", help="read a log file ('-' for stdin)")
     src.add_argument("stdin", nargs="?", choices=["-"], help="read stdin")
     p.add_argument("--since", metavar="TIME", help="with --unit: journalctl --since TIME")
@@ -76,6 +83,18 @@ def _open(ns: argparse.Namespace) -> Iterator[tuple[IO[bytes], str]]:
         yield sys.stdin.buffer, "stdin"
     else:
         raise ConfigInvalid("no log given; use --unit UNIT, --log FILE or - (stdin)")
+
+
+def _default_unit(ns: argparse.Namespace) -> str | None:
+    """The unit whose journal is read: ``--unit``, ``--instance``'s, else (no log file and
+    no stdin given) the configured one, as every other verb takes it."""
+    if ns.instance:
+        return f"llama-server@{ns.instance}.service"
+    if ns.unit or ns.log or ns.stdin:
+        return str(ns.unit) if ns.unit else None
+    from launcher import config
+
+    return config.load_settings().unit_name
 
 
 def _live_generation(unit: str) -> Generation | None:
@@ -138,6 +157,7 @@ def run(ns: argparse.Namespace) -> int:
 
     if ns.pool is not None and ns.pool <= 0:
         raise ConfigInvalid(f"--pool {ns.pool} is not a positive number of cells; give -c")
+    ns.unit = _default_unit(ns)
     pool_hint, hint_source, model = ns.pool, "--pool", ns.model
     live = _live_generation(ns.unit) if ns.unit else None
     if live is not None:

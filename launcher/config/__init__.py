@@ -359,29 +359,35 @@ _INT_FIELDS = {
 def parse_flags(tokens: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
     """Turn llama-server style flags into config fields; unknown flags go to the extra list.
 
-    Accepts ``--flag value`` and ``--flag=value``. Returns ``(fields, extra)``.
+    Accepts ``--flag value`` and ``--flag=value``. Returns ``(fields, extra)``. A bare word
+    right after a typed flag and its value (``-a coder model``: an alias the shell split) is
+    refused: llama-server would exit on it. After an unknown flag it goes to the extra list
+    (the flag may take it); the validation's ``flags`` step knows from ``--help``.
     """
     fields: dict[str, Any] = {}
     extra: list[str] = []
+    typed: list[str] | None = None  # the typed flag just read, with its value
     i = 0
     while i < len(tokens):
         tok = tokens[i]
         name, eq, inline = tok.partition("=")
+        if typed is not None and not envfile.is_flag(tok):
+            raise ConfigInvalid(_stray(tok, typed))
         if name == "--allow-overcommit":  # the tool's own switch, never llama-server's
             fields["allow_overcommit"] = True
-            i += 1
+            typed, i = [name], i + 1
             continue
         flag = SPELLING.get(name)
         if flag is None:
             extra.append(tok)
-            i += 1
+            typed, i = None, i + 1
             continue
         if flag.kind == "switch":
             fields[flag.field] = True
-            i += 1
+            typed, i = [tok], i + 1
         elif flag.kind == "bool":
             fields[flag.field] = name not in flag.negative
-            i += 1
+            typed, i = [tok], i + 1
         else:
             if eq:
                 value, i = inline, i + 1
@@ -390,7 +396,26 @@ def parse_flags(tokens: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
             else:
                 raise ConfigInvalid(f"{name} needs a value, e.g. {name} {_example(flag.field)}")
             fields[flag.field] = _int(name, value) if flag.field in _INT_FIELDS else value
+            typed = [tok] if eq else [name, value]
     return fields, extra
+
+
+def _stray(word: str, typed: list[str]) -> str:
+    """A bare word after a typed flag: the quoting fix when it belongs to the value."""
+    name = typed[0].split("=", 1)[0]
+    if len(typed) == 1 and "=" not in typed[0]:
+        return (
+            f"{word!r} follows {name}, which takes no value: llama-server would exit on the "
+            f"stray word (invalid argument). Leave {word!r} out, or give it its flag"
+        )
+    value = typed[-1].split("=", 1)[1] if len(typed) == 1 else typed[1]
+    whole = f"{value} {word}"
+    return (
+        f"{word!r} follows {envfile.join_words(typed)}: {name} takes one value, and "
+        f"llama-server would exit on the stray word (invalid argument). If {whole!r} is one "
+        f"value, quote it as one word: {envfile.join_words([name, whole])} (the shell split "
+        f"it); otherwise leave {word!r} out"
+    )
 
 
 def _example(field: str) -> str:
@@ -508,6 +533,20 @@ def argv_diff(old: list[str], new: list[str]) -> list[str]:
 # -- tool settings ---------------------------------------------------------------------------
 
 
+def _default_settings_file() -> Path | None:
+    """The settings file read when none is named: the system's, else the user's. One that
+    cannot be looked at (a home folder closed to this user: ``su`` keeps root's HOME) is not
+    there for this user; only a named one (``LLAMA_LAUNCHER_SETTINGS``) must be readable."""
+    for where in ("/etc/llama-launcher", "~/.config/llama-launcher"):
+        try:
+            path = Path(where).expanduser() / "settings.toml"
+            if path.is_file():
+                return path
+        except (OSError, RuntimeError):  # RuntimeError: no home folder to expand
+            continue
+    return None
+
+
 def _default_scope() -> Literal["system", "user"]:
     return "system" if os.geteuid() == 0 and Path("/run/systemd/system").is_dir() else "user"
 
@@ -571,12 +610,11 @@ class ToolSettings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         from pydantic_settings import TomlConfigSettingsSource
 
-        path = os.environ.get("LLAMA_LAUNCHER_SETTINGS")
+        named = os.environ.get("LLAMA_LAUNCHER_SETTINGS")
+        path = Path(named) if named is not None else _default_settings_file()
         if path is None:
-            sys_path = Path("/etc/llama-launcher/settings.toml")
-            user_path = Path.home() / ".config/llama-launcher/settings.toml"
-            path = str(sys_path if sys_path.exists() else user_path)
-        return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls, Path(path)))
+            return (init_settings, env_settings)
+        return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls, path))
 
     @property
     def unit_name(self) -> str:

@@ -7,13 +7,16 @@ Runs on the rendered temporary file; each step is named in its error:
 3. ``subshell``   ``env -i bash -c 'set -f; source FILE; printf ...'`` prints exactly the
                   expected values (with expansion and globbing off);
 4. ``argv``       ``llama-launcher exec --print-argv`` on the file equals the typed argv;
-5. ``flags``      every flag is known to the installed llama-server (``--help``);
+5. ``flags``      every flag is known to the installed llama-server (``--help``), and every
+                  other word is the value of the flag before it;
 6. ``model``      the model exists, is readable and is a GGUF whose metadata loads;
    ``files``      every other file llama-server opens (``--lora``, ``--mmproj``, ``-md``,
                   ``--chat-template-file``, ...) is an absolute path that exists and is
                   readable, and a GGUF where llama-server loads one;
+   ``files``      and ``--slot-save-path`` is a folder the service can write;
 7. ``service``    (system scope) the hardened unit's own user can open the binary, the model
-                  and every other file llama-server reads (``launcher.host.service``);
+                  and every other file llama-server reads, and write the slot folder
+                  (``launcher.host.service``);
 8. ``pool``       the pool arithmetic: no over-committed shared pool unless allowed;
 9. ``memory``     KV estimate + weights + prompt cache fit what the box can give, on each
                   side: the host and every device of ``--list-devices``
@@ -99,7 +102,7 @@ def service_view(settings: config.ToolSettings) -> service.ServiceView | None:
     user scope or for a unit that runs as root (the service reads as the caller then)."""
     if settings.scope != "system":
         return None
-    return service.view(settings.resolved_unit_file())
+    return service.view(settings.resolved_unit_file(), settings.unit_name)
 
 
 @dataclass(frozen=True)
@@ -256,6 +259,27 @@ def check_flags(info: binary.BinaryInfo, args: list[str]) -> None:
         raise ValidationFailed(
             "flags", f"{name} is not a flag of {info.path} ({info.name}); {hint}"
         )
+    for stray in binary.stray_words(info, args):
+        raise ValidationFailed("flags", stray_message(stray, info))
+
+
+def stray_message(stray: binary.Stray, info: binary.BinaryInfo) -> str:
+    """A word no flag takes: where it is, and the quoting that makes it part of a value."""
+    word = stray.word
+    if stray.after is None:
+        where = "it comes before any flag"
+    elif stray.after_arity == 0:
+        where = f"it follows {stray.after}, which takes no value"
+    else:
+        n = "one value" if stray.after_arity == 1 else f"{stray.after_arity} values"
+        before = envfile.join_words(list(stray.after_words))
+        where = f"it follows {before} ({stray.after} takes {n})"
+    return (
+        f"{word!r} is neither a flag of {info.path} ({info.name}) nor the value of the flag "
+        f"before it ({where}); llama-server would exit on it (invalid argument). A value "
+        f"with a space is one word only when it is quoted, as in -a 'coder {word}' rather "
+        f"than -a coder {word}; a flag needs its dashes; otherwise leave {word!r} out"
+    )
 
 
 def model_facts(path: Path) -> tuple[dict[str, Any], kvbytes.ModelInfo | None, str | None]:
@@ -320,6 +344,74 @@ def check_files(cfg: config.ServerConfig) -> None:
             )
 
 
+def check_slot_folder(
+    cfg: config.ServerConfig, svc: service.ServiceView | None, made: Path | None = None
+) -> None:
+    """``--slot-save-path``: llama-server refuses to start when it is not a folder (b11434:
+    ``error while handling argument "--slot-save-path": not a directory: X``, exit 1), and a
+    save fails when the service cannot write it. ``made``: the folder the deploy itself gives
+    a config (the slot carry's), which the deploy (user scope) or systemd (a
+    ``StateDirectory=``) makes before the start."""
+    path = cfg.slot_save_path
+    if path is None:
+        return
+    what = "slot folder (--slot-save-path)"
+    if not path.is_absolute():
+        raise ValidationFailed(
+            "files",
+            f"the {what} {str(path)!r} is a relative path; the unit runs llama-server from /, "
+            "where it names another folder: give the absolute path",
+        )
+    if svc is not None:
+        service.check_writable(svc, what, path)
+        return
+    if made is not None and path == made:
+        return
+    if not path.is_dir():
+        state = "is not a folder" if path.exists() else "does not exist"
+        raise ValidationFailed(
+            "files",
+            f"the {what} {path} {state}: llama-server exits at start (not a directory). Make "
+            f"it (mkdir -p {path}), or leave --slot-save-path out: the deploy then carries "
+            "the slots in a folder of its own",
+        )
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValidationFailed(
+            "files",
+            f"the {what} {path} is not writable by {_user()}, whom the user unit runs as; "
+            f"fix its mode (chmod u+w {path}) or leave --slot-save-path out",
+        )
+
+
+def check_world(
+    cfg: config.ServerConfig, svc: service.ServiceView | None, made: Path | None = None
+) -> tuple[dict[str, Any], kvbytes.ModelInfo | None, str | None]:
+    """Steps ``model``, ``files`` and ``service``: every file the config names exists, is
+    what llama-server loads there, and the service's user can read it; the slot folder is
+    one it can write. A rollback runs them too: they can change after a config served."""
+    facts = model_facts(cfg.model)
+    check_files(cfg)
+    if svc is not None:
+        service.check(svc, files_of(cfg))
+    check_slot_folder(cfg, svc, made)
+    return facts
+
+
+def check_served(
+    cfg: config.ServerConfig,
+    argv: list[str],
+    svc: service.ServiceView | None,
+    made: Path | None = None,
+) -> binary.BinaryInfo:
+    """What can change under a generation since it served, for a rollback to it: the binary
+    still runs and knows every word of ``argv`` (steps ``llama-server``, ``flags``), and
+    ``check_world``. The memory guard and the pool check are not run: serving proved them."""
+    info = binary.inspect(argv[0])
+    check_flags(info, argv[1:])
+    check_world(cfg, svc, made)
+    return info
+
+
 def _read_meta(path: Path) -> dict[str, Any]:
     """The GGUF metadata, read with the gguf package (llama.cpp's reader); JSON-able."""
     try:
@@ -376,6 +468,7 @@ def validate(
     available: int | None = None,
     unified: devices.UnifiedSetting = "auto",
     svc: service.ServiceView | None = None,
+    made: Path | None = None,
 ) -> Validated:
     """Render ``cfg`` to a temporary file and run the whole chain on it.
 
@@ -384,7 +477,7 @@ def validate(
     reached. ``box``: the devices (default: the binary's ``--list-devices``, each marked
     unified per ``unified``); ``available``: the host's free memory (default MemAvailable).
     ``svc``: the hardened unit's view, whose user must be able to read every file (None: the
-    service reads as the caller).
+    service reads as the caller). ``made``: the slot folder the deploy makes itself.
     """
     text = render(cfg, key_file)
     values = env_values(cfg, key_file)
@@ -394,10 +487,7 @@ def validate(
         path.write_text(text)
         os.chmod(path, 0o600)
         info = validate_file(path, cfg, values, expected)
-    model, layout, unsupported = model_facts(cfg.model)
-    check_files(cfg)
-    if svc is not None:
-        service.check(svc, files_of(cfg))
+    model, layout, unsupported = check_world(cfg, svc, made)
     try:
         plan = cfg.check_overcommit(model.get("n_ctx_train"), info.lacks(CAP), info.np_default)
     except ConfigInvalid as e:
@@ -418,6 +508,7 @@ def beside_state(
     box: Devices | None = None,
     unified: devices.UnifiedSetting = "auto",
     live_meta: Callable[[], Mapping[str, Any] | None] = lambda: None,
+    made: Path | None = None,
 ) -> tuple[Validated, UnitState | None]:
     """``validate`` with the unit's state (a systemctl) read beside the chain's processes;
     the state tells the memory guard what the running server frees, on the host (its
@@ -453,6 +544,7 @@ def beside_state(
             svc=svc,
             box=box,
             unified=unified,
+            made=made,
         )
         return checked, unit_state()
 

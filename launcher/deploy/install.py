@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import grp
 import os
 import shutil
 from collections.abc import Callable
@@ -33,15 +33,8 @@ def site_for(
             raise ConfigInvalid(
                 f"--read-only-path {p}: give an existing folder as an absolute path"
             )
-    groups = []
-    for g in units.GPU_GROUPS:
-        try:
-            grp.getgrnam(g)
-            groups.append(g)
-        except KeyError:
-            pass
     return units.Site(
-        groups=tuple(groups),
+        groups=units.host_groups(),
         read_only_paths=tuple(str(p) for p in read_only_paths),
         memory_deny_write_execute=memory_deny_write_execute,
         nice=nice,
@@ -49,13 +42,37 @@ def site_for(
 
 
 def require_root(settings: config.ToolSettings) -> None:
-    """System scope writes /etc and /var/lib and talks to PID 1: root only (exit 2)."""
+    """System scope writes /etc and /var/lib and talks to PID 1: root only (exit 2). A user
+    who forgot sudo gets user scope by default: where the unit is installed in system
+    scope, that is said, not the user manager's errors."""
     if settings.scope == "system" and os.geteuid() != 0:
         raise ConfigInvalid(
             "--scope system needs root: the unit lives in /etc/systemd/system, the env file "
             "in /etc/llama-launcher and the generations in /var/lib/llama-launcher; run it "
             "with sudo, or use --scope user for a server under your own systemd manager"
         )
+    if settings.scope == "user" and os.geteuid() != 0 and "scope" not in settings.model_fields_set:
+        found = system_install(settings)
+        if found is not None:
+            raise ConfigInvalid(
+                f"{settings.unit_name} is installed in system scope ({found}): run as root "
+                f"(sudo llama-launcher ...); --scope user manages a unit of your own "
+                f"user's systemd instead"
+            )
+
+
+def system_install(settings: config.ToolSettings) -> Path | None:
+    """The file that shows the unit installed in system scope (its unit file, or its env
+    file's record in /etc/llama-launcher), None when there is none."""
+    system = settings.model_copy(update={"scope": "system"})
+    env_file = system.resolved_env_file()
+    for path in (system.resolved_unit_file(), home.record_path(env_file), env_file):
+        try:
+            if path.exists():
+                return path
+        except OSError:
+            continue
+    return None
 
 
 def require_linger(settings: config.ToolSettings) -> None:
@@ -86,7 +103,9 @@ def _unit_text(
     python, package_dir = units.this_python()
     if settings.scope == "system":
         python = _service_python(python, site)
-        site = _with_package(site or site_for(), package_dir)
+        # the template is every instance's: an instance's own settings go to its drop-in
+        own = site or site_for()
+        site = _with_package(_shared_site(own) if template else own, package_dir)
     if template:
         return unit_dir / "llama-server@.service", units.render(
             python,
@@ -100,6 +119,35 @@ def _unit_text(
     return unit_dir / settings.unit_name, units.render(
         python, package_dir, str(env_file), settings.scope, state_dir=str(state_dir), site=site
     )
+
+
+def _shared_site(site: units.Site) -> units.Site:
+    """What of ``site`` the template unit holds for every instance: the host's groups."""
+    return units.Site(groups=site.groups)
+
+
+def _instance_dropin(
+    settings: config.ToolSettings, unit_file: Path, text: str, site: units.Site
+) -> tuple[Path, str | None]:
+    """An instance's own drop-in (``llama-server@NAME.service.d/``) and its text: the site
+    settings it was given beyond the template's (None: it has none, the file goes)."""
+    shared = service.view_of_text(text, unit_file)
+    bound = shared.bound if shared is not None else ()
+    base = dataclasses.replace(_shared_site(site), read_only_paths=bound)
+    folder = unit_file.parent / f"{settings.unit_name}.d"
+    return folder / units.SITE_DROPIN, units.site_dropin(site, base)
+
+
+def _write_pending(pending: dict[Path, str | None], force: bool) -> None:
+    """Write (or remove, for None) the files install renders, each atomically."""
+    for path, text in pending.items():
+        if text is None:
+            path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                path.parent.rmdir()  # an instance's drop-in folder, when it held only this
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_unit(path, text, force)
 
 
 def _with_package(site: units.Site, package_dir: str) -> units.Site:
@@ -172,7 +220,10 @@ def install(
     ``front_kind="haproxy"``: HAProxy holds the config's address and llama-server moves to a
     private one (``launcher.deploy.front``).
     Nothing is changed when the input is refused (a hand-edited unit without ``force``,
-    system scope without root, user scope without linger).
+    system scope without root, user scope without linger, any step of the validation chain,
+    which runs on the unit as it will be written before anything is). An instance of the
+    template gets the site settings it was given in a drop-in of its own
+    (``llama-server@NAME.service.d/``), so another instance's install never changes them.
     """
     if front_kind not in FRONTS:
         raise ConfigInvalid(
@@ -183,9 +234,22 @@ def install(
     env_file = settings.resolved_env_file()
     if template:
         _check_template(settings, env_file, settings.resolved_unit_dir())
-    unit_file, text = _unit_text(settings, env_file, template, site or site_for())
-    if unit_file.exists() and units.hand_edited(unit_file.read_text()) and not force:
-        write_unit(unit_file, text)  # raises, before any folder is made
+    site = site or site_for()
+    unit_file, text = _unit_text(settings, env_file, template, site)
+    pending: dict[Path, str | None] = {unit_file: text}
+    if template and settings.scope == "system":
+        dropin, dropin_text = _instance_dropin(settings, unit_file, text, site)
+        pending[dropin] = dropin_text
+    for path, new in pending.items():
+        if new is not None and path.exists() and units.hand_edited(path.read_text()) and not force:
+            write_unit(path, new)  # raises, before any folder is made
+    systemd = systemd or Systemd(settings.unit_name, settings.scope)
+    deployer = Deployer(settings, systemd, progress, force_memory, on_phase)
+    # the whole validation chain on the unit as it will be, before anything is written: a
+    # refused install changes nothing (no unit, folder, key file or wants link left behind)
+    deployer.pending = pending
+    deployer.deploy(cfg, check=True, origin="install")
+    deployer.pending = {}
     env_file.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
     state_dir = home.state_dir(settings)
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -201,12 +265,9 @@ def install(
     stage = Path(units.key_stage_path(str(state_dir)))
     if settings.scope == "system" and not stage.exists():
         store.atomic_write(stage, b"", 0o600)  # LoadCredential= needs it before any start
-    unit_file.parent.mkdir(parents=True, exist_ok=True)
-    write_unit(unit_file, text, force)
-    systemd = systemd or Systemd(settings.unit_name, settings.scope)
+    _write_pending(pending, force)
     systemd.daemon_reload()
     systemd.enable()
-    deployer = Deployer(settings, systemd, progress, force_memory, on_phase)
     # no stop on failure here: with no previous config the rollback stops the unit itself,
     # and with one it serves that config again
     result = deployer.deploy(cfg, origin="install")
@@ -309,6 +370,11 @@ def _template_state_dir(settings: config.ToolSettings) -> str:
 def uninstall(
     settings: config.ToolSettings, purge: bool = False, systemd: Systemd | None = None
 ) -> dict[str, Any]:
+    """Stop, disable and remove the unit and its env file (an instance: its drop-in, and
+    the template with the template's last instance); the generations are kept (and said
+    so) unless ``purge``, which removes everything else install made: the state folder,
+    the service's own ``StateDirectory=``, the record, the unit's lock and the folders left
+    empty."""
     require_root(settings)
     systemd = systemd or Systemd(settings.unit_name, settings.scope)
     state = home.state_dir(settings)  # before the record beside the env file goes
@@ -318,31 +384,85 @@ def uninstall(
         done["stopped"] = settings.unit_name
     except LauncherError as e:
         done["stop_error"] = str(e)
+    if purge and settings.scope == "system" and systemd.clean_state():
+        done["cleaned"] = f"the service's StateDirectory= of {settings.unit_name}"
     systemd.disable()
     unit_file = settings.resolved_unit_dir() / settings.unit_name
-    if unit_file.exists():
-        unit_file.unlink()
-        done["removed_unit"] = str(unit_file)
     env_file = settings.resolved_env_file()
     for f in (
+        unit_file,
+        *_instance_files(settings, env_file),
         env_file,
         env_file.with_name(env_file.name + ".bak"),
         client_window_path(settings),
         # the record of the unit's home stays with kept generations: a reinstall goes on there
         *([home.record_path(env_file)] if purge else []),
     ):
-        if f.exists():
-            f.unlink()
+        if not f.is_file():
+            continue
+        f.unlink()
+        if f == unit_file:
+            done["removed_unit"] = str(f)
+        else:
             done.setdefault("removed", []).append(str(f))
     done.update(_uninstall_front(settings, systemd))
     if purge and state.exists():
         shutil.rmtree(state)
         done["purged"] = str(state)
-    else:
+    elif state.exists():
         done["kept_generations"] = str(state)
+        done["kept"] = (
+            f"the generations in {state} and the record {home.record_path(env_file)} that "
+            "names them: install goes on there; uninstall --purge deletes them"
+        )
     systemd.daemon_reload()
     systemd.reset_failed()
+    if purge:
+        done["removed_empty"] = _remove_empty(settings, env_file, state)
     return done
+
+
+def _instance_files(settings: config.ToolSettings, env_file: Path) -> list[Path]:
+    """An instance's own drop-in, and the template after the template's last instance."""
+    if "@" not in settings.unit_name:
+        return []
+    unit_dir = settings.resolved_unit_dir()
+    files = [unit_dir / f"{settings.unit_name}.d" / units.SITE_DROPIN]
+    if not _other_instances(settings, env_file):
+        files.append(settings.resolved_unit_file())
+    return files
+
+
+def _other_instances(settings: config.ToolSettings, env_file: Path) -> list[str]:
+    """The template's other installed instances: their env files beside this one's, with
+    the record install wrote naming an instance of the template."""
+    template = settings.unit_name.split("@", 1)[0] + "@"
+    others = []
+    for env in env_file.parent.glob("*.env"):
+        if env == env_file:
+            continue
+        try:
+            record = home.read_record(env)
+        except LauncherError:
+            continue
+        unit = str((record or {}).get("unit", ""))
+        if unit.startswith(template):
+            others.append(unit)
+    return others
+
+
+def _remove_empty(settings: config.ToolSettings, env_file: Path, state: Path) -> list[str]:
+    """After a purge: the unit's lock, then the folders install made, where left empty."""
+    lock = home.lock_path(settings.scope, settings.unit_name)
+    lock.unlink(missing_ok=True)
+    folders = [lock.parent, env_file.parent, state.parent]
+    folders.append(settings.resolved_unit_dir() / f"{settings.unit_name}.d")
+    removed = []
+    for folder in folders:
+        with contextlib.suppress(OSError):
+            folder.rmdir()  # only an empty one
+            removed.append(str(folder))
+    return removed
 
 
 def _uninstall_front(settings: config.ToolSettings, systemd: Systemd) -> dict[str, Any]:

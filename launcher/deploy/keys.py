@@ -31,17 +31,24 @@ def read_api_key(path: Path | None) -> str | None:
 
 
 def materialize(st: store.Store, cfg: config.ServerConfig, write: bool) -> config.ServerConfig:
-    """``cfg`` with its ``api_key`` turned into ``api_key_file`` (written when ``write``)."""
+    """``cfg`` with its ``api_key`` turned into ``api_key_file`` (written when ``write``).
+
+    A preview (``write`` False) names the file the deploy will write. It makes nothing, but
+    one thing: the salt of the names, a state folder's first time (the name depends on it).
+    Before the state folder exists (a preview before ``install``) the salt is not made
+    either; the name shown then is an example, and the deploy salts its own."""
     if cfg.api_key is None:
         return cfg
-    st.ensure()
-    salt_path = st.root / "key-salt"
-    if not salt_path.exists():
-        store.atomic_write(salt_path, secrets.token_hex(16).encode(), 0o600)
     key = cfg.api_key.get_secret_value()
     if "\n" in key or not key:
         raise ConfigInvalid("api_key must be one non-empty line")
-    digest = hashlib.sha256(salt_path.read_bytes() + key.encode()).hexdigest()[:16]
+    salt_path = st.root / "key-salt"
+    if write:
+        st.ensure()
+    if not salt_path.exists() and (write or st.root.is_dir()):
+        store.atomic_write(salt_path, secrets.token_hex(16).encode(), 0o600)
+    salt = salt_path.read_bytes() if salt_path.exists() else secrets.token_hex(16).encode()
+    digest = hashlib.sha256(salt + key.encode()).hexdigest()[:16]
     path = st.root / "keys" / f"{digest}.key"
     if write and not path.exists():
         path.parent.mkdir(mode=0o700, exist_ok=True)

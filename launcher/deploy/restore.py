@@ -4,8 +4,11 @@ A rollback (``llama-launcher rollback [--to N]``) puts back exactly the env file
 generation kept, hand edits and comments included. Serving before proved what the memory
 guard and the pool check would say (and a generation deployed with ``--force-memory`` was
 let past them on purpose), so they are not run again; the cheap checks on the bytes are
-(``validate.check_bytes``: the launcher's strict parse and ``bash -n``). The gate still
-proves the restored config serves.
+(``validate.check_bytes``: the launcher's strict parse and ``bash -n``), and so are the
+checks of what can change under a config after it served (``validate.check_served``: the
+binary runs and knows the flags, every file it names is there and the service can read
+it, the slot folder can be written). A refusal there changes nothing: the old process
+keeps serving. The gate still proves the restored config serves.
 
 A hand-written live file the store adopts (``adopted``) gets the argv and the typed config
 read from its bytes, so ``history`` shows what it ran and a later ``set`` can build on it.
@@ -23,11 +26,11 @@ from launcher import config
 from launcher.config import memory, validate
 from launcher.deploy import store
 from launcher.errors import ConfigInvalid
-from launcher.host import envfile, launch
-from launcher.server import binary
+from launcher.host import envfile, launch, service
 
-#: The checks a restore runs on the stored bytes (the rest of ``validate.STEPS`` served).
-STEPS = ("lint", "bash -n")
+#: The checks a restore runs: on the stored bytes, and on what can change after serving (the
+#: pool and the memory guard of ``validate.STEPS`` served).
+STEPS = ("lint", "bash -n", "llama-server", "flags", "model", "files", "service")
 
 
 def config_of_argv(argv: list[str], key_file: str | None = None) -> config.ServerConfig:
@@ -78,8 +81,14 @@ def adopt_unmanaged(
     return gen.number
 
 
-def candidate(gen: store.Generation, workdir: Path | None = None) -> validate.Validated:
-    """Generation ``gen``'s stored bytes, checked cheaply, as the deploy's ``Validated``."""
+def candidate(
+    gen: store.Generation,
+    svc: service.ServiceView | None = None,
+    made: Path | None = None,
+    workdir: Path | None = None,
+) -> validate.Validated:
+    """Generation ``gen``'s stored bytes, checked cheaply, as the deploy's ``Validated``;
+    ``svc`` and ``made`` as for ``validate.validate``."""
     text = gen.env_text
     with tempfile.TemporaryDirectory(prefix="llama-launcher-", dir=workdir) as tmp:
         path = Path(tmp) / "restore.env"
@@ -90,13 +99,7 @@ def candidate(gen: store.Generation, workdir: Path | None = None) -> validate.Va
     cfg = _config(gen, argv, values.get("API_KEY_FILE"))
     model = dict(gen.meta.get("model") or {"path": str(cfg.model)})
     plan = cfg.pool_plan(model.get("n_ctx_train"))
-    server = gen.meta.get("llama_server") or {}
-    info = binary.BinaryInfo(
-        path=argv[0],
-        fingerprint=str(server.get("fingerprint", "")),
-        version=str(server.get("version", "")),
-        flags={},
-    )
+    info = validate.check_served(cfg, argv, svc, made)
     need = _need(gen.meta.get("kv_estimate"))
     return validate.Validated(cfg, text, values, argv, plan, model, info, need, steps=STEPS)
 

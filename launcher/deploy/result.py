@@ -33,6 +33,10 @@ class Result:
     handover: dict[str, Any] | None = (
         None  # drain, slots, front, stop (launcher/deploy/handover.py)
     )
+    #: the argv and the env file the deploy writes (wrote, would write: --check), defaults
+    #: included (launcher/deploy/defaults.py): what every preview prints
+    argv: list[str] | None = None
+    env: str | None = None
 
     @property
     def ok(self) -> bool:

@@ -21,11 +21,12 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from launcher import config, waits
 from launcher.config import memory, validate
-from launcher.deploy import budgets, handover, home, keys, restore, store, window
+from launcher.deploy import budgets, defaults, handover, home, keys, restore, store, window
 from launcher.deploy.errorhandler import Signals, on_error
 from launcher.deploy.gate import Gate, Progress, together
 from launcher.deploy.recovery import Reverter
@@ -70,6 +71,9 @@ class Deployer:
         #: refuse a unit systemd does not know (``require_unit``); the state read for it
         self.unit_required = False
         self.early: UnitState | None = None
+        #: files ``install`` is about to write (the unit, an instance's drop-in; None: to be
+        #: removed): the validation reads the unit from them (``defaults.target``)
+        self.pending: dict[Path, str | None] = {}
 
     def require_unit(self) -> None:
         """A deploy restarts the unit: the next verb refuses, before anything changes, when
@@ -118,12 +122,22 @@ class Deployer:
             target = self.store.rollback_target(to, self.reverter.live_text(), running)
             self.restoring = target  # the gate gets the budget this generation needed
             self.gate.say("validate")
-            checked = restore.candidate(target)
+            unit = self._target()
+            checked = restore.candidate(target, unit.view, unit.slot_folder)
+            defaults.make_slot_folder(self.settings, unit, checked.config)
             origin = f"rollback to {target.number}"
             result = self._proceed(checked, state, False, origin, True, recovered, t0)
             if live is not None and target.number != live.number:
                 self.store.back_out(live)
             return result
+
+    def preview(self, cfg: config.ServerConfig) -> config.ServerConfig:
+        """``cfg`` as a deploy would write it (``render``): the deploy's defaults added,
+        nothing made."""
+        return defaults.deployed_config(self.settings, self.store, cfg, self._target(), False)
+
+    def _target(self) -> defaults.Target:
+        return defaults.target(self.settings, self.store.root, self.systemd, self.pending)
 
     def recover_only(self) -> dict[str, Any] | None:
         """The ``recover`` verb: revert what a killed deployer left; ``RollbackFailed`` when
@@ -167,20 +181,18 @@ class Deployer:
     ) -> Result:
         t0 = time.monotonic()
         self.gate.say("validate")
-        cfg = keys.materialize(self.store, cfg, write=not check)
-        if self.settings.carry_slots:
-            folder = handover.slot_folder(self.settings.scope, self.store.root, self.systemd.show)
-            create = not check and self.settings.scope != "system"
-            cfg = handover.with_slot_dir(cfg, folder, create)
+        unit = self._target()
+        cfg = defaults.deployed_config(self.settings, self.store, cfg, unit, write=not check)
         checked, running = validate.beside_state(
             cfg,
             self._unit_state,
             check,
             self.force_memory,
-            validate.service_view(self.settings),
+            unit.view,
             box=self.devices,
             unified=self.settings.unified_memory,
             live_meta=self.store.live_meta,
+            made=unit.slot_folder,
         )
         return self._proceed(checked, running, check, origin, False, recovered, t0)
 
@@ -206,6 +218,8 @@ class Deployer:
             timings={"validate": round(time.monotonic() - t0, 3)},
             warnings=[*checked.memory.notes, *notes],
             recovered=recovered,
+            argv=checked.argv,
+            env=checked.env_text,
         )
         down = running is not None and not running.running
         # the guard's notes (a fit deferred to the server) are no reason to restart

@@ -150,6 +150,12 @@ class Systemd:
     def disable(self) -> None:
         self._ctl("disable", "--", self.unit, check=False)
 
+    def clean_state(self) -> bool:
+        """``systemctl clean --what=state``: remove the stopped unit's ``StateDirectory=``
+        (for a dynamic user, ``/var/lib/private/NAME`` and its ``/var/lib/NAME`` link).
+        False when systemd refused (the unit is running, or an older systemd)."""
+        return self._ctl("clean", "--what=state", "--", self.unit, check=False).status == 0
+
     # -- journal ---------------------------------------------------------------------------
 
     def _journal_argv(self, *args: str) -> list[str]:

@@ -174,6 +174,60 @@ def _system_hardening(env_file: str, key_stage: str, state_directory: str, site:
     )
 
 
+def host_groups() -> tuple[str, ...]:
+    """The GPU groups this host has (a group systemd cannot find fails the unit)."""
+    import grp
+
+    found = []
+    for g in GPU_GROUPS:
+        try:
+            grp.getgrnam(g)
+            found.append(g)
+        except KeyError:
+            pass
+    return tuple(found)
+
+
+def state_directory(template: bool) -> str:
+    """The unit's ``StateDirectory=`` (a folder under /var/lib), as ``render`` writes it;
+    ``%i`` is each instance's name."""
+    return "llama-server@%i" if template else "llama-server"
+
+
+#: The file of one instance's own site settings, in ``llama-server@NAME.service.d/``: the
+#: template is shared by every instance, so what ``install --instance NAME`` is given for
+#: that one instance goes here (systemd reads it after the template).
+SITE_DROPIN = "50-llama-launcher-site.conf"
+
+
+def site_dropin(site: Site, shared: Site) -> str | None:
+    """The drop-in that gives one instance of the template the site settings ``site`` on top
+    of the template's own (``shared``); None when they are the template's."""
+    own = [p for p in site.read_only_paths if p not in shared.read_only_paths]
+    lines = [f"BindReadOnlyPaths={p}" for p in own]
+    if not site.memory_deny_write_execute and shared.memory_deny_write_execute:
+        lines.append("MemoryDenyWriteExecute=no")
+    if site.nice and not shared.nice:
+        # the template's bounding set is empty and its filter denies @resources: the same
+        # three lines as a rendered unit with nice, the filter reset first
+        lines += [
+            "CapabilityBoundingSet=CAP_SYS_NICE",
+            "AmbientCapabilities=CAP_SYS_NICE",
+            "SystemCallFilter=",
+            "SystemCallFilter=@system-service",
+            "SystemCallFilter=~@privileged",
+            "RestrictRealtime=no",
+        ]
+    if not lines:
+        return None
+    return (
+        _HEADER
+        + "\n# This instance's own site settings (install --instance), on top of the template.\n"
+        + "[Service]\n"
+        + "".join(f"{line}\n" for line in lines)
+    )
+
+
 def key_stage_path(state_dir: str) -> str:
     """Where the prestart step copies the API key for the unit's ``LoadCredential=``: in the
     state folder (root only), because systemd loads the credentials for the ExecStartPre=
@@ -215,7 +269,7 @@ def render(
         if system
         else "",
         ident="llama-server-%i" if template else "llama-server",
-        hardening=_system_hardening(env_file, key_stage, unit, site or Site())
+        hardening=_system_hardening(env_file, key_stage, state_directory(template), site or Site())
         if system
         else _USER_HARDENING,
         wanted_by="multi-user.target" if system else "default.target",

@@ -10,7 +10,7 @@ from launcher.config import argv_diff
 from launcher.config.memory import process_memory
 from launcher.deploy import home, store
 from launcher.errors import StoreError
-from launcher.host import launch
+from launcher.host import envfile, launch
 from launcher.host.systemd import Systemd
 
 
@@ -25,6 +25,7 @@ def status(settings: config.ToolSettings, systemd: Systemd | None = None) -> dic
         "scope": settings.scope,
         "env_file": str(settings.resolved_env_file()),
         "state_dir": str(st.root),
+        "installed": state.load_state != "not-found",
         "state": state.to_dict(),
         "memory": process_memory(state) if state.running else None,
         "live_generation": live.number if live else None,
@@ -59,7 +60,12 @@ def live_file(env_file: Path, live: store.Generation) -> dict[str, Any]:
         return {"differs": False}
     if text is None:
         return {"differs": True, "missing": True, "diff": []}
-    diff = argv_diff(argv_of(live), launch.argv_of_text(text, str(env_file)))
+    try:
+        argv = launch.argv_from_values(envfile.parse(text, str(env_file)), str(env_file))
+    except (envfile.EnvFileError, launch.LaunchError) as e:
+        # the parser's own words, as exec --print-argv gives them
+        return {"differs": True, "missing": False, "refused": str(e), "diff": []}
+    diff = argv_diff(argv_of(live), argv)
     labels = [f"--- generation {live.number}", f"+++ {env_file}"]
     return {"differs": True, "missing": False, "diff": labels + diff[2:] if diff else []}
 
@@ -86,6 +92,13 @@ def _live_file_lines(d: dict[str, Any]) -> list[str]:
             f"deploy puts generation {d['live_generation']}'s back if it fails; "
             "llama-launcher rollback puts it back now"
         ]
+    if lf.get("refused"):
+        return [
+            f"  the live env file {d['env_file']} differs from generation "
+            f"{d['live_generation']} and the launcher refuses it (the unit exits 78 at its "
+            "next start; llama-launcher rollback puts the generation's back):",
+            *(f"    {line}" for line in str(lf["refused"]).splitlines()),
+        ]
     lines = [
         f"  the live env file {d['env_file']} differs from generation {d['live_generation']} "
         "(edited by hand?); the next deploy keeps it as a generation. argv diff:"
@@ -95,6 +108,14 @@ def _live_file_lines(d: dict[str, Any]) -> list[str]:
 
 def status_text(d: dict[str, Any]) -> str:
     s = d["state"]
+    if not d.get("installed", True):
+        return (
+            f"{d['unit']} ({d['scope']}): not installed (systemctl"
+            f"{' --user' if d['scope'] == 'user' else ''} knows no such unit); "
+            "llama-launcher install writes it and deploys a config through the gate"
+            + ("" if d.get("live_generation") is None else f"; {d['state_dir']} keeps "
+               f"generation {d['live_generation']} from an earlier install")
+        )  # fmt: skip
     lines = [
         f"{d['unit']} ({d['scope']}): {s['active']}/{s['sub']}, pid {s['main_pid']}, "
         f"restarts {s['n_restarts']}, last exit status {s['exec_main_status']}"

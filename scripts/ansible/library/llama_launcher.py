@@ -36,7 +36,8 @@ description:
     generation, or O(rollback_to)); it always restarts, through the same gate.
   - Check mode runs C(deploy --check), which validates and diffs and touches nothing.
     With C(--diff) the task shows the live and the desired argv (one flag per line) and the
-    KV pool plan of both.
+    KV pool plan of both; the desired argv is the one the deploy writes (its C(argv)), with
+    what the deploy adds (the slot folder, the key file).
 version_added: "0.1.0"
 author: llama-launcher contributors
 options:
@@ -502,11 +503,6 @@ class Launcher:
             argv = None
         return [str(w) for w in argv] if isinstance(argv, list) else ["(unreadable env file)"]
 
-    def rendered_argv(self, config_file: str) -> list[str]:
-        rc, data, _, _ = self.run("render", "--config", config_file, "--json")
-        argv = data.get("argv") if rc == 0 else None
-        return [str(w) for w in argv] if isinstance(argv, list) else []
-
 
 # -- diff mode ---------------------------------------------------------------------------------
 
@@ -544,21 +540,6 @@ def plan_lines(planned: dict[str, Any] | None) -> list[str]:
 def text(planned: dict[str, Any] | None, argv: list[str]) -> str:
     lines = plan_lines(planned) + argv_lines(argv)
     return "\n".join(lines) + "\n" if lines else ""
-
-
-def with_key_file(after: list[str], before: list[str], launcher_diff: list[str]) -> list[str]:
-    """``render`` does not turn api_key into its key file; the launcher's diff says what
-    happens to --api-key-file, so the desired argv shows the same."""
-    if "--api-key-file" in after:
-        return after
-    added = [d[1:] for d in launcher_diff if d.startswith("+--api-key-file")]
-    if added:
-        return after + shlex.split(added[-1])
-    removed = any(d.startswith("---api-key-file") for d in launcher_diff)
-    if "--api-key-file" in before and not removed:
-        i = before.index("--api-key-file")
-        return after + before[i : i + 2]
-    return after
 
 
 # -- the verbs ---------------------------------------------------------------------------------
@@ -613,13 +594,11 @@ def deploy(module: AnsibleModule, launcher: Launcher) -> None:
         rc, result = launcher.json_verb(*args)
         ret = result_for_ansible(rc, result)
         after_argv = before_argv
-        if want_diff and ret["changed"]:
-            if module.check_mode:
-                after_argv = with_key_file(
-                    launcher.rendered_argv(path), before_argv, ret["argv_diff"]
-                )
-            else:
-                after_argv = launcher.live_argv(env_file)
+        if want_diff and ret["changed"] and module.check_mode:
+            # the argv the deploy would write, its defaults included (launcher's --check)
+            after_argv = [str(w) for w in result.get("argv") or []]
+        elif want_diff and ret["changed"]:
+            after_argv = launcher.live_argv(env_file)
     finally:
         if os.path.exists(path):
             os.unlink(path)
