@@ -423,7 +423,7 @@ def sweep_temp(folders: list[Path]) -> list[str]:
             continue
         for name in names:
             m = TEMP_NAME.match(name)
-            if m is None or _alive(int(m["pid"])):
+            if m is None or pid_alive(int(m["pid"])):
                 continue
             with contextlib.suppress(OSError):  # gone meanwhile, or a read-only folder
                 (folder / name).unlink()
@@ -431,7 +431,8 @@ def sweep_temp(folders: list[Path]) -> list[str]:
     return removed
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (this one counts; another user's counts)."""
     if pid == os.getpid():
         return True
     try:
