@@ -4,7 +4,7 @@ deploy transaction, for the crash-safety tests (passed in as the deployer's ``on
 ``PHASE:kill`` kills the process with SIGKILL when the transaction records PHASE;
 ``PHASE:pause`` sleeps there (60 s), so a test can signal it at a known point;
 ``PHASE:kill-front`` kills the front's HAProxy (its service's main process) with SIGKILL
-there and goes on; ``PHASE:truncate-slots`` cuts every slot file the deploy saved to half
+there and goes on once it is gone; ``PHASE:truncate-slots`` cuts every slot file the deploy saved to half
 its size there and goes on (a file damaged between save and restore).
 """
 
@@ -32,7 +32,11 @@ def kill_front() -> None:
         text=True,
         check=True,
     ).stdout.strip()
-    os.kill(int(out), signal.SIGKILL)
+    pid = int(out)
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.005)  # killed means gone (reaped) when the deploy goes on
 
 
 def truncate_slots() -> None:

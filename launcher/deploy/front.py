@@ -398,9 +398,13 @@ ExecStart={python} -m launcher front-release {" ".join(where)} --json
 
     def identity(self) -> str:
         """The HAProxy process serving the runtime API: its worker's pid and start time
-        (``show info``), which a restart changes."""
+        (``show info``), which a restart changes. A worker that is stopping (its master was
+        killed: systemd stops what is left before it starts HAProxy again) is no front."""
         info = self.info()
-        return f"{info.get('Pid', '?')}:{info.get('Start_time_sec', '?')}"
+        pid = info.get("Pid", "?")
+        if info.get("Stopping", "0") != "0" or _orphaned(pid):
+            raise FrontError(f"HAProxy (pid {pid}) is stopping; {self.service} restarts it")
+        return f"{pid}:{info.get('Start_time_sec', '?')}"
 
     def apply(self, spec: FrontSpec, slots: int) -> None:
         """Point the running HAProxy at the spec's server with ``maxconn`` = slots."""
@@ -467,20 +471,31 @@ ExecStart={python} -m launcher front-release {" ".join(where)} --json
         self._record(hold)
         return hold
 
-    def _start(self) -> None:
+    def _start(self) -> str:
+        """Start HAProxy (a restart systemd has pending starts now) and wait until a live
+        one answers; its identity."""
+        # imported here: the unit's prestart step loads this module under python -S, and
+        # never starts HAProxy
+        from launcher import waits
+
         try:
             Systemd(self.service, self.scope).start(timeout=30)
         except LauncherError as e:
             raise FrontError(f"the front is down and {self.service} did not start: {e}") from e
+        return str(waits.front_up(waits.Waits(), FrontError)(self.identity))
 
-    def recheck(self, hold: Hold, by: str) -> Hold:
+    def recheck(self, hold: Hold, by: str, start: bool = False) -> Hold:
         """The hold after a restart of HAProxy during it, if any: a new process (its socket
         unit starts one from the config on disk, not paused) is paused again, and what it
-        let through is recorded (its requests and 5xx answers so far, how long it ran)."""
+        let through is recorded (its requests and 5xx answers so far, how long it ran).
+        ``start``: a HAProxy that is down (killed, its restart pending) is started first,
+        for a caller that is about to use it."""
         try:
             now = self.identity()
         except FrontError:
-            return hold  # down: new connections wait in the socket unit's backlog
+            if not start:
+                return hold  # down: new connections wait in the socket unit's backlog
+            now = self._start()
         if now == hold.front:
             return hold
         self._expect_empty(f"disable frontend {FRONTEND}")
@@ -563,6 +578,23 @@ def _int(value: str | None) -> int:
         return int(value or 0)
     except ValueError:
         return 0
+
+
+def _orphaned(pid: str) -> bool:
+    """Whether HAProxy's worker ``pid`` lost its master (killed: a zombie until systemd
+    reaps it, then the worker is reparented; the worker is going, and systemd starts
+    HAProxy again). False when /proc cannot tell (another pid namespace)."""
+    try:
+        ppid = _status(pid)["PPid"]
+        parent = _status(ppid)
+    except (OSError, KeyError):
+        return False
+    return parent.get("Name") != "haproxy" or parent.get("State", "").startswith("Z")
+
+
+def _status(pid: str) -> dict[str, str]:
+    text = Path(f"/proc/{pid}/status").read_text()
+    return dict(line.split(":\t", 1) for line in text.splitlines() if ":\t" in line)
 
 
 def _pid(identity: str | None) -> int | None:

@@ -154,7 +154,7 @@ class Handover:
         """HAProxy restarted during the hold: paused again, what it let through recorded."""
         if self.front is not None and self.hold is not None and self.held_at is not None:
             with contextlib.suppress(FrontError):
-                self.hold = self.front.recheck(self.hold, "the deploy")
+                self.hold = self.front.recheck(self.hold, "the deploy", start=True)
 
     def _drain(self, timeout: float, running: UnitState, say: Say | None) -> None:
         if self.old is None or not running.running:
@@ -230,8 +230,7 @@ class Handover:
             if self.change is not None:
                 c = self.change
                 with contextlib.suppress(FrontError, OSError):
-                    self._recheck()
-                    c.front.apply(c.old_spec, c.old_slots)
+                    self._point(c.old_spec, c.old_slots)
             if ok and self.old is not None and self.old_meta is not None:
                 self._restore(self.old, self.old_meta, "the restored config")
             else:
@@ -245,12 +244,22 @@ class Handover:
             return
         c = self.change
         try:
-            self._recheck()
-            c.front.apply(c.spec, c.slots)
+            self._point(c.spec, c.slots)
         except (FrontError, OSError) as e:
             raise GateFailure("front", "front", f"the front's new config failed: {e}", []) from e
         if c.changed:
             self.report.setdefault("front", {})["config"] = "changed (validated, swapped, applied)"
+
+    def _point(self, spec: FrontSpec, n: int) -> None:
+        """The running HAProxy pointed at ``spec``'s server; one that died meanwhile is
+        waited for (systemd starts it again), paused and pointed."""
+        assert self.front is not None
+        try:
+            self._recheck()
+            self.front.apply(spec, n)
+        except FrontError:
+            self._recheck()
+            self.front.apply(spec, n)
 
     def _mark(self, phase: str) -> None:
         if self.phase is not None:
@@ -310,10 +319,10 @@ class Handover:
         if self.front is None or self.held_at is None:
             return
         held = time.monotonic() - self.held_at
-        self.held_at = None
         front = self.report.setdefault("front", {})
         try:
             self._recheck()
+            self.held_at = None
             hold = self.front.holding()
             if hold is None:
                 front["released_by_watcher"] = True
@@ -327,6 +336,7 @@ class Handover:
             self.front.release()
             front["held_seconds"] = round(held, 3)
         except FrontError as e:
+            self.held_at = None
             front["release_failed"] = str(e)
             self.warnings.append(
                 f"the front did not release its held requests: {e}; its release watcher "
