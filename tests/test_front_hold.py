@@ -340,7 +340,7 @@ def test_the_slot_files_of_a_killed_deploy_are_removed_by_the_next_run(host: Hos
     p = with_fault(host, "swap:kill", "set", "-t", "2")
     assert p.returncode == -9, p.stderr
     left = slot_files(host)
-    assert left and all(f.stat().st_size > 100_000 for f in left)
+    assert left and any(f.stat().st_size > 100_000 for f in left)
     rc, out = host.cli_json("recover")
     assert rc == 0, out
     assert slot_files(host) == []
