@@ -4,8 +4,8 @@ deploy transaction, for the crash-safety tests (passed in as the deployer's ``on
 ``PHASE:kill`` kills the process with SIGKILL when the transaction records PHASE;
 ``PHASE:pause`` sleeps there (60 s), so a test can signal it at a known point;
 ``PHASE:kill-front`` kills the front's HAProxy (its service's main process) with SIGKILL
-there and goes on once it is gone; ``PHASE:truncate-slots`` cuts every slot file the deploy saved to half
-its size there and goes on (a file damaged between save and restore).
+there and goes on once it is gone; ``PHASE:truncate-slots`` cuts every slot file the deploy
+saved to half its size there and goes on (a file damaged between save and restore).
 """
 
 from __future__ import annotations

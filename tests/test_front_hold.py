@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -82,7 +83,7 @@ def chat_status(url: str, timeout: float) -> tuple[int, str]:
 
 def server_port(host: Host) -> int:
     """The port the running HAProxy sends requests to (``show servers state``)."""
-    with __import__("socket").socket(__import__("socket").AF_UNIX) as s:
+    with socket.socket(socket.AF_UNIX) as s:
         s.connect(str(host.state_dir / "front" / "admin.sock"))
         s.sendall(b"show servers state llama\n")
         text = b""

@@ -1,0 +1,107 @@
+"""The HAProxy front in system scope: systemd as PID 1 (scripts/sysbed), as root. One bed for
+the module, the unit installed once with ``--front haproxy``; the tests walk it in file order:
+HAProxy serves the public port as a user of its own, its unit's exposure is within the
+threshold, a deploy holds behind it, and a deployer killed while holding is released by the
+front's release watcher, which recovers its transaction (nothing else runs meanwhile)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sysbed
+from test_system_scope import EXPOSURE_LIMIT, PORT, TIMEOUTS, System
+
+FRONT = "llama-server-front.service"
+
+
+@pytest.fixture(scope="module")
+def system(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, llama_server_bin: str
+) -> Iterator[System]:
+    name = f"llf-{os.getpid()}"
+    with sysbed.bed(sysbed.state_folder(tmp_path_factory, name), name) as bed:
+        (bed.share / "models").mkdir(mode=0o755)
+        model = bed.share / "models" / "tiny.gguf"
+        shutil.copy(tiny_model, model)
+        os.chmod(model, 0o644)
+        yield System(bed, llama_server_bin, bed.inside(model))
+
+
+@pytest.fixture(scope="module")
+def fronted(system: System) -> dict[str, Any]:
+    rc, out = system.cli_json(
+        "install", *system.flags(), "-c", "4096", "-np", "2", "--front", "haproxy"
+    )
+    assert (rc, out.get("outcome")) == (0, "deployed"), out
+    return out
+
+
+def test_haproxy_serves_the_public_port_as_a_user_of_its_own(
+    system: System, fronted: dict[str, Any]
+) -> None:
+    assert fronted["handover"]["front"]["public"] == f"127.0.0.1:{PORT}"
+    code, body = system.bed.chat(PORT)
+    assert code == 200 and body["usage"]["completion_tokens"] > 0
+    master = system.main_pid(FRONT)
+    workers = system.bed.read(f"/proc/{master}/task/{master}/children").split()
+    assert workers, "HAProxy's master has no worker"
+    for pid in (master, *map(int, workers)):
+        assert 61184 <= system.uid_of(pid) <= 65519, pid  # a dynamic user, not root
+        assert system.cmdline(pid)[0] == "/usr/sbin/haproxy"
+
+
+def test_the_front_units_exposure_is_within_the_threshold(
+    system: System, fronted: dict[str, Any]
+) -> None:
+    p = system.bed.run("systemd-analyze", "security", f"--threshold={EXPOSURE_LIMIT}", FRONT)
+    level = re.search(r"Overall exposure level for \S+: ([\d.]+) (\S+)", p.stdout)
+    assert level, p.stdout + p.stderr
+    print(f"exposure of {FRONT}: {level.group(1)} {level.group(2)}")
+    assert p.returncode == 0, f"exposure {level.group(1)} > 2.0"
+
+
+def test_a_deploy_holds_requests_behind_the_hardened_front(
+    system: System, fronted: dict[str, Any]
+) -> None:
+    rc, out = system.cli_json("set", "-t", "2")
+    assert (rc, out["outcome"]) == (0, "deployed"), out
+    front = out["handover"]["front"]
+    assert front["held"] is True and front["held_seconds"] > 0, front
+    rc, status = system.cli_json("status")
+    assert status["front"]["state"] == "open", status["front"]
+    assert system.bed.chat(PORT)[0] == 200
+
+
+def test_a_deployer_killed_while_holding_is_released_by_the_watcher(
+    system: System, fronted: dict[str, Any]
+) -> None:
+    env_file = "/etc/llama-launcher/llama-server.env"
+    before = system.bed.read(env_file)
+    faults = str(Path(__file__).with_name("faults.py"))
+    pairs = [f"{k}={v}" for k, v in TIMEOUTS.items()]
+    p = system.bed.run(
+        "env", *pairs, sys.executable, faults, "gate:kill", "set", "-t", "1", "--json"
+    )
+    assert p.returncode in (-9, 137), p.stdout + p.stderr
+    # nothing runs but the installed units: the held request is answered (30 s: the
+    # client's timeout, within one deploy's budget)
+    code, body = system.bed.chat(PORT)
+    assert code == 200, body
+    deadline = time.monotonic() + 60
+    while True:
+        _, status = system.cli_json("status")
+        if not status["pending_transaction"] and status["front"]["state"] == "open":
+            break
+        assert time.monotonic() < deadline, status
+        time.sleep(0.5)
+    assert system.bed.read(env_file) == before  # recovered: the previous config serves
+    journal = system.bed.journal("llama-server-front-release.service")
+    assert '"outcome": "recovered"' in journal, journal[-2000:]
