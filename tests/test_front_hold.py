@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -83,16 +82,9 @@ def chat_status(url: str, timeout: float) -> tuple[int, str]:
 
 def server_port(host: Host) -> int:
     """The port the running HAProxy sends requests to (``show servers state``)."""
-    with socket.socket(socket.AF_UNIX) as s:
-        s.connect(str(host.state_dir / "front" / "admin.sock"))
-        s.sendall(b"show servers state llama\n")
-        text = b""
-        while chunk := s.recv(65536):
-            text += chunk
-    lines = [x for x in text.decode().splitlines() if x and not x.startswith("#")]
-    head = text.decode().splitlines()[1][2:].split()
-    row = dict(zip(head, lines[1].split(), strict=False))
-    return int(row["srv_port"])
+    lines = front_of(host).command("show servers state llama").splitlines()
+    head = lines[1].removeprefix("# ").split()
+    return int(dict(zip(head, lines[2].split(), strict=False))["srv_port"])
 
 
 def settled(host: Host, timeout: float = 120) -> None:

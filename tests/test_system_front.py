@@ -6,33 +6,24 @@ front's release watcher, which recovers its transaction (nothing else runs meanw
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import sysbed
-from test_system_scope import EXPOSURE_LIMIT, PORT, TIMEOUTS, System
+from test_system_scope import (
+    EXPOSURE_LIMIT,
+    PORT,
+    TIMEOUTS,
+    System,
+    system_bed,  # noqa: F401 (the fixture `system`)
+)
 
 FRONT = "llama-server-front.service"
-
-
-@pytest.fixture(scope="module")
-def system(
-    tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, llama_server_bin: str
-) -> Iterator[System]:
-    name = f"llf-{os.getpid()}"
-    with sysbed.bed(sysbed.state_folder(tmp_path_factory, name), name) as bed:
-        (bed.share / "models").mkdir(mode=0o755)
-        model = bed.share / "models" / "tiny.gguf"
-        shutil.copy(tiny_model, model)
-        os.chmod(model, 0o644)
-        yield System(bed, llama_server_bin, bed.inside(model))
+#: the name of this module's own bed (the imported ``system`` fixture boots it)
+BED = "llf"
 
 
 @pytest.fixture(scope="module")

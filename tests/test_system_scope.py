@@ -86,11 +86,16 @@ class System:
         return out
 
 
-@pytest.fixture(scope="module")
-def system(
-    tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, llama_server_bin: str
+@pytest.fixture(scope="module", name="system")
+def system_bed(
+    tmp_path_factory: pytest.TempPathFactory,
+    tiny_model: Path,
+    llama_server_bin: str,
+    request: pytest.FixtureRequest,
 ) -> Iterator[System]:
-    name = f"llt-{os.getpid()}"
+    """A booted bed with the tiny model shared into it; a module that imports this fixture
+    gets a bed of its own (named after its ``BED``)."""
+    name = f"{getattr(request.module, 'BED', 'llt')}-{os.getpid()}"
     with sysbed.bed(sysbed.state_folder(tmp_path_factory, name), name) as bed:
         (bed.share / "models").mkdir(mode=0o755)
         model = bed.share / "models" / "tiny.gguf"

@@ -174,7 +174,9 @@ class Reverter:
         root = self.store.root
         folders = [self.env_file.parent, root, root / "keys", root.parent, root / "front"]
         folders += [self.store.gen_dir / f"{n:04d}" for n in self.store.numbers()]
-        return store.sweep_temp(folders) + slots.sweep(self._slot_folders())
+        return store.sweep_temp(folders) + store.remove_left(
+            self._slot_folders(), slots.is_slot_file
+        )
 
     def _slot_folders(self) -> list[Path]:
         numbers = {self.store.live_number()}

@@ -312,21 +312,10 @@ def check_files(
     return sound, skipped
 
 
-def sweep(folders: list[Path]) -> list[str]:
-    """Remove the slot files a killed deploy left (this tool's names only; a slot file can
-    be gigabytes). Only under the deploy lock: a live deploy's files are its own."""
-    removed = []
-    for folder in folders:
-        try:
-            names = os.listdir(folder)
-        except OSError:
-            continue
-        for name in names:
-            if FILE_PATTERN.match(name):
-                with contextlib.suppress(OSError):
-                    (folder / name).unlink()
-                    removed.append(str(folder / name))
-    return removed
+def is_slot_file(name: str) -> bool:
+    """Whether ``name`` is a slot file this tool saves (what a killed deploy leaves: only
+    under the deploy lock are they leftovers; a slot file can be gigabytes)."""
+    return FILE_PATTERN.match(name) is not None
 
 
 def _alive(client: httpx.Client) -> bool:
