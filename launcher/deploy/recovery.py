@@ -179,14 +179,16 @@ class Reverter:
         )
 
     def _slot_folders(self) -> list[Path]:
-        numbers = {self.store.live_number()}
+        numbers: list[Any] = [self.store.live_number()]
         with contextlib.suppress(StoreError):
             txn = self.store.txn()
-            numbers |= {txn.get("from"), txn.get("to")}
-        folders = []
+            numbers += [txn.get("from"), txn.get("to")]
+        folders: list[Path] = []
         for n in numbers:
-            with contextlib.suppress(StoreError, TypeError, ValueError):
-                folder = slots.save_path(self.store.get(int(n)).meta.get("config") or {})  # type: ignore[arg-type]
+            if not isinstance(n, int):
+                continue
+            with contextlib.suppress(StoreError):
+                folder = slots.save_path(self.store.get(n).meta.get("config") or {})
                 if folder is not None and folder not in folders:
                     folders.append(folder)
         return folders
