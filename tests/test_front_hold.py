@@ -220,9 +220,9 @@ def test_recover_restarts_the_old_config_behind_a_held_front(fronted: Host) -> N
     time.sleep(0.5)
     seen = clients.done()
     assert rc == 0, out
+    assert seen and set(seen) == {200}, seen
     assert out["recovered"]["gate"]["ok"] is True
     assert "held for the restart" in out["recovered"]["front_hold"]
-    assert seen and set(seen) == {200}, seen
     assert chat_status(host.url, 30)[1] != "the-new-one"
 
 

@@ -92,7 +92,6 @@ class Handover:
     old: Endpoint | None = None
     old_meta: dict[str, Any] | None = None
     front: Front | None = None
-    front_spec: FrontSpec | None = None
     held_at: float | None = None
     saved: list[slots.Saved] = field(default_factory=list)
     save_dir: Path | None = None
@@ -471,8 +470,7 @@ def prepare(
     after ``hold_seconds`` if this process is gone or still holding), the server drained,
     the slots saved (see the module docstring)."""
     front = change.front if change is not None else None
-    spec = change.old_spec if change is not None else None
-    h = Handover(old, old_meta, front, spec, change=change, hold_seconds=hold_seconds)
+    h = Handover(old, old_meta, front, change=change, hold_seconds=hold_seconds)
     h.phase = phase
     h.before_restart(drain_timeout, running, say)
     return h
