@@ -223,6 +223,7 @@ def test_recover_restarts_the_old_config_behind_a_held_front(fronted: Host) -> N
     assert seen and set(seen) == {200}, seen
     assert out["recovered"]["gate"]["ok"] is True
     assert "held for the restart" in out["recovered"]["front_hold"]
+    assert out["recovered"]["front_drain"].startswith("drained"), out["recovered"]
     assert chat_status(host.url, 30)[1] != "the-new-one"
 
 

@@ -101,6 +101,7 @@ class Handover:
     hold_seconds: float = 0.0
     hold: Hold | None = None
     phase: Phase | None = None
+    drain_timeout: float = 0.0
     report: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
 
@@ -138,7 +139,8 @@ class Handover:
 
     def rehold(self, seconds: float) -> None:
         """Before a rollback's restart: the front held for the rollback's budget, again if
-        a signal came after the release (every restart of a fronted unit holds)."""
+        a signal came after the release (every restart of a fronted unit holds), and what
+        it let in finished first."""
         if self.front is None or not (self.report.get("front") or {}).get("held"):
             return
         try:
@@ -148,6 +150,8 @@ class Handover:
                 self.held_at = time.monotonic()
         except FrontError as e:
             self.warnings.append(f"the rollback's restart was not held: {e}")
+            return
+        self.report["front"]["rollback_drain"] = front_drain(self.front, self.drain_timeout)
 
     def _recheck(self) -> None:
         """HAProxy restarted during the hold: paused again, what it let through recorded."""
@@ -471,14 +475,17 @@ def prepare(
     the slots saved (see the module docstring)."""
     front = change.front if change is not None else None
     h = Handover(old, old_meta, front, change=change, hold_seconds=hold_seconds)
-    h.phase = phase
+    h.phase, h.drain_timeout = phase, drain_timeout
     h.before_restart(drain_timeout, running, say)
     return h
 
 
-def hold_front(state_dir: Path, unit: str, scope: Scope, seconds: float) -> dict[str, Any]:
-    """Hold the front (if any) for a recovery's restart: the held requests reach the
-    restored config once it passed its gate (``recover`` releases them)."""
+def hold_front(
+    state_dir: Path, unit: str, scope: Scope, seconds: float, drain_timeout: float
+) -> dict[str, Any]:
+    """Hold the front (if any) for a recovery's restart, and let what is in flight finish
+    (at most ``drain_timeout``): the held requests reach the restored config once it passed
+    its gate (``recover`` releases them)."""
     front = Front(state_dir, unit, scope)
     try:
         if front.spec() is None or watcher_missing(front) is not None:
@@ -489,7 +496,18 @@ def hold_front(state_dir: Path, unit: str, scope: Scope, seconds: float) -> dict
         front.hold(seconds)
     except FrontError as e:
         return {"front_hold": f"the restart was not held: {e}"}
-    return {"front_hold": f"held for the restart (released by its watcher after {seconds:.0f}s)"}
+    return {
+        "front_hold": f"held for the restart (released by its watcher after {seconds:.0f}s)",
+        "front_drain": front_drain(front, drain_timeout),
+    }
+
+
+def front_drain(front: Front, timeout: float) -> str:
+    """Before a restart behind a held front: what the front let in finishes (at most
+    ``timeout``); what was waited for."""
+    if timeout <= 0:
+        return "no drain: restarted at once"
+    return drain.wait_idle(None, timeout, front_in_flight=_safe_count(front.in_flight)).describe()
 
 
 def recover(state_dir: Path, unit: str, scope: Scope, txn: dict[str, Any]) -> dict[str, Any]:

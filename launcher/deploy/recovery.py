@@ -51,10 +51,18 @@ class Reverter:
     """Restores one unit's env file from the store and gets it serving again."""
 
     def __init__(
-        self, st: store.Store, env_file: Path, systemd: Systemd, gate: Gate, signals: Signals
+        self,
+        st: store.Store,
+        env_file: Path,
+        systemd: Systemd,
+        gate: Gate,
+        signals: Signals,
+        drain_timeout: float = 0.0,
     ) -> None:
         self.store, self.env_file, self.systemd, self.gate = st, env_file, systemd, gate
         self.signals = signals
+        #: how long a recovery's restart behind a held front waits for what is in flight
+        self.drain_timeout = drain_timeout
 
     def live_text(self) -> str | None:
         """The live env file as it is on disk: no newline translation (a CR in it is what
@@ -254,7 +262,9 @@ class Reverter:
 
     def _hold(self, seconds: float) -> dict[str, Any]:
         # handover: a recovery's restart holds the front like a deploy's
-        return handover.hold_front(self.store.root, self.systemd.unit, self.systemd.scope, seconds)
+        return handover.hold_front(
+            self.store.root, self.systemd.unit, self.systemd.scope, seconds, self.drain_timeout
+        )
 
     def discard(self) -> None:
         """Nothing live was touched: the record goes, a stored generation stays as a trace."""

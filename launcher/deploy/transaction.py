@@ -58,7 +58,9 @@ class Deployer:
         policy = policy or waits.Waits.from_settings(settings)
         self.gate = Gate(self.systemd, policy, settings.base_url, progress)
         self.signals = Signals()
-        self.reverter = Reverter(self.store, self.env_file, self.systemd, self.gate, self.signals)
+        self.reverter = Reverter(
+            self.store, self.env_file, self.systemd, self.gate, self.signals, settings.drain_timeout
+        )
         #: deploy even when the memory guard says the config does not fit (--force-memory)
         self.force_memory = force_memory
         self.on_phase = on_phase
