@@ -71,29 +71,39 @@ def test_a_deploy_holds_requests_behind_the_hardened_front(
     assert system.bed.chat(PORT)[0] == 200
 
 
-def test_a_deployer_killed_while_holding_is_released_by_the_watcher(
-    system: System, fronted: dict[str, Any]
-) -> None:
-    env_file = "/etc/llama-launcher/llama-server.env"
-    before = system.bed.read(env_file)
+ENV_FILE = "/etc/llama-launcher/llama-server.env"
+
+
+def killed_at_gate(system: System, *change: str) -> None:
+    """A deploy of ``change`` killed (SIGKILL) when the transaction records ``gate``."""
     faults = str(Path(__file__).with_name("faults.py"))
     pairs = [f"{k}={v}" for k, v in TIMEOUTS.items()]
-    p = system.bed.run(
-        "env", *pairs, sys.executable, faults, "gate:kill", "set", "-t", "1", "--json"
-    )
+    p = system.bed.run("env", *pairs, sys.executable, faults, "gate:kill", *change, "--json")
     assert p.returncode in (-9, 137), p.stdout + p.stderr
-    # nothing runs but the installed units: the held request is answered (30 s: the
-    # client's timeout, within one deploy's budget)
-    code, body = system.bed.chat(PORT)
-    assert code == 200, body
+
+
+def recovered(system: System) -> None:
+    """Wait until no transaction is pending and the front is open."""
     deadline = time.monotonic() + 60
     while True:
         _, status = system.cli_json("status")
         if not status["pending_transaction"] and status["front"]["state"] == "open":
-            break
+            return
         assert time.monotonic() < deadline, status
         time.sleep(0.5)
-    assert system.bed.read(env_file) == before  # recovered: the previous config serves
+
+
+def test_a_deployer_killed_while_holding_is_released_by_the_watcher(
+    system: System, fronted: dict[str, Any]
+) -> None:
+    before = system.bed.read(ENV_FILE)
+    killed_at_gate(system, "set", "-t", "1")
+    # nothing runs but the installed units: the held request is answered (30 s: the
+    # client's timeout, within one deploy's budget)
+    code, body = system.bed.chat(PORT)
+    assert code == 200, body
+    recovered(system)
+    assert system.bed.read(ENV_FILE) == before  # recovered: the previous config serves
     journal = system.bed.journal("llama-server-front-release.service")
     assert '"outcome": "recovered"' in journal, journal[-2000:]
 
@@ -101,29 +111,17 @@ def test_a_deployer_killed_while_holding_is_released_by_the_watcher(
 def test_a_start_after_a_killed_deploy_holds_until_the_watcher_has_recovered(
     system: System, fronted: dict[str, Any]
 ) -> None:
-    env_file = "/etc/llama-launcher/llama-server.env"
-    before = system.bed.read(env_file)
+    before = system.bed.read(ENV_FILE)
     watcher = "llama-server-front-release.path"
     system.bed.systemctl("stop", watcher)  # the deploy then holds nothing, and nothing recovers
-    faults = str(Path(__file__).with_name("faults.py"))
-    pairs = [f"{k}={v}" for k, v in TIMEOUTS.items()]
-    p = system.bed.run(
-        "env", *pairs, sys.executable, faults, "gate:kill", "set", "-t", "3", "--json"
-    )
-    assert p.returncode in (-9, 137), p.stdout + p.stderr
+    killed_at_gate(system, "set", "-t", "3")
     system.bed.systemctl("start", watcher)
     # a start with the transaction pending and its lock free (a reboot, a crash restart):
     # prestart reverts the env file and records the hold; the watcher recovers, releases
     system.bed.systemctl("restart", "llama-server.service")
     code, body = system.bed.chat(PORT)
     assert code == 200, body
-    deadline = time.monotonic() + 60
-    while True:
-        _, status = system.cli_json("status")
-        if not status["pending_transaction"] and status["front"]["state"] == "open":
-            break
-        assert time.monotonic() < deadline, status
-        time.sleep(0.5)
-    assert system.bed.read(env_file) == before
+    recovered(system)
+    assert system.bed.read(ENV_FILE) == before
     journal = system.bed.journal("llama-server.service")
     assert "its requests are held until the gate" in journal, journal[-3000:]
