@@ -20,6 +20,8 @@ policy             what it waits for
 ``probe_post``     the first request to a server that just turned healthy (503, a reset)
 ``drain``          no slot processing before a restart (the step itself keeps the deadline,
                    ``drain_timeout``, and says what the timeout cut)
+``front_up``       the front's HAProxy back after a restart (systemd starts it again
+                   ``RestartSec`` after it died), for a deploy that must pause it
 =================  =========================================================================
 """
 
@@ -109,6 +111,9 @@ class Waits:
     last_words: float = 0.5
     reread: float = 0.02  # between two reads of the journal file
     lock_poll: float = 0.05  # between two tries of the lock
+    # the front's HAProxy, started again by systemd (RestartSec=1) or by `systemctl start`
+    front_up: float = 30.0
+    front_poll: float = 0.05
     # a POST to a server that just turned healthy: attempts, the first pause (then doubled)
     probe_retry: tuple[int, float] = (3, 0.05)
     # restarts after systemd itself failed to spawn the process (219/CGROUP and friends)
@@ -251,6 +256,17 @@ def probe_post(
         stop=stop_after_attempt(w.probe_retry[0]),
         wait=wait_exponential(multiplier=w.probe_retry[1]),
         retry_error_callback=_last_result,
+    )
+
+
+def front_up(w: Waits, down: type[BaseException]) -> Retrying:
+    """Ask the front again while it raises ``down``, for ``w.front_up`` seconds; the last
+    error is raised then."""
+    return Retrying(
+        retry=retry_if_exception_type(down),
+        stop=stop_after_delay(w.front_up),
+        wait=wait_fixed(w.front_poll),
+        reraise=True,
     )
 
 

@@ -4,32 +4,66 @@ deploy transaction, for the crash-safety tests (passed in as the deployer's ``on
 ``PHASE:kill`` kills the process with SIGKILL when the transaction records PHASE;
 ``PHASE:pause`` sleeps there (60 s), so a test can signal it at a known point;
 ``PHASE:stop`` stops it there (SIGSTOP), so a test can do something at that point and then
-let it go on (SIGCONT) at once.
+let it go on (SIGCONT) at once; ``PHASE:kill-front`` kills the front's HAProxy (its
+service's main process) with SIGKILL there and goes on once it is gone;
+``PHASE:truncate-slots`` cuts every slot file the deploy saved to half its size there and
+goes on (a file damaged between save and restore).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from launcher.cli import main
+
+ACTIONS = ("kill", "pause", "stop", "kill-front", "truncate-slots")
+
+
+def kill_front() -> None:
+    unit = os.environ["LLAMA_LAUNCHER_UNIT"].removesuffix(".service") + "-front.service"
+    scope = ["--user"] if os.environ.get("LLAMA_LAUNCHER_SCOPE", "user") == "user" else []
+    out = subprocess.run(
+        ["systemctl", *scope, "show", "-p", "MainPID", "--value", unit],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    pid = int(out)
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.005)  # killed means gone (reaped) when the deploy goes on
+
+
+def truncate_slots() -> None:
+    for f in (Path(os.environ["LLAMA_LAUNCHER_STATE_DIR"]) / "slots").glob("*.bin"):
+        os.truncate(f, f.stat().st_size // 2)
 
 
 def hook(fault: str) -> Callable[[str], None]:
     at, _, action = fault.partition(":")
-    if action not in ("kill", "pause", "stop"):
-        raise SystemExit(f"faults.py: {fault!r} is not PHASE:kill, PHASE:pause or PHASE:stop")
+    if action not in ACTIONS:
+        raise SystemExit(f"faults.py: {fault!r} is not PHASE:{'|'.join(ACTIONS)}")
 
     def on_phase(phase: str) -> None:
-        if phase == at and action == "kill":
+        if phase != at:
+            return
+        if action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
-        elif phase == at and action == "stop":
+        elif action == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
-        elif phase == at:
+        elif action == "pause":
             time.sleep(60)
+        elif action == "kill-front":
+            kill_front()
+        else:
+            truncate_slots()
 
     return on_phase
 

@@ -441,23 +441,3 @@ def test_a_rollback_behind_the_front_releases_the_held_requests_to_the_old_confi
     assert (rc, result["outcome"]) == (3, "rolled_back"), result
     assert [(h.status, h.done) for h in held] == [(200, True)] * 2
     assert front_stat(host)["status"] == "OPEN"
-
-
-def test_a_deployer_killed_while_holding_is_released_by_the_next_run(fronted: Host) -> None:
-    host = fronted
-    installed(host, "-c", "4096", "-np", "2", "--front", "haproxy")
-    faults = str(Path(__file__).with_name("faults.py"))
-    p = subprocess.run(
-        [sys.executable, faults, "restart:kill", "set", "-t", "2"],
-        capture_output=True,
-        text=True,
-        env=host.env,
-        timeout=120,
-    )
-    assert p.returncode == -9
-    assert front_stat(host)["status"] == "PAUSED"
-    rc, out = host.cli_json("recover")
-    assert rc == 0, out
-    assert "released" in out["recovered"]["front"]
-    assert front_stat(host)["status"] == "OPEN"
-    assert host.chat()["usage"]["completion_tokens"] > 0

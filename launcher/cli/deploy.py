@@ -213,6 +213,16 @@ def register(sub: Any) -> None:
 
     p = _parser(
         sub,
+        "front-release",
+        "the front's release watcher (NAME-front-release.service runs it while a hold is "
+        "recorded): recover the transaction of a holder that died and release the front, "
+        "or release it at the hold's deadline (one deploy's budget)",
+    )
+    _settings_options(p)
+    p.set_defaults(func=cmd_front_release)
+
+    p = _parser(
+        sub,
         "install",
         "first deployment on a host: install the unit, create the "
         "env and state folders, enable it and deploy through the gate." + flags_note,
@@ -467,6 +477,14 @@ def cmd_recover(ns: argparse.Namespace) -> int:
         ns.json,
         lambda: f"recovered: {report}" if report else "nothing to recover",
     )
+    return 0
+
+
+def cmd_front_release(ns: argparse.Namespace) -> int:
+    from launcher.deploy import release
+
+    data = release.watch(settings_from(ns))
+    emit(data, ns.json, lambda: f"front-release: {data['outcome']}")
     return 0
 
 

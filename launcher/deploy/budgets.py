@@ -128,12 +128,24 @@ def for_rollback(w: Waits, own: Load | None) -> Budget:
 
 def lock_wait(settings: ToolSettings, w: Waits, last: Load | None) -> float:
     """How long to wait for another deploy's lock: ``lock_timeout``, else one deploy's budget
-    (drain + stop + start + health + probe + settle) sized by the unit's last load."""
+    (``deploy_total``)."""
     if settings.lock_timeout is not None:
         return settings.lock_timeout
+    return deploy_total(settings.drain_timeout, w, last)
+
+
+def deploy_total(drain: float, w: Waits, last: Load | None) -> float:
+    """One deploy's budget: drain + stop + start + health + probe + settle, sized by the
+    unit's last load (also how long a deploy may hold the front)."""
     b = for_deploy(w, last)
     stop = last.stop_budget if last and last.stop_budget else stop_budget(None, w.stop_grace)
-    return settings.drain_timeout + stop + b.start + b.health + w.probe + w.settle
+    return drain + stop + b.start + b.health + w.probe + w.settle
+
+
+def restart_total(w: Waits, b: Budget, before: UnitState) -> float:
+    """One gated restart's budget: stop + start + health + probe + settle (how long a
+    rollback or a recovery may hold the front)."""
+    return b.stop_for(before, w.stop_grace) + b.start + b.health + w.probe + w.settle
 
 
 def last_load(st: Store) -> Load | None:

@@ -115,7 +115,7 @@ def _busy(slot: dict[str, Any]) -> Busy:
 
 
 def wait_idle(
-    client: httpx.Client,
+    client: httpx.Client | None,
     timeout: float,
     front_in_flight: Callable[[], int] | None = None,
     clock: Callable[[], float] = time.monotonic,
@@ -124,10 +124,11 @@ def wait_idle(
 ) -> DrainReport:
     """Wait until no slot is processing (and the front, if any, has nothing in flight), at
     most ``timeout`` seconds. Never raises for the server's sake: the report says why it did
-    not wait (``skipped``) or what the timeout cut."""
-    what = "no slot processing (GET /slots)"
+    not wait (``skipped``) or what the timeout cut. Without a ``client`` only the front is
+    waited for (a held front: nothing new comes in, what is in flight finishes)."""
+    what = "no slot processing (GET /slots)" if client is not None else ""
     if front_in_flight is not None:
-        what += " and no request in flight or queued at the front"
+        what += " and " * bool(what) + "no request in flight or queued at the front"
     report = DrainReport(what)
     t0 = clock()
     first = True
@@ -135,7 +136,7 @@ def wait_idle(
     def step() -> DrainReport | None:
         nonlocal first
         try:
-            busy = busy_slots(client)
+            busy = busy_slots(client) if client is not None else []
         except DrainUnavailable as e:
             report.skipped = str(e)
             report.seconds = round(clock() - t0, 3)

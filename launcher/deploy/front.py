@@ -20,11 +20,23 @@ How HAProxy 2.6 keeps new requests waiting instead of refusing them (checked on 
   without refusing anyone either, and a stopped HAProxy is started by the first connection.
 
 The deploy: hold (``disable frontend``) -> drain (no request in flight or queued at the
-front, no slot processing) -> save slots -> restart llama-server -> gate on the private
-address -> restore slots -> apply the front's new config (``set server ... addr``,
-``set maxconn server``, through the runtime API on a unix socket; the file is validated
-with ``haproxy -c`` and swapped atomically, the old one kept) -> release (``enable
+front, no slot processing) -> save slots -> swap the env file and the front's config
+together (validated with ``haproxy -c`` before anything live changed; the transaction
+record names the old text) -> restart llama-server -> gate on the private address ->
+restore slots -> point the running HAProxy at the new server (``set server ... addr``,
+``set maxconn server``, through the runtime API on a unix socket) -> release (``enable
 frontend``), to the new config or, after a rollback, to the old one.
+
+A hold never depends on its holder staying alive. Before it pauses, the holder writes
+``front/hold.json`` (its pid, since when, and a deadline one deploy's budget away); the
+path unit ``NAME-front-release.path`` starts the release watcher
+(``launcher.deploy.release``) while that file exists. The watcher waits for the unit's
+deploy lock: a holder that dies lets go of it, and the watcher recovers the transaction
+(the previous env file and front config, restarted under the hold and gated) and releases;
+a holder still holding at the deadline is released without. Releasing removes the file.
+HAProxy restarted during a hold (killed; its socket unit starts it again from the config on
+disk, not paused) is noticed by its process (``show info``: worker pid and start time),
+paused again, and what it let through unheld is recorded in the hold.
 """
 
 from __future__ import annotations
@@ -33,14 +45,15 @@ import contextlib
 import json
 import os
 import socket
-import tempfile
-from dataclasses import asdict, dataclass
+import time
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from launcher.deploy import store
 from launcher.errors import CommandError, ConfigInvalid, LauncherError
-from launcher.host import proc
+from launcher.host import proc, units
+from launcher.host.systemd import Systemd
 
 HAPROXY = "/usr/sbin/haproxy"
 FRONTEND = "public"
@@ -70,15 +83,46 @@ class FrontSpec:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class Hold:
+    """A hold on the front, as ``front/hold.json`` records it for the release watcher."""
+
+    pid: int  # the holder (a deployer, a recovery, the unit's prestart step)
+    since: float  # when the front was first held (time.time())
+    deadline: float  # the watcher releases the front then, whether the holder is gone or not
+    #: the HAProxy worker that was paused ("PID:START" of ``show info``; None: it was down)
+    front: str | None = None
+    #: HAProxy's restarts seen during the hold (``Front.recheck``)
+    restarts: tuple[dict[str, Any], ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "restarts": list(self.restarts)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Hold:
+        return cls(
+            int(data["pid"]),
+            float(data["since"]),
+            float(data["deadline"]),
+            data.get("front"),
+            tuple(data.get("restarts") or ()),
+        )
+
+
 class Front:
     """The front of one llama-server unit: its files under ``STATE/front`` and its units."""
 
-    def __init__(self, state_dir: Path, unit: str) -> None:
+    def __init__(
+        self, state_dir: Path, unit: str, scope: Literal["system", "user"] = "user"
+    ) -> None:
         self.dir = state_dir / "front"
         self.unit = unit
-        base = unit.removesuffix(".service")
-        self.service = f"{base}-front.service"
-        self.socket_unit = f"{base}-front.socket"
+        self.scope: Literal["system", "user"] = scope
+        self.base = unit.removesuffix(".service")
+        self.service = f"{self.base}-front.service"
+        self.socket_unit = f"{self.base}-front.socket"
+        self.release_path = f"{self.base}-front-release.path"
+        self.release_service = f"{self.base}-front-release.service"
 
     @property
     def spec_path(self) -> Path:
@@ -90,7 +134,15 @@ class Front:
 
     @property
     def admin_socket(self) -> Path:
+        """The runtime API. In system scope HAProxy runs as a user of its own that cannot
+        enter the root-only state folder: the socket is in its ``RuntimeDirectory=``."""
+        if self.scope == "system":
+            return Path("/run") / f"{self.base}-front" / "admin.sock"
         return self.dir / "admin.sock"
+
+    @property
+    def hold_path(self) -> Path:
+        return self.dir / "hold.json"
 
     def spec(self) -> FrontSpec | None:
         """The front's spec, or None when this unit has no front."""
@@ -144,14 +196,18 @@ backend {BACKEND}
 
     def validate(self, text: str, spec: FrontSpec) -> None:
         """``haproxy -c`` on the text, the public address in place of the socket unit's fd
-        (``-c`` binds nothing)."""
+        (``-c`` binds nothing). The temporary copy is named as ``store.atomic_write`` names
+        its files, so a run that finds it left by a killed process removes it
+        (``store.sweep_temp``)."""
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        fd, tmp = tempfile.mkstemp(prefix=".haproxy-check-", suffix=".cfg", dir=self.dir)
+        tmp = self.dir / f".haproxy-check.cfg.tmp-{os.getpid()}"
         try:
+            tmp.unlink(missing_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as f:
                 f.write(text)
             proc.run(
-                [spec.haproxy, "-c", "-f", tmp],
+                [spec.haproxy, "-c", "-f", str(tmp)],
                 env=proc.base_env(LLAMA_FRONT_BIND=_addr(spec.public_host, spec.public_port)),
                 timeout=30,
             )
@@ -159,7 +215,7 @@ backend {BACKEND}
             raise FrontError(f"haproxy -c refused the front's config: {e}") from e
         finally:
             with contextlib.suppress(OSError):
-                os.unlink(tmp)
+                tmp.unlink()
 
     def live_text(self) -> str | None:
         try:
@@ -167,9 +223,22 @@ backend {BACKEND}
         except FileNotFoundError:
             return None
 
-    def swap(self, text: str) -> None:
+    def swap(self, text: str, backup: bool = True) -> None:
         """Install the validated text atomically, keeping the old one as ``.bak``."""
-        store.swap_env(self.config_path, text)
+        store.swap_env(self.config_path, text, backup)
+
+    def put_back(self, record: dict[str, Any]) -> bool:
+        """The config and spec a transaction record names as the old ones (``front`` in
+        ``txn.json``), back on disk; whether the record named any."""
+        old = record.get("front")
+        if not isinstance(old, dict):
+            return False
+        text = old.get("old_text")
+        if text is not None and self.live_text() != text:
+            self.swap(str(text), backup=False)
+        if isinstance(old.get("old_spec"), dict):
+            store.write_json(self.spec_path, old["old_spec"])
+        return True
 
     # -- the units -------------------------------------------------------------------------
 
@@ -190,6 +259,10 @@ WantedBy=sockets.target
 """
 
     def service_text(self, spec: FrontSpec) -> str:
+        if self.scope == "system":
+            config, hardening = "%d/haproxy.cfg", self._system_hardening()
+        else:
+            config, hardening = str(self.config_path), "NoNewPrivileges=yes\n"
         return f"""\
 # Rendered by llama-launcher: HAProxy in front of {self.unit}.
 [Unit]
@@ -201,14 +274,79 @@ After={self.socket_unit}
 [Service]
 Type=notify
 Environment=LLAMA_FRONT_BIND=fd@3
-ExecStart={spec.haproxy} -Ws -f {self.config_path}
-ExecReload=/bin/kill -USR2 $MAINPID
+ExecStart={spec.haproxy} -Ws -f {config}
 # SIGUSR1: a soft stop, requests in flight finish (SIGTERM would cut them)
 KillSignal=SIGUSR1
 TimeoutStopSec=30
 Restart=on-failure
 RestartSec=1
+{hardening}"""
+
+    def _system_hardening(self) -> str:
+        """HAProxy parses every client's HTTP on the public port. It needs the socket its
+        socket unit bound (no privilege), its config and its runtime socket: a user of its
+        own that owns nothing else, the config handed over by PID 1 as a credential (read
+        at every start; a deploy changes the running process through the runtime API, so
+        there is no reload), the runtime socket in its ``RuntimeDirectory=``."""
+        return f"""\
+# HAProxy parses every client's HTTP: a user of its own, which sees its config only as a
+# credential PID 1 reads for it (at every start) and keeps its runtime socket in /run.
+DynamicUser=yes
+LoadCredential=haproxy.cfg:{self.config_path}
+RuntimeDirectory={self.admin_socket.parent.name}
+RuntimeDirectoryMode=0700
+UMask=0077
+CapabilityBoundingSet=
+AmbientCapabilities=
 NoNewPrivileges=yes
+PrivateDevices=yes
+PrivateUsers=yes
+PrivateTmp=yes
+ProtectSystem=strict
+ProtectHome=yes
+ProcSubset=pid
+{units.KERNEL_SANDBOX}RestrictRealtime=yes
+RestrictSUIDSGID=yes
+LockPersonality=yes
+MemoryDenyWriteExecute=yes
+RemoveIPC=yes
+KeyringMode=private
+SystemCallArchitectures=native
+SystemCallFilter=@system-service
+SystemCallFilter=~@privileged
+SystemCallErrorNumber=EPERM
+RestrictAddressFamilies=AF_INET AF_INET6 AF_UNIX
+"""
+
+    def release_path_text(self) -> str:
+        return f"""\
+# Rendered by llama-launcher: while a hold on the front of {self.unit} is recorded, its
+# release watcher runs (a holder that dies, or outlives its deadline, is released).
+[Unit]
+Description=release watcher trigger of the front of {self.unit} (llama-launcher)
+
+[Path]
+PathExists={self.hold_path}
+Unit={self.release_service}
+
+[Install]
+WantedBy=paths.target
+"""
+
+    def release_service_text(self, python: str, package_dir: str, where: list[str]) -> str:
+        """The watcher: ``llama-launcher front-release`` with the unit's settings
+        (``where``: ``--unit ... --scope ... --env-file ... --state-dir ...``), run by the
+        tool's own interpreter (the unit's ``python -S`` lacks its dependencies)."""
+        return f"""\
+# Rendered by llama-launcher: releases the front of {self.unit} when the holder is gone
+# (it recovers the holder's transaction first) or when the hold outlives its deadline.
+[Unit]
+Description=release watcher of the front of {self.unit} (llama-launcher)
+
+[Service]
+Type=exec
+Environment=PYTHONPATH={package_dir}
+ExecStart={python} -m launcher front-release {" ".join(where)} --json
 """
 
     # -- the runtime API -------------------------------------------------------------------
@@ -253,13 +391,20 @@ NoNewPrivileges=yes
         row = self.stats().get((FRONTEND, "FRONTEND"), {})
         return row.get("status") in ("PAUSED", "STOP")
 
-    def hold(self) -> None:
-        """Stop accepting: new connections wait in the socket unit's listen backlog."""
-        self._expect_empty(f"disable frontend {FRONTEND}")
+    def info(self) -> dict[str, str]:
+        """``show info``, by field."""
+        text = self.command("show info")
+        return dict(line.split(": ", 1) for line in text.splitlines() if ": " in line)
 
-    def release(self) -> None:
-        """Accept again: the held connections are served."""
-        self._expect_empty(f"enable frontend {FRONTEND}")
+    def identity(self) -> str:
+        """The HAProxy process serving the runtime API: its worker's pid and start time
+        (``show info``), which a restart changes. A worker that is stopping (its master was
+        killed: systemd stops what is left before it starts HAProxy again) is no front."""
+        info = self.info()
+        pid = info.get("Pid", "?")
+        if info.get("Stopping", "0") != "0" or _orphaned(pid):
+            raise FrontError(f"HAProxy (pid {pid}) is stopping; {self.service} restarts it")
+        return f"{pid}:{info.get('Start_time_sec', '?')}"
 
     def apply(self, spec: FrontSpec, slots: int) -> None:
         """Point the running HAProxy at the spec's server with ``maxconn`` = slots."""
@@ -267,6 +412,160 @@ NoNewPrivileges=yes
             f"set server {BACKEND}/{SERVER} addr {spec.private_host} port {spec.private_port}"
         )
         self._expect_empty(f"set maxconn server {BACKEND}/{SERVER} {max(slots, 1)}")
+
+    # -- the hold ----------------------------------------------------------------------------
+
+    def holding(self) -> Hold | None:
+        """The recorded hold, or None. A record that cannot be read is a hold past its
+        deadline (its watcher releases the front at once)."""
+        try:
+            return Hold.from_dict(json.loads(self.hold_path.read_text()))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError):
+            return Hold(0, 0.0, 0.0)
+
+    def hold(self, seconds: float) -> Hold:
+        """Stop accepting: new connections wait in the socket unit's listen backlog. The
+        hold is recorded first (``mark_held``), so that the release watcher releases the
+        front within ``seconds`` if this process dies or is still holding then. A HAProxy
+        that is down is started first (its socket unit would start it unpaused on the next
+        connection); one that cannot be paused is not held (the record goes)."""
+        hold = self.mark_held(seconds)
+        try:
+            self._expect_empty(f"disable frontend {FRONTEND}")
+        except FrontError:
+            try:
+                self._start()
+                self._expect_empty(f"disable frontend {FRONTEND}")
+            except FrontError:
+                self.hold_path.unlink(missing_ok=True)
+                raise
+        return self._paused(hold)
+
+    def pause(self, hold: Hold) -> Hold:
+        """Pause a running HAProxy for a recorded hold (no start: the unit's prestart step,
+        where a HAProxy that is down is paused by the watcher once its socket starts it)."""
+        self._expect_empty(f"disable frontend {FRONTEND}")
+        return self._paused(hold)
+
+    def mark_held(self, seconds: float) -> Hold:
+        """Record a hold by this process for ``seconds`` (taking over a recorded one: the
+        deadline moves, when it began and what was seen are kept)."""
+        now = time.time()
+        old = self.holding()
+        if old is not None and old.pid:
+            with contextlib.suppress(FrontError):
+                old = self.recheck(old, "the next holder")
+        hold = Hold(os.getpid(), now, now + seconds)
+        if old is not None and old.pid:
+            hold = replace(hold, since=old.since, front=old.front, restarts=old.restarts)
+        self._record(hold)
+        return hold
+
+    def _paused(self, hold: Hold) -> Hold:
+        try:
+            hold = replace(hold, front=self.identity())
+        except FrontError:
+            return hold  # paused; the next recheck learns which process it is
+        self._record(hold)
+        return hold
+
+    def _start(self) -> str:
+        """Start HAProxy (a restart systemd has pending starts now) and wait until a live
+        one answers; its identity."""
+        # imported here: the unit's prestart step loads this module under python -S, and
+        # never starts HAProxy
+        from launcher import waits
+
+        try:
+            Systemd(self.service, self.scope).start(timeout=30)
+        except LauncherError as e:
+            raise FrontError(f"the front is down and {self.service} did not start: {e}") from e
+        return str(waits.front_up(waits.Waits(), FrontError)(self.identity))
+
+    def recheck(self, hold: Hold, by: str, start: bool = False) -> Hold:
+        """The hold after a restart of HAProxy during it, if any: a new process (its socket
+        unit starts one from the config on disk, not paused) is paused again, and what it
+        let through is recorded (its requests and 5xx answers so far, how long it ran).
+        ``start``: a HAProxy that is down (killed, its restart pending) is started first,
+        for a caller that is about to use it."""
+        try:
+            now = self.identity()
+        except FrontError:
+            if not start:
+                return hold  # down: new connections wait in the socket unit's backlog
+            now = self._start()
+        if now == hold.front:
+            return hold
+        self._expect_empty(f"disable frontend {FRONTEND}")
+        latest = self.holding() or hold
+        if latest.front == now:
+            return latest  # another process noticed it first
+        event = {"pid_before": _pid(latest.front), "pid_after": _pid(now), "noticed_by": by}
+        event.update(self.unheld(now))
+        latest = replace(latest, front=now, restarts=(*latest.restarts, event))
+        self._record(latest)
+        return latest
+
+    def unheld(self, identity: str) -> dict[str, int]:
+        """What the HAProxy process ``identity`` let through before it was paused: its
+        requests and their 5xx answers (its counters start at its own start), and how
+        long it ran (``show info`` Uptime_sec; all 0 when another process answers)."""
+        try:
+            info = self.info()
+            row = self.stats().get((FRONTEND, "FRONTEND"), {})
+        except FrontError:
+            return {}
+        if f"{info.get('Pid', '?')}:{info.get('Start_time_sec', '?')}" != identity:
+            return {}
+        return {
+            "seconds_unheld": _int(info.get("Uptime_sec")),
+            "requests": _int(row.get("req_tot")),
+            "answered_5xx": _int(row.get("hrsp_5xx")),
+        }
+
+    def release(self) -> None:
+        """Accept again (the held connections are served), then drop the hold's record. A
+        HAProxy that is down holds nobody (its socket unit starts it unpaused)."""
+        try:
+            self._expect_empty(f"enable frontend {FRONTEND}")
+        except FrontError:
+            if Systemd(self.service, self.scope).state().active == "active":
+                raise
+        self.hold_path.unlink(missing_ok=True)
+
+    def _record(self, hold: Hold) -> None:
+        store.write_json(self.hold_path, hold.to_dict(), durable=False)
+
+    def state(self) -> dict[str, Any]:
+        """The front for ``status``: ``open``, ``held`` (since, by which pid, until when its
+        watcher waits) or ``down`` (HAProxy not running: its socket unit starts it)."""
+        hold = self.holding()
+        out: dict[str, Any] = {"public": None, "private": None}
+        with contextlib.suppress(FrontError):
+            if (spec := self.spec()) is not None:
+                out["public"] = _addr(spec.public_host, spec.public_port)
+                out["private"] = _addr(spec.private_host, spec.private_port)
+        try:
+            live = self.stats().get((FRONTEND, "FRONTEND"), {}).get("status")
+        except FrontError as e:
+            live, out["note"] = None, str(e)
+        out["frontend"] = live
+        if hold is not None:
+            out.update(
+                state="held",
+                held_since=hold.since,
+                held_by_pid=hold.pid,
+                holder_alive=store.pid_alive(hold.pid) if hold.pid else False,
+                release_deadline=hold.deadline,
+                restarts=list(hold.restarts),
+            )
+        elif live in ("PAUSED", "STOP"):
+            out["state"] = "held"  # by no record: the next run that takes the lock releases it
+        else:
+            out["state"] = "open" if live else "down"
+        return out
 
     def _expect_empty(self, line: str) -> None:
         out = self.command(line).strip()
@@ -279,6 +578,28 @@ def _int(value: str | None) -> int:
         return int(value or 0)
     except ValueError:
         return 0
+
+
+def _orphaned(pid: str) -> bool:
+    """Whether HAProxy's worker ``pid`` lost its master (killed: a zombie until systemd
+    reaps it, then the worker is reparented; the worker is going, and systemd starts
+    HAProxy again). False when /proc cannot tell (another pid namespace)."""
+    try:
+        ppid = _status(pid)["PPid"]
+        parent = _status(ppid)
+    except (OSError, KeyError):
+        return False
+    return parent.get("Name") != "haproxy" or parent.get("State", "").startswith("Z")
+
+
+def _status(pid: str) -> dict[str, str]:
+    text = Path(f"/proc/{pid}/status").read_text()
+    return dict(line.split(":\t", 1) for line in text.splitlines() if ":\t" in line)
+
+
+def _pid(identity: str | None) -> int | None:
+    head = (identity or "").partition(":")[0]
+    return int(head) if head.isdigit() else None
 
 
 def _addr(host: str, port: int) -> str:

@@ -1,18 +1,26 @@
 """The handover around a restart: what the deploy transaction does so that a config change
 costs no agent its request or its prompt cache.
 
-Four hooks in ``launcher.deploy.transaction`` call it, each marked ``# handover``::
+Hooks in ``launcher.deploy.transaction`` and ``launcher.deploy.recovery`` call it, each
+marked ``# handover``::
 
-    prepare()         before anything live changes: hold the front (if any), drain, save
-                      the slots, start timing the old process's exit
-    after_gate()      the new config passed its gate: apply the front's new config, restore
-                      the slots the new KV layout can take, release the front
-    after_rollback()  the old config serves again: put the front's config back, restore the
+    front_change()    before anything live changes: the front's config for the new server
+                      config, validated (``haproxy -c``); the transaction record names the
+                      old one
+    prepare()         hold the front (if any, and only with its release watcher installed),
+                      drain, save the slots, start timing the old process's exit
+    swap_front()      beside the env file's swap: the front's new config on disk
+    after_gate()      the new config passed its gate: point the front at it, restore the
+                      slots the new KV layout can take (each file checked first), release
+    rehold()          before a rollback's restart: the front held (again) for its budget
+    after_rollback()  the old config serves again: point the front at it, restore the
                       slots into the old config, release the front
-    recover()         a deployer killed while holding: release the front
+    hold_front()      a recovery's restart of the old config (``launcher.deploy.recovery``)
+    recover()         after a recovery: the front pointed at the restored config, released
 
-Nothing here raises for the server's sake except the front's new config (a ``GateFailure``,
-so the deploy rolls back); every other problem is a line in the report.
+Nothing here raises for the server's sake except the front's new config and a restore that
+takes the server down (a ``GateFailure``, so the deploy rolls back); every other problem is
+a line in the report.
 """
 
 from __future__ import annotations
@@ -26,12 +34,40 @@ from typing import Any
 
 from launcher import config
 from launcher.deploy import drain
-from launcher.deploy.front import Front, FrontError, FrontSpec
-from launcher.errors import GateFailure
-from launcher.host.systemd import UnitState
+from launcher.deploy.front import Front, FrontError, FrontSpec, Hold
+from launcher.errors import ConfigInvalid, GateFailure, LauncherError
+from launcher.host.systemd import Scope, Systemd, UnitState
 from launcher.server import slots
 
 Say = Callable[[str, float, str], None]
+#: Records a phase in the transaction record (``Deployer._phase``; tests inject faults there).
+Phase = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class FrontChange:
+    """The front's config before and after one deploy: its text, spec and slots."""
+
+    front: Front
+    old_text: str | None
+    old_spec: FrontSpec
+    old_slots: int
+    text: str
+    spec: FrontSpec
+    slots: int
+
+    @property
+    def changed(self) -> bool:
+        return self.text != self.old_text or self.spec != self.old_spec
+
+    def record(self) -> dict[str, Any]:
+        """What the transaction record keeps: the old text and spec (``Front.put_back``)."""
+        return {
+            "unit": self.front.unit,
+            "old_text": self.old_text,
+            "old_spec": self.old_spec.to_dict(),
+            "old_slots": self.old_slots,
+        }
 
 
 @dataclass(frozen=True)
@@ -56,12 +92,16 @@ class Handover:
     old: Endpoint | None = None
     old_meta: dict[str, Any] | None = None
     front: Front | None = None
-    front_spec: FrontSpec | None = None
     held_at: float | None = None
     saved: list[slots.Saved] = field(default_factory=list)
     save_dir: Path | None = None
     watch: drain.ExitWatch | None = None
-    front_swapped: tuple[str | None, FrontSpec, int] | None = None
+    change: FrontChange | None = None
+    #: how long a hold may last before the release watcher releases it (one deploy's budget)
+    hold_seconds: float = 0.0
+    hold: Hold | None = None
+    phase: Phase | None = None
+    drain_timeout: float = 0.0
     report: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
 
@@ -84,14 +124,40 @@ class Handover:
     def _hold(self) -> None:
         if self.front is None:
             return
+        missing = watcher_missing(self.front)
+        if missing is not None:
+            self.report["front"] = {"held": False, "note": missing}
+            self.warnings.append(missing)
+            return
         try:
-            self.front.hold()
+            self.hold = self.front.hold(self.hold_seconds)
             self.held_at = time.monotonic()
-            self.report["front"] = {"held": True}
+            self.report["front"] = {"held": True, "release_after": round(self.hold_seconds, 1)}
         except FrontError as e:
-            # a front that is down holds anyway: the socket unit keeps the port, and the
-            # first connection starts HAProxy again
             self.report["front"] = {"held": False, "note": str(e)}
+            self.warnings.append(f"requests were not held during the restart: {e}")
+
+    def rehold(self, seconds: float) -> None:
+        """Before a rollback's restart: the front held for the rollback's budget, again if
+        a signal came after the release (every restart of a fronted unit holds), and what
+        it let in finished first."""
+        if self.front is None or not (self.report.get("front") or {}).get("held"):
+            return
+        try:
+            self._recheck()
+            self.hold = self.front.hold(seconds)
+            if self.held_at is None:
+                self.held_at = time.monotonic()
+        except FrontError as e:
+            self.warnings.append(f"the rollback's restart was not held: {e}")
+            return
+        self.report["front"]["rollback_drain"] = front_drain(self.front, self.drain_timeout)
+
+    def _recheck(self) -> None:
+        """HAProxy restarted during the hold: paused again, what it let through recorded."""
+        if self.front is not None and self.hold is not None and self.held_at is not None:
+            with contextlib.suppress(FrontError):
+                self.hold = self.front.recheck(self.hold, "the deploy", start=True)
 
     def _drain(self, timeout: float, running: UnitState, say: Say | None) -> None:
         if self.old is None or not running.running:
@@ -143,27 +209,31 @@ class Handover:
 
     # -- after the gate --------------------------------------------------------------------
 
+    def swap_front(self) -> None:
+        """The front's new config on disk, beside the env file's swap: a HAProxy that its
+        socket unit starts again from now on points at the new server."""
+        if self.change is not None and self.change.changed:
+            self.change.front.swap(self.change.text)
+            self.change.front.save_spec(self.change.spec)
+
     def after_gate(
         self, new_meta: dict[str, Any], new: Endpoint, planned_slots: int | None
     ) -> dict[str, Any]:
-        """The new config serves: its front config, the slots, the release."""
-        self._apply_front(new_meta, planned_slots)  # raises GateFailure: the deploy rolls back
-        self._restore(new, new_meta, "the new config")
+        """The new config serves: the front pointed at it, the slots, the release."""
+        self._apply_front()  # raises GateFailure: the deploy rolls back
+        self._restore(new, new_meta, "the new config", crash_fails=True)
         self.release()
+        self._mark("released")
         return self.finish()
 
     def after_rollback(self, ok: bool) -> dict[str, Any]:
-        """The old config is back (``ok``: it passed its gate): the old front config, the
-        slots into the old config, the release. Never raises."""
+        """The old config is back (``ok``: it passed its gate): the front pointed at it,
+        the slots into the old config, the release. Never raises."""
         try:
-            if self.front_swapped is not None and self.front is not None:
-                text, spec, n = self.front_swapped
+            if self.change is not None:
+                c = self.change
                 with contextlib.suppress(FrontError, OSError):
-                    if text is not None:
-                        self.front.swap(text)
-                    self.front.save_spec(spec)
-                    self.front.apply(spec, n)
-                self.front_swapped = None
+                    self._point(c.old_spec, c.old_slots)
             if ok and self.old is not None and self.old_meta is not None:
                 self._restore(self.old, self.old_meta, "the restored config")
             else:
@@ -172,33 +242,37 @@ class Handover:
             self.release()
         return self.finish()
 
-    def _apply_front(self, new_meta: dict[str, Any], planned_slots: int | None) -> None:
-        if self.front is None or self.front_spec is None:
+    def _apply_front(self) -> None:
+        if self.change is None:
             return
-        cfg = new_meta.get("config") or {}
-        old_spec = self.front_spec
-        spec = replace(
-            old_spec,
-            private_host=str(cfg.get("host") or old_spec.private_host),
-            private_port=int(cfg.get("port") or old_spec.private_port),
-        )
-        n = int(planned_slots or 1)
-        old_text = self.front.live_text()
+        c = self.change
         try:
-            text = self.front.render(spec, n)
-            if text == old_text:
-                return
-            self.front.validate(text, spec)
-            old_n = int(((self.old_meta or {}).get("planned") or {}).get("n_slots") or n)
-            self.front_swapped = (old_text, old_spec, old_n)
-            self.front.swap(text)
-            self.front.save_spec(spec)
-            self.front.apply(spec, n)
+            self._point(c.spec, c.slots)
         except (FrontError, OSError) as e:
             raise GateFailure("front", "front", f"the front's new config failed: {e}", []) from e
-        self.report.setdefault("front", {})["config"] = "changed (validated, swapped, applied)"
+        if c.changed:
+            self.report.setdefault("front", {})["config"] = "changed (validated, swapped, applied)"
 
-    def _restore(self, new: Endpoint, new_meta: dict[str, Any], what: str) -> None:
+    def _point(self, spec: FrontSpec, n: int) -> None:
+        """The running HAProxy pointed at ``spec``'s server; one that died meanwhile is
+        waited for (systemd starts it again), paused and pointed."""
+        assert self.front is not None
+        try:
+            self._recheck()
+            self.front.apply(spec, n)
+        except FrontError:
+            self._recheck()
+            self.front.apply(spec, n)
+
+    def _mark(self, phase: str) -> None:
+        if self.phase is not None:
+            self.phase(phase)
+
+    def _restore(
+        self, new: Endpoint, new_meta: dict[str, Any], what: str, crash_fails: bool = False
+    ) -> None:
+        """Restore the saved slots the new config can take. ``crash_fails``: a restore that
+        takes the server down fails the gate (a rollback then restores none of them)."""
         report = self.report.get("slots")
         if report is None or not self.saved:
             slots.discard(self.save_dir, self.saved)
@@ -213,29 +287,79 @@ class Handover:
                 {"slot": s.slot, "tokens": s.tokens, "reason": reason} for s in self.saved
             ]
         else:
-            window = (new_meta.get("planned") or {}).get("n_ctx_slot")
-            with new.client() as client:
-                restored, skipped = slots.restore_all(client, self.saved, window)
-            report["restored"] += restored
-            report["skipped"] += skipped
+            self._restore_checked(new, new_meta, report, crash_fails)
         slots.discard(self.save_dir, self.saved)
         self.saved = []
 
+    def _restore_checked(
+        self, new: Endpoint, new_meta: dict[str, Any], report: dict[str, Any], crash_fails: bool
+    ) -> None:
+        assert self.save_dir is not None
+        sound, damaged = slots.check_files(
+            self.save_dir, self.saved, slots.bytes_per_token(new_meta)
+        )
+        report["skipped"] += damaged
+        if sound:
+            self._mark("restore")
+        window = (new_meta.get("planned") or {}).get("n_ctx_slot")
+        with new.client() as client:
+            try:
+                restored, skipped = slots.restore_all(client, sound, window)
+            except slots.RestoreCrashed as e:
+                slots.discard(self.save_dir, self.saved)
+                self.saved = []
+                report["skipped"].append({"slot": e.slot, "reason": str(e)})
+                if crash_fails:
+                    raise GateFailure("restore", "slot_restore_crashed", str(e), []) from e
+                self.warnings.append(str(e))
+                return
+        report["restored"] += restored
+        report["skipped"] += skipped
+
     def release(self) -> None:
-        """Let the held requests through (idempotent)."""
+        """Let the held requests through (idempotent); say what HAProxy restarts let
+        through unheld, and whether the watcher released the front first."""
         if self.front is None or self.held_at is None:
             return
         held = time.monotonic() - self.held_at
-        self.held_at = None
         front = self.report.setdefault("front", {})
         try:
+            self._recheck()
+            self.held_at = None
+            hold = self.front.holding()
+            if hold is None:
+                front["released_by_watcher"] = True
+                self.warnings.append(
+                    f"the front's release watcher released the held requests after "
+                    f"{self.hold_seconds:.0f}s (one deploy's budget), before this deploy "
+                    "was done: requests after that were not held"
+                )
+            elif hold.restarts:
+                self._report_restarts(front, hold)
             self.front.release()
             front["held_seconds"] = round(held, 3)
         except FrontError as e:
+            self.held_at = None
             front["release_failed"] = str(e)
             self.warnings.append(
-                f"the front did not release its held requests: {e}; run `llama-launcher "
-                f"recover` (or send 'enable frontend public' to {self.front.admin_socket})"
+                f"the front did not release its held requests: {e}; its release watcher "
+                f"does by {self.front.release_service} (or run `llama-launcher recover`)"
+            )
+
+    def _report_restarts(self, front: dict[str, Any], hold: Hold) -> None:
+        """What clients saw of HAProxy's restarts during the hold (the last restart's
+        numbers read again now: its counters are final while it is paused)."""
+        assert self.front is not None
+        events = [dict(e) for e in hold.restarts]
+        events[-1].update(self.front.unheld(hold.front or ""))
+        front["restarted"] = events
+        for e in events:
+            self.warnings.append(
+                f"HAProxy was restarted during the hold (pid {e.get('pid_before')} -> "
+                f"{e.get('pid_after')}, noticed by {e.get('noticed_by')}): for about "
+                f"{e.get('seconds_unheld', '?')}s it was not holding; it passed "
+                f"{e.get('requests', '?')} requests on, {e.get('answered_5xx', '?')} of them "
+                "answered 5xx; it is held again and points at the serving config"
             )
 
     def finish(self) -> dict[str, Any]:
@@ -289,38 +413,133 @@ def with_slot_dir(
     return cfg.model_copy(update={"slot_save_path": folder})
 
 
-def prepare(
+def watcher_missing(front: Front) -> str | None:
+    """Why the front must not be held (its release watcher is not installed), or None."""
+    try:
+        active = Systemd(front.release_path, front.scope).show("ActiveState").get("ActiveState")
+    except LauncherError as e:
+        active = f"unknown ({e})"
+    if active == "active":
+        return None
+    return (
+        f"requests were not held: the front's release watcher {front.release_path} is "
+        f"{active}, so nothing would release them if this deploy died; run `llama-launcher "
+        "install --front haproxy` again to install it"
+    )
+
+
+def front_change(
     state_dir: Path,
     unit: str,
+    scope: Scope,
+    cfg: dict[str, Any],
+    planned_slots: int | None,
+    old_meta: dict[str, Any] | None,
+) -> FrontChange | None:
+    """The front's config for the server config ``cfg`` (its host and port are the private
+    address), validated with ``haproxy -c`` when it changes: before anything live changes,
+    a text HAProxy refuses is refused (exit 2). None: the unit has no front."""
+    front = Front(state_dir, unit, scope)
+    old_spec = front.spec()
+    if old_spec is None:
+        return None
+    spec = replace(
+        old_spec,
+        private_host=str(cfg.get("host") or old_spec.private_host),
+        private_port=int(cfg.get("port") or old_spec.private_port),
+    )
+    n = int(planned_slots or 1)
+    old_n = int(((old_meta or {}).get("planned") or {}).get("n_slots") or n)
+    old_text = front.live_text()
+    text = front.render(spec, n)
+    if text != old_text:
+        try:
+            front.validate(text, spec)
+        except FrontError as e:
+            raise ConfigInvalid(f"{e}; nothing was changed") from e
+    return FrontChange(front, old_text, old_spec, old_n, text, spec, n)
+
+
+def prepare(
     old: Endpoint | None,
     old_meta: dict[str, Any] | None,
     running: UnitState,
     drain_timeout: float,
+    change: FrontChange | None,
+    hold_seconds: float,
     say: Say | None = None,
+    phase: Phase | None = None,
 ) -> Handover:
-    """The handover of one restart, begun: the front held, the server drained, the slots
-    saved (see the module docstring)."""
-    front = Front(state_dir, unit)
-    try:
-        spec = front.spec()
-    except FrontError as e:
-        h = Handover(old, old_meta)
-        h.warnings.append(f"{e}; the restart goes on without holding requests")
-    else:
-        h = Handover(old, old_meta, front if spec else None, spec)
+    """The handover of one restart, begun: the front held (the release watcher releases it
+    after ``hold_seconds`` if this process is gone or still holding), the server drained,
+    the slots saved (see the module docstring)."""
+    front = change.front if change is not None else None
+    h = Handover(old, old_meta, front, change=change, hold_seconds=hold_seconds)
+    h.phase, h.drain_timeout = phase, drain_timeout
     h.before_restart(drain_timeout, running, say)
     return h
 
 
-def recover(state_dir: Path, unit: str) -> dict[str, Any]:
-    """After a deployer was killed: release the front if it is holding."""
-    front = Front(state_dir, unit)
-    if front.spec() is None:
-        return {}
+def hold_front(
+    state_dir: Path, unit: str, scope: Scope, seconds: float, drain_timeout: float
+) -> dict[str, Any]:
+    """Hold the front (if any) for a recovery's restart, and let what is in flight finish
+    (at most ``drain_timeout``): the held requests reach the restored config once it passed
+    its gate (``recover`` releases them)."""
+    front = Front(state_dir, unit, scope)
     try:
-        if front.held():
+        if front.spec() is None or watcher_missing(front) is not None:
+            return {}
+        hold = front.holding()
+        if hold is not None:
+            front.recheck(hold, "the recovery")
+        front.hold(seconds)
+    except FrontError as e:
+        return {"front_hold": f"the restart was not held: {e}"}
+    return {
+        "front_hold": f"held for the restart (released by its watcher after {seconds:.0f}s)",
+        "front_drain": front_drain(front, drain_timeout),
+    }
+
+
+def front_drain(front: Front, timeout: float) -> str:
+    """Before a restart behind a held front: what the front let in finishes (at most
+    ``timeout``); what was waited for."""
+    if timeout <= 0:
+        return "no drain: restarted at once"
+    return drain.wait_idle(None, timeout, front_in_flight=_safe_count(front.in_flight)).describe()
+
+
+def recover(state_dir: Path, unit: str, scope: Scope, txn: dict[str, Any]) -> dict[str, Any]:
+    """After a recovery (or a deployer killed while holding): the front pointed at the
+    restored server config (the record's old spec) and released if it is held."""
+    front = Front(state_dir, unit, scope)
+    try:
+        spec = front.spec()
+        if spec is None:
+            return {}
+        old = txn.get("front") or {}
+        hold = front.holding()
+        held = hold is not None or front.held()
+        if hold is not None:
+            hold = front.recheck(hold, "the recovery")
+        with contextlib.suppress(FrontError):
+            front.apply(spec, int(old.get("old_slots") or _maxconn(front)))
+        if held:
             front.release()
-            return {"front": "released the requests a killed deployer left held"}
+            out: dict[str, Any] = {"front": "released the requests a killed deployer left held"}
+            if hold is not None and hold.restarts:
+                out["front_restarted"] = list(hold.restarts)
+            return out
     except FrontError as e:
         return {"front": f"could not check or release the front: {e}"}
     return {}
+
+
+def _maxconn(front: Front) -> int:
+    """The server's ``maxconn`` as HAProxy runs it now (the slots of the live config)."""
+    row = front.stats().get(("llama", "llama"), {})
+    try:
+        return max(int(row.get("slim") or 1), 1)
+    except ValueError:
+        return 1

@@ -75,6 +75,17 @@ def system_install(settings: config.ToolSettings) -> Path | None:
     return None
 
 
+def require_haproxy(path: str = front.HAPROXY) -> None:
+    """``--front haproxy`` needs Debian's HAProxy: refused (exit 2) before anything is
+    written, not halfway with llama-server already on its private port."""
+    if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+        raise ConfigInvalid(
+            f"--front haproxy: HAProxy is not installed ({path} is missing); install it "
+            "first with `apt-get install haproxy` (Debian 12's 2.6), then run install "
+            "again; nothing was changed"
+        )
+
+
 def require_linger(settings: config.ToolSettings) -> None:
     """A user unit stops at logout and does not start at boot unless the user lingers."""
     if settings.scope != "user":
@@ -229,6 +240,8 @@ def install(
         raise ConfigInvalid(
             f"--front {front_kind!r} is not a front; use one of {', '.join(FRONTS)}"
         )
+    if front_kind == "haproxy":
+        require_haproxy()
     require_root(settings)
     require_linger(settings)
     env_file = settings.resolved_env_file()
@@ -254,7 +267,7 @@ def install(
     state_dir = home.state_dir(settings)
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(state_dir, 0o700)
-    the_front = front.Front(state_dir, settings.unit_name)
+    the_front = front.Front(state_dir, settings.unit_name, settings.scope)
     spec = the_front.spec()
     if front_kind == "haproxy":
         spec = _front_spec(cfg, spec)
@@ -273,9 +286,12 @@ def install(
     result = deployer.deploy(cfg, origin="install")
     if front_kind == "haproxy" and spec is not None:
         slots = int((result.planned or {}).get("n_slots") or 1)
+        watcher = the_front.release_service_text(*units.this_python(), _where(settings))
         result.handover = {
             **(result.handover or {}),
-            "front": install_front(the_front, spec, slots, settings.scope, unit_file.parent),
+            "front": install_front(
+                the_front, spec, slots, settings.scope, unit_file.parent, watcher
+            ),
         }
     return result
 
@@ -291,35 +307,62 @@ def _front_spec(cfg: config.ServerConfig, old: front.FrontSpec | None) -> front.
     return front.FrontSpec(cfg.host, cfg.port, host, front.free_port(host))
 
 
+def _where(settings: config.ToolSettings) -> list[str]:
+    """The settings options that name this unit's files, for a unit that runs the CLI."""
+    return [
+        f"--unit {settings.unit_name}",
+        f"--scope {settings.scope}",
+        f"--env-file {settings.resolved_env_file()}",
+        f"--state-dir {home.state_dir(settings)}",
+    ]
+
+
 def install_front(
     the_front: front.Front,
     spec: front.FrontSpec,
     slots: int,
     scope: str,
     unit_dir: Path,
+    watcher: str,
 ) -> dict[str, Any]:
-    """HAProxy's config (validated, swapped), its socket and service units, started."""
+    """HAProxy's config (validated, swapped), its socket and service units and the release
+    watcher's path and service units (``watcher``: the service's text), started."""
     text = the_front.render(spec, slots)
     the_front.validate(text, spec)
     changed = the_front.live_text() != text
     the_front.swap(text)
     the_front.save_spec(spec)
-    (unit_dir / the_front.socket_unit).write_text(the_front.socket_text(spec))
-    (unit_dir / the_front.service).write_text(the_front.service_text(spec))
+    files = {
+        the_front.socket_unit: the_front.socket_text(spec),
+        the_front.service: the_front.service_text(spec),
+        the_front.release_path: the_front.release_path_text(),
+        the_front.release_service: watcher,
+    }
+    for name, unit_text in files.items():
+        changed |= name == the_front.service and _read(unit_dir / name) != unit_text
+        store.atomic_write(unit_dir / name, unit_text.encode(), 0o644)
     sock = Systemd(the_front.socket_unit, "user" if scope == "user" else "system")
     service = Systemd(the_front.service, sock.scope)
     sock.daemon_reload()
-    sock.enable()
-    sock.run([*sock_ctl(sock), "start", "--", the_front.socket_unit], timeout=60, env=sock.env)
+    ctl = sock_ctl(sock)
+    sock.run([*ctl, "enable", "--", the_front.socket_unit, the_front.release_path], env=sock.env)
+    sock.run([*ctl, "start", "--", the_front.socket_unit, the_front.release_path], env=sock.env)
     verb = "restart" if changed else "start"
-    service.run([*sock_ctl(service), verb, "--", the_front.service], timeout=60, env=service.env)
+    service.run([*ctl, verb, "--", the_front.service], timeout=60, env=service.env)
     return {
         "kind": "haproxy",
         "public": f"{spec.public_host}:{spec.public_port}",
         "private": f"{spec.private_host}:{spec.private_port}",
-        "units": [the_front.socket_unit, the_front.service],
+        "units": list(files),
         "config": str(the_front.config_path),
     }
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        return None
 
 
 def sock_ctl(systemd: Systemd) -> list[str]:
@@ -466,16 +509,23 @@ def _remove_empty(settings: config.ToolSettings, env_file: Path, state: Path) ->
 
 
 def _uninstall_front(settings: config.ToolSettings, systemd: Systemd) -> dict[str, Any]:
-    the_front = front.Front(home.state_dir(settings), settings.unit_name)
+    the_front = front.Front(home.state_dir(settings), settings.unit_name, settings.scope)
     unit_dir = settings.resolved_unit_dir()
-    files = [unit_dir / the_front.service, unit_dir / the_front.socket_unit]
+    names = [
+        the_front.release_path,
+        the_front.release_service,
+        the_front.service,
+        the_front.socket_unit,
+    ]
+    files = [unit_dir / name for name in names]
     if not any(f.exists() for f in files):
         return {}
-    for unit in (the_front.service, the_front.socket_unit):
+    for unit in names:
         systemd.run(
             [*sock_ctl(systemd), "disable", "--now", "--", unit], check=False, env=systemd.env
         )
     for f in files:
         f.unlink(missing_ok=True)
     the_front.spec_path.unlink(missing_ok=True)
+    the_front.hold_path.unlink(missing_ok=True)
     return {"removed_front": [str(f) for f in files]}

@@ -5,13 +5,17 @@ generation if a deployer died half-way, and stage the API key for ``LoadCredenti
 full privileges (``ExecStartPre=+``) on every start, a boot included. A transaction record
 (``txn.json``) whose lock nobody holds means the deployer is gone: a reboot between a killed
 deploy and the next command would otherwise start the half-done config without its gate.
-The record's previous env file is restored (atomically, owner and mode kept); the record
-stays, so the next ``llama-launcher`` command finishes the recovery (generation outcomes,
-the live pointer) and gates the restored config. A held lock means a deploy is running and
-restarting the unit itself: it is left alone.
+The record's previous env file is restored (atomically, owner and mode kept), and the
+front's previous config if the record names one; the record stays, so the next
+``llama-launcher`` command finishes the recovery (generation outcomes, the live pointer) and
+gates the restored config. A fronted unit's requests are held meanwhile: the hold is
+recorded (``launcher.deploy.front``), so the front's release watcher takes the lock as soon
+as this step lets go of it, recovers (the restart held, the gate) and releases. A held lock
+means a deploy is running and restarting the unit itself: it is left alone.
 
 Like ``launcher.host.launch`` this is on the path of every server start: standard library and
-``launcher.host.envfile`` / ``launcher.deploy.store`` only.
+the tool's own modules that load only the standard library (the test of the package's
+layout walks them).
 """
 
 from __future__ import annotations
@@ -23,10 +27,16 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from launcher.deploy import store
+from launcher.deploy import front, store
 from launcher.errors import StoreError
 from launcher.host import envfile
+
+#: How long the hold of a start that reverted may last when the record does not say (one
+#: deploy's budget at the defaults: drain 120 s, stop 95 s, start 120 s, health 300 s,
+#: probe 60 s).
+DEFAULT_HOLD = 695.0
 
 _USAGE = (
     "usage: llama-launcher prestart --env-file PATH --state-dir DIR [--lock PATH] "
@@ -66,6 +76,25 @@ def revert_pending(env_file: Path, state_dir: Path, lock: Path | None = None) ->
         os.close(fd)
 
 
+def hold_front(state_dir: Path, txn: dict[str, Any]) -> str:
+    """The front's previous config back (the record names it) and its requests held for
+    the recovery the release watcher runs next; what was done."""
+    old = txn.get("front")
+    if not isinstance(old, dict) or not old.get("unit"):
+        return ""
+    the_front = front.Front(state_dir, str(old["unit"]), "system")
+    try:
+        the_front.put_back(txn)
+        hold = the_front.mark_held(float(txn.get("budget") or DEFAULT_HOLD))
+    except (OSError, StoreError) as e:
+        return f"; the front's config could not be put back ({e}): requests are not held"
+    try:
+        the_front.pause(hold)
+    except front.FrontError:
+        return "; the front's previous config is back; HAProxy is down (its watcher pauses it)"
+    return "; the front's previous config is back and its requests are held until the gate"
+
+
 def _revert_locked(env_file: Path, txn_path: Path) -> str | None:
     try:
         txn = json.loads(txn_path.read_text())
@@ -92,9 +121,10 @@ def _revert_locked(env_file: Path, txn_path: Path) -> str | None:
     store.atomic_write(
         txn_path, (json.dumps({**txn, "reverted_at_start": True}, indent=2) + "\n").encode()
     )
+    held = hold_front(txn_path.parent, txn)
     return (
         f"{what}; restored the env file of generation {txn.get('from')} before starting "
-        "(the next llama-launcher command finishes the recovery and gates it)"
+        f"(the next llama-launcher command finishes the recovery and gates it){held}"
     )
 
 

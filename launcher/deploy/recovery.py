@@ -2,8 +2,9 @@
 that died mid-transaction (``recover``, run first by every verb that takes the lock).
 
 Both restore the old env file first (every millisecond here is clients without a model),
-restart it and run the same gate on it; the outcome is "restored and serving" or "restore
-failed", never an exception from the restore itself.
+and the front's old config with it (the transaction record names both), restart it, held at
+the front if the unit has one, and run the same gate on it; the outcome is "restored and
+serving" or "restore failed", never an exception from the restore itself.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from launcher import config
 from launcher.deploy import budgets, handover, keys, store
 from launcher.deploy.errorhandler import Signals
+from launcher.deploy.front import Front
 from launcher.deploy.gate import Gate, together
 from launcher.errors import (
     ConfigInvalid,
@@ -30,6 +32,7 @@ from launcher.errors import (
 )
 from launcher.host import launch
 from launcher.host.systemd import Systemd, UnitState
+from launcher.server import slots
 
 if TYPE_CHECKING:
     from launcher.deploy.result import Result
@@ -48,10 +51,18 @@ class Reverter:
     """Restores one unit's env file from the store and gets it serving again."""
 
     def __init__(
-        self, st: store.Store, env_file: Path, systemd: Systemd, gate: Gate, signals: Signals
+        self,
+        st: store.Store,
+        env_file: Path,
+        systemd: Systemd,
+        gate: Gate,
+        signals: Signals,
+        drain_timeout: float = 0.0,
     ) -> None:
         self.store, self.env_file, self.systemd, self.gate = st, env_file, systemd, gate
         self.signals = signals
+        #: how long a recovery's restart behind a held front waits for what is in flight
+        self.drain_timeout = drain_timeout
 
     def live_text(self) -> str | None:
         """The live env file as it is on disk: no newline translation (a CR in it is what
@@ -93,15 +104,21 @@ class Reverter:
     def argv_of(self, text: str | None) -> list[str]:
         return launch.argv_of_text(text, str(self.env_file))
 
-    def restore_text(self, old_text: str | None) -> None:
+    def restore_text(self, old_text: str | None, txn: dict[str, Any] | None = None) -> None:
+        """The old env file back, and the front's old config the record names (``txn``)."""
         if old_text is None:
             with contextlib.suppress(FileNotFoundError):
                 self.env_file.unlink()
         elif self.live_text() != old_text:
             store.swap_env(self.env_file, old_text, backup=False)
+        if txn:
+            Front(self.store.root, self.systemd.unit, self.systemd.scope).put_back(txn)
 
-    def restart_old(self, number: Any, old_text: str | None) -> dict[str, Any]:
-        """Start the restored config and gate it; never raises: the result says ``ok``."""
+    def restart_old(
+        self, number: Any, old_text: str | None, hold: Callable[[float], None] | None = None
+    ) -> dict[str, Any]:
+        """Start the restored config and gate it; never raises: the result says ``ok``.
+        ``hold``: called with the restart's budget before it (a fronted unit holds)."""
         if old_text is None:
             try:
                 self.systemd.stop()
@@ -127,6 +144,8 @@ class Reverter:
 
         try:
             cursor, before = together(self.systemd.cursor, reset_then_state)
+            if hold is not None:
+                hold(budgets.restart_total(self.gate.waits, budget, before))
             self.systemd.restart()
             key = keys.key_of_env(old_text, str(self.env_file))
             gate = self.gate(plan, cursor, before, key, self.argv_of(old_text), budget)
@@ -144,7 +163,10 @@ class Reverter:
         removed = self.sweep()
         txn = self.store.txn()
         if not txn:
-            return {"removed_temp_files": removed} if removed else None
+            released = self.release_held()
+            if removed:
+                released["removed_temp_files"] = removed
+            return released or None
         with self.signals.deferred():  # a recovery is a rollback: it is not interrupted
             report = self._recover(txn)
         self.signals.stop_if_asked()  # asked to stop during it: stop now
@@ -154,11 +176,37 @@ class Reverter:
 
     def sweep(self) -> list[str]:
         """The folders ``store.atomic_write`` writes in for this unit: the env file's, the
-        state dir, its generations and key files, and the client window's folder."""
+        state dir, its generations and key files, the client window's folder and the
+        front's (``haproxy -c``'s copies too); and the slot files a killed deploy saved, in
+        the slot folders of the live generation and of an interrupted transaction's two."""
         root = self.store.root
-        folders = [self.env_file.parent, root, root / "keys", root.parent]
+        folders = [self.env_file.parent, root, root / "keys", root.parent, root / "front"]
         folders += [self.store.gen_dir / f"{n:04d}" for n in self.store.numbers()]
-        return store.sweep_temp(folders)
+        return store.sweep_temp(folders) + store.remove_left(
+            self._slot_folders(), slots.is_slot_file
+        )
+
+    def _slot_folders(self) -> list[Path]:
+        numbers: list[Any] = [self.store.live_number()]
+        with contextlib.suppress(StoreError):
+            txn = self.store.txn()
+            numbers += [txn.get("from"), txn.get("to")]
+        folders: list[Path] = []
+        for n in numbers:
+            if not isinstance(n, int):
+                continue
+            with contextlib.suppress(StoreError):
+                folder = slots.save_path(self.store.get(n).meta.get("config") or {})
+                if folder is not None and folder not in folders:
+                    folders.append(folder)
+        return folders
+
+    def release_held(self) -> dict[str, Any]:
+        """No transaction to recover, but a hold recorded (its holder died after the
+        transaction ended, or could not release): released."""
+        if Front(self.store.root, self.systemd.unit, self.systemd.scope).holding() is None:
+            return {}
+        return handover.recover(self.store.root, self.systemd.unit, self.systemd.scope, {})
 
     def restored_or_raise(self, report: dict[str, Any] | None) -> dict[str, Any] | None:
         """``report`` of ``recover``; ``RollbackFailed`` when the restored config failed its
@@ -193,21 +241,30 @@ class Reverter:
         if phase in ("begin", "stored"):
             report["action"] = "nothing live was touched; discarded"
         else:
-            self.restore_text(old_text)
-            if phase in ("restart", "gate"):
+            self.restore_text(old_text, txn)
+            if phase not in BEFORE_RESTART:
                 report["action"] = "restored the previous env file and restarted it"
-                report["gate"] = self.restart_old(txn.get("from"), old_text)
+                report["gate"] = self.restart_old(
+                    txn.get("from"), old_text, lambda seconds: report.update(self._hold(seconds))
+                )
             else:
                 report["action"] = "restored the previous env file (no restart had happened)"
             if txn.get("from") is not None:
                 self.store.set_live(int(txn["from"]))
         if txn.get("to"):
             self._mark(int(txn["to"]), outcome="interrupted")
-        report.update(handover.recover(self.store.root, self.systemd.unit))  # a held front
+        # handover: the front pointed at the restored config, and released
+        report.update(handover.recover(self.store.root, self.systemd.unit, self.systemd.scope, txn))
         if not report.get("gate", {"ok": True}).get("ok") and txn.get("from") is not None:
             self._mark(int(txn["from"]), gate_failed_at=time.time())
         self.store.end()
         return report
+
+    def _hold(self, seconds: float) -> dict[str, Any]:
+        # handover: a recovery's restart holds the front like a deploy's
+        return handover.hold_front(
+            self.store.root, self.systemd.unit, self.systemd.scope, seconds, self.drain_timeout
+        )
 
     def discard(self) -> None:
         """Nothing live was touched: the record goes, a stored generation stays as a trace."""
@@ -242,17 +299,19 @@ class Reverter:
         result: Result,
         t0: float,
         after_restore: Callable[[bool], dict[str, Any]] | None = None,
+        hold: Callable[[float], None] | None = None,
     ) -> NoReturn:
         """Restore generation ``prev_number`` after ``error``; raise ``DeployFailed`` when it
         serves again, ``RollbackFailed`` when it does not (signals are deferred by the
         caller, ``errorhandler.on_error``). ``after_restore`` gets whether the old config
-        serves again (the handover: the front's old config, the slots, the release)."""
+        serves again (the handover: the front's old config, the slots, the release);
+        ``hold`` is called with the restart's budget before it (the front held for it)."""
         failure = self._failure(error)
         self.gate.say("rollback")
         restarted = self._phase() not in BEFORE_RESTART
         restored = False
         try:
-            self.restore_text(live_text)
+            self.restore_text(live_text, self._txn())
             restored = True
         except (OSError, StoreError) as e:
             # the record stays: the next invocation restores the file before anything else
@@ -262,7 +321,9 @@ class Reverter:
                 f"{e}; the transaction record in {self.store.root} keeps it",
             }
         else:
-            rb = self.restart_old(prev_number, live_text) if restarted else dict(NOT_RESTARTED)
+            rb = (
+                self.restart_old(prev_number, live_text, hold) if restarted else dict(NOT_RESTARTED)
+            )
         if after_restore is not None:
             result.handover = after_restore(bool(rb.get("ok")))
         with contextlib.suppress(OSError, StoreError):
@@ -294,6 +355,12 @@ class Reverter:
         if self.signals.pending is not None or isinstance(error, Interrupted):
             result.message += " (interrupted by a signal)"
         raise exc
+
+    def _txn(self) -> dict[str, Any]:
+        try:
+            return self.store.txn()
+        except StoreError:
+            return {}
 
     def _phase(self) -> str:
         """The phase the transaction record reached (``gate`` when it cannot be read)."""

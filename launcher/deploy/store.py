@@ -415,6 +415,17 @@ def swap_env(env_file: Path, text: str, backup: bool = True) -> None:
 def sweep_temp(folders: list[Path]) -> list[str]:
     """Remove the temporary files (``.<name>.tmp-<pid>``) a killed writer left in
     ``folders``: only those whose pid is gone (a live one may still be writing)."""
+
+    def dead(name: str) -> bool:
+        m = TEMP_NAME.match(name)
+        return m is not None and not pid_alive(int(m["pid"]))
+
+    return remove_left(folders, dead)
+
+
+def remove_left(folders: list[Path], left: Callable[[str], bool]) -> list[str]:
+    """Remove the files in ``folders`` whose names ``left`` says a killed process left;
+    the paths removed."""
     removed = []
     for folder in folders:
         try:
@@ -422,8 +433,7 @@ def sweep_temp(folders: list[Path]) -> list[str]:
         except OSError:
             continue
         for name in names:
-            m = TEMP_NAME.match(name)
-            if m is None or _alive(int(m["pid"])):
+            if not left(name):
                 continue
             with contextlib.suppress(OSError):  # gone meanwhile, or a read-only folder
                 (folder / name).unlink()
@@ -431,7 +441,8 @@ def sweep_temp(folders: list[Path]) -> list[str]:
     return removed
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (this one counts; another user's counts)."""
     if pid == os.getpid():
         return True
     try:

@@ -59,7 +59,9 @@ class Deployer:
         policy = policy or waits.Waits.from_settings(settings)
         self.gate = Gate(self.systemd, policy, settings.base_url, progress)
         self.signals = Signals()
-        self.reverter = Reverter(self.store, self.env_file, self.systemd, self.gate, self.signals)
+        self.reverter = Reverter(
+            self.store, self.env_file, self.systemd, self.gate, self.signals, settings.drain_timeout
+        )
         #: deploy even when the memory guard says the config does not fit (--force-memory)
         self.force_memory = force_memory
         self.on_phase = on_phase
@@ -139,15 +141,18 @@ class Deployer:
     def _target(self) -> defaults.Target:
         return defaults.target(self.settings, self.store.root, self.systemd, self.pending)
 
-    def recover_only(self) -> dict[str, Any] | None:
+    def recover_only(self, when: Callable[[], bool] | None = None) -> dict[str, Any] | None:
         """The ``recover`` verb: revert what a killed deployer left; ``RollbackFailed`` when
-        the restored config does not pass its gate."""
-        with self._locked() as recovered:
+        the restored config does not pass its gate. ``when``: asked under the lock whether
+        there is still something to do (the front's release watcher: a hold recorded)."""
+        with self._locked(when=when) as recovered:
             pass
         return self.reverter.restored_or_raise(recovered)
 
     @contextlib.contextmanager
-    def _locked(self, check: bool = False) -> Iterator[dict[str, Any] | None]:
+    def _locked(
+        self, check: bool = False, when: Callable[[], bool] | None = None
+    ) -> Iterator[dict[str, Any] | None]:
         """Hold the lock and revert what a killed deployer left first; a check changes
         nothing, so it neither takes the lock nor recovers (it says what a real run would)."""
         if check:
@@ -155,6 +160,9 @@ class Deployer:
             return
         wait = budgets.lock_wait(self.settings, self.gate.waits, budgets.last_load(self.store))
         with self.store.lock(wait), self.signals.installed():
+            if when is not None and not when():
+                yield None
+                return
             if self.unit_required:
                 self._check_unit()  # before the state dir or its record is made
             self.store.ensure()
@@ -252,16 +260,27 @@ class Deployer:
         before: UnitState,
     ) -> Result:
         prev = result.previous_generation
-        gen = self._store(checked, live_text, prev, origin, result.planned, before)
+        old_meta = self.store.get(prev).meta if prev else None
+        # handover: the front's config for the new one, validated before anything changes
+        change = handover.front_change(
+            self.store.root,
+            self.systemd.unit,
+            self.settings.scope,
+            {"host": checked.config.host, "port": checked.config.port},
+            checked.plan.n_slots,
+            old_meta,
+        )
+        gen = self._store(checked, live_text, prev, origin, result.planned, before, change)
         result.generation = gen.number
         result.memory["before"] = memory.process_memory(before) if before.running else None
         result.memory["estimate"] = checked.memory.to_dict()
         undo = lambda e: self.reverter.undo(  # noqa: E731
-            e, gen, live_text, prev, result, t0, self.handover.after_rollback
+            e, gen, live_text, prev, result, t0, self.handover.after_rollback, self.handover.rehold
         )
         with on_error(self.signals, undo):
             self._phase("swap")
             store.swap_env(self.env_file, checked.env_text)
+            self.handover.swap_front()  # handover: the front's config beside the env file
             self._phase("swapped")
             cursor, _ = together(self.systemd.cursor, self.systemd.reset_failed)
             self._phase("restart")
@@ -273,6 +292,7 @@ class Deployer:
             gate = self.gate(
                 checked.plan, cursor, before, key, checked.argv, budget, self.handover.watch
             )
+            self._phase("gated")
             result.timings.update(gate.timings)
             result.timings["restart_to_serving"] = round(time.monotonic() - t_restart, 3)
             # the front's new config, the slots restored, the held requests released
@@ -300,11 +320,23 @@ class Deployer:
         origin: str,
         planned: dict[str, Any] | None,
         before: UnitState,
+        change: handover.FrontChange | None,
     ) -> store.Generation:
-        """The transaction record and the new generation, then the handover (hold the
-        front, drain, save the slots): nothing live has changed yet."""
+        """The transaction record (it names the old env file and front config) and the new
+        generation, then the handover (hold the front, drain, save the slots): nothing live
+        has changed yet."""
         meta = {**checked.meta(), "origin": origin, "planned": planned, "previous": prev}
-        record = {"phase": "begin", "from": prev, "to": None, "env_file": str(self.env_file)}
+        record: dict[str, Any] = {
+            "phase": "begin",
+            "from": prev,
+            "to": None,
+            "env_file": str(self.env_file),
+        }
+        if change is not None:
+            record["front"] = change.record()
+        last = budgets.last_load(self.store)
+        hold_for = budgets.deploy_total(self.settings.drain_timeout, self.gate.waits, last)
+        record["budget"] = round(hold_for, 1)
         try:
             gen = self.store.stage(checked.env_text, meta, {**record, "old_text": live_text})
             self._phase("stored")
@@ -314,13 +346,14 @@ class Deployer:
                 old = handover.Endpoint(url, keys.key_of_env(live_text, str(self.env_file)))
             old_meta = self.store.get(prev).meta if prev else None
             self.handover = handover.prepare(
-                self.store.root,
-                self.systemd.unit,
                 old,
                 old_meta,
                 before,
                 self.settings.drain_timeout,
+                change,
+                hold_for,
                 self.gate.say,
+                self._phase,
             )
             return gen
         except Interrupted:

@@ -137,6 +137,10 @@ class Systemd:
     def stop(self) -> None:
         self._ctl("stop", "--", self.unit)
 
+    def start(self, timeout: float = 90.0) -> None:
+        """``systemctl start``: returns once the unit is up (a ``Type=notify`` one ready)."""
+        self._ctl("start", "--", self.unit, timeout=timeout)
+
     def reset_failed(self) -> None:
         """Clear the start-limit counter: manual restarts count toward StartLimitBurst."""
         self._ctl("reset-failed", "--", self.unit, check=False)

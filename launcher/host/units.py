@@ -125,15 +125,7 @@ DevicePolicy=closed
 ProtectHome=read-only
 PrivateTmp=yes
 {paths}NoNewPrivileges=yes
-{caps}ProtectKernelTunables=yes
-ProtectKernelModules=yes
-ProtectKernelLogs=yes
-ProtectControlGroups=yes
-ProtectClock=yes
-ProtectHostname=yes
-ProtectProc=invisible
-RestrictNamespaces=yes
-{realtime}RestrictSUIDSGID=yes
+{caps}{kernel}{realtime}RestrictSUIDSGID=yes
 LockPersonality=yes
 {mdwe}RemoveIPC=yes
 KeyringMode=private
@@ -142,6 +134,20 @@ SystemCallFilter=@system-service
 {syscall_deny}SystemCallErrorNumber=EPERM
 RestrictAddressFamilies=AF_INET AF_INET6 AF_UNIX
 LimitMEMLOCK=infinity
+"""
+
+
+#: The kernel's own interfaces, closed to every system unit the tool writes (llama-server's
+#: and the HAProxy front's).
+KERNEL_SANDBOX = """\
+ProtectKernelTunables=yes
+ProtectKernelModules=yes
+ProtectKernelLogs=yes
+ProtectControlGroups=yes
+ProtectClock=yes
+ProtectHostname=yes
+ProtectProc=invisible
+RestrictNamespaces=yes
 """
 
 
@@ -166,6 +172,7 @@ def _system_hardening(env_file: str, key_stage: str, state_directory: str, site:
         devices="".join(f"DeviceAllow={d} rw\n" for d in GPU_DEVICES),
         paths="".join(f"BindReadOnlyPaths={p}\n" for p in site.read_only_paths),
         caps=caps,
+        kernel=KERNEL_SANDBOX,
         realtime=realtime,
         mdwe="MemoryDenyWriteExecute=yes\n"
         if site.memory_deny_write_execute

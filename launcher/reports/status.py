@@ -9,6 +9,7 @@ from launcher import config
 from launcher.config import argv_diff
 from launcher.config.memory import process_memory
 from launcher.deploy import home, store
+from launcher.deploy.front import Front, FrontError
 from launcher.errors import StoreError
 from launcher.host import envfile, launch
 from launcher.host.systemd import Systemd
@@ -30,6 +31,7 @@ def status(settings: config.ToolSettings, systemd: Systemd | None = None) -> dic
         "memory": process_memory(state) if state.running else None,
         "live_generation": live.number if live else None,
         "pending_transaction": bool(st.txn()),
+        **front_status(settings),
     }
     if live is not None:
         data["live_file"] = live_file(settings.resolved_env_file(), live)
@@ -47,6 +49,36 @@ def status(settings: config.ToolSettings, systemd: Systemd | None = None) -> dic
             }
         )
     return data
+
+
+def front_status(settings: config.ToolSettings) -> dict[str, Any]:
+    """``front``: open, held (since when, by which pid, until when) or down; nothing for a
+    unit without a front."""
+    the_front = Front(home.state_dir(settings), settings.unit_name, settings.scope)
+    try:
+        if the_front.spec() is None:
+            return {}
+    except FrontError as e:
+        return {"front": {"state": "unknown", "note": str(e)}}
+    return {"front": the_front.state()}
+
+
+def _front_line(f: dict[str, Any]) -> str:
+    import time as _t
+
+    def at(t: float) -> str:
+        return _t.strftime("%H:%M:%S", _t.localtime(t))
+
+    where = f"{f.get('public')} -> {f.get('private')}"
+    if f.get("state") != "held":
+        return f"  front: {f.get('state')} ({where})"
+    if not f.get("held_by_pid"):
+        return f"  front: HELD with no record ({where}); the next deploy or recover releases it"
+    holder = "running" if f.get("holder_alive") else "gone"
+    return (
+        f"  front: HELD since {at(f['held_since'])} by pid {f['held_by_pid']} ({holder}) "
+        f"({where}); its release watcher releases it by {at(f['release_deadline'])} at the latest"
+    )
 
 
 def live_file(env_file: Path, live: store.Generation) -> dict[str, Any]:
@@ -122,6 +154,8 @@ def status_text(d: dict[str, Any]) -> str:
     ]
     if d.get("memory"):
         lines.append(f"  memory now: {d['memory'] / 2**20:.1f} MiB")
+    if d.get("front"):
+        lines.append(_front_line(d["front"]))
     if d.get("live_generation") is None:
         lines.append("  no generation deployed by llama-launcher yet")
         return "\n".join(lines)

@@ -24,7 +24,10 @@ from an empty slot, and the restore of that slot waits until it is done.
 from __future__ import annotations
 
 import contextlib
+import os
+import re
 import shutil
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,12 +39,35 @@ if TYPE_CHECKING:
 #: plain file name: fs_validate_filename in common/common.cpp).
 FILENAME = "llama-launcher-slot-{slot}.bin"
 
+#: Every file named so (the sweep of a killed deploy's leftovers).
+FILE_PATTERN = re.compile(r"^llama-launcher-slot-\d+\.bin$")
+
+#: A slot file as b11434 writes it (read from the files: ``llama_state_seq_save_file`` in
+#: src/llama-context.cpp, the server's token words, the KV cache's state): a header of three
+#: uint32 (magic ``ggsq`` = LLAMA_STATE_SEQ_MAGIC, version, the count of token words), the
+#: token words (the server's own 4 before the tokens), then the cells: 12 bytes of metadata
+#: each (position, one sequence id) and their K and V rows. The tiny test model's cells are
+#: 512 bytes of KV: 528 bytes a token with the rest, 597,272 bytes for 1,131 tokens. b11434
+#: aborts (SIGABRT) on a file cut short by as little as 8 bytes.
+SEQ_MAGIC = 0x67677371
+HEADER = struct.Struct("<III")
+TOKEN_WORD = 4
+CELL_META = 12
+
 #: The flags besides the typed ones that change the KV layout (common/arg.cpp).
 LAYOUT_EXTRA_FLAGS = ("--swa-full", "-fa", "--flash-attn", "--no-kv-offload", "-nkvo")
 
 
 class SlotError(Exception):
     """A save or restore request failed (the message says how)."""
+
+
+class RestoreCrashed(SlotError):
+    """The server went down during a restore (a slot file it could not read)."""
+
+    def __init__(self, slot: int, message: str) -> None:
+        self.slot = slot
+        super().__init__(message)
 
 
 @dataclass(frozen=True)
@@ -231,11 +257,82 @@ def save_all(client: httpx.Client, folder: Path) -> tuple[list[Saved], list[dict
     return saved, skipped
 
 
+def bytes_per_token(meta: dict[str, Any]) -> int | None:
+    """KV bytes a cell holds in the layout a generation's meta estimated: the cache that
+    holds every token (``kv``, or an iSWA model's ``non-SWA``); None when not estimated."""
+    est = ((meta.get("kv_estimate") or {}).get("estimate")) or {}
+    for cache in est.get("caches") or ():
+        cells = int(cache.get("cells") or 0) * int(cache.get("streams") or 1)
+        if cache.get("label") in ("kv", "non-SWA") and cells > 0:
+            return (int(cache.get("k_bytes") or 0) + int(cache.get("v_bytes") or 0)) // cells
+    return None
+
+
+def damage(path: Path, saved: Saved, kv_per_token: int | None) -> str | None:
+    """Why a saved slot file must not be restored (a restore of a short file aborts the
+    server), or None: its header, its size against the header's token words and the layout's
+    bytes per token, and against the size the server said it wrote."""
+    try:
+        with path.open("rb") as f:
+            head = f.read(HEADER.size)
+            size = os.fstat(f.fileno()).st_size
+    except OSError as e:
+        return f"cannot read {path}: {e.strerror or e}"
+    if len(head) < HEADER.size:
+        return f"{path} is {size} bytes, shorter than a slot file's header"
+    magic, _version, words = HEADER.unpack(head)
+    if magic != SEQ_MAGIC:
+        return f"{path} is not a slot file (magic {magic:#x}, not {SEQ_MAGIC:#x})"
+    if words < saved.tokens:
+        return f"{path}: its header counts {words} token words for {saved.tokens} saved tokens"
+    need = HEADER.size + TOKEN_WORD * words + saved.tokens * (CELL_META + (kv_per_token or 0))
+    if size < need:
+        return (
+            f"{path} is {size} bytes, truncated: its header's {words} token words and "
+            f"{saved.tokens} cells of {CELL_META + (kv_per_token or 0)} bytes need at least "
+            f"{need}"
+        )
+    if saved.bytes and size != saved.bytes:
+        return f"{path} is {size} bytes; the server wrote {saved.bytes}: it was changed since"
+    return None
+
+
+def check_files(
+    folder: Path, saved: list[Saved], kv_per_token: int | None
+) -> tuple[list[Saved], list[dict[str, Any]]]:
+    """(the saved slots whose files are sound, the others skipped with the reason)."""
+    sound: list[Saved] = []
+    skipped: list[dict[str, Any]] = []
+    for s in saved:
+        why = damage(folder / s.filename, s, kv_per_token)
+        if why is None:
+            sound.append(s)
+        else:
+            skipped.append({"slot": s.slot, "tokens": s.tokens, "reason": why})
+    return sound, skipped
+
+
+def is_slot_file(name: str) -> bool:
+    """Whether ``name`` is a slot file this tool saves (what a killed deploy leaves: only
+    under the deploy lock are they leftovers; a slot file can be gigabytes)."""
+    return FILE_PATTERN.match(name) is not None
+
+
+def _alive(client: httpx.Client) -> bool:
+    import httpx
+
+    try:
+        return client.get("/health", timeout=10).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def restore_all(
     client: httpx.Client, saved: list[Saved], window: int | None
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Restore each saved slot whose tokens fit the new per-slot ``window``;
-    (restored, skipped with the reason)."""
+    (restored, skipped with the reason). ``RestoreCrashed`` when a restore took the server
+    down (its request failed, and ``/health`` does not answer 200 after it)."""
     restored: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
     for s in saved:
@@ -251,6 +348,12 @@ def restore_all(
         try:
             data = restore(client, s)
         except SlotError as e:
+            if not _alive(client):
+                raise RestoreCrashed(
+                    s.slot,
+                    f"the server went down restoring slot {s.slot} from {s.filename} "
+                    f"({s.tokens} tokens): {e}",
+                ) from e
             skipped.append({"slot": s.slot, "tokens": s.tokens, "reason": str(e)})
             continue
         restored.append(

@@ -1,0 +1,129 @@
+"""The HAProxy front in system scope: systemd as PID 1 (scripts/sysbed), as root. One bed for
+the module, the unit installed once with ``--front haproxy``; the tests walk it in file order:
+HAProxy serves the public port as a user of its own, its unit's exposure is within the
+threshold, a deploy holds behind it, and a deployer killed while holding is released by the
+front's release watcher, which recovers its transaction (nothing else runs meanwhile)."""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_system_scope import (  # noqa: F401 (the fixtures `system`, tool, wheelhouse)
+    EXPOSURE_LIMIT,
+    PORT,
+    TIMEOUTS,
+    System,
+    system_after_step1,
+    tool,
+    wheelhouse,
+)
+
+FRONT = "llama-server-front.service"
+#: the name of this module's own bed (the imported ``system`` fixture boots it)
+BED = "llf"
+
+
+@pytest.fixture(scope="module")
+def fronted(system: System) -> dict[str, Any]:
+    rc, out = system.cli_json(
+        "install", *system.flags(), "-c", "4096", "-np", "2", "--front", "haproxy"
+    )
+    assert (rc, out.get("outcome")) == (0, "deployed"), out
+    return out
+
+
+def test_haproxy_serves_the_public_port_as_a_user_of_its_own(
+    system: System, fronted: dict[str, Any]
+) -> None:
+    assert fronted["handover"]["front"]["public"] == f"127.0.0.1:{PORT}"
+    code, body = system.bed.chat(PORT)
+    assert code == 200 and body["usage"]["completion_tokens"] > 0
+    master = system.main_pid(FRONT)
+    workers = system.bed.read(f"/proc/{master}/task/{master}/children").split()
+    assert workers, "HAProxy's master has no worker"
+    for pid in (master, *map(int, workers)):
+        assert 61184 <= system.uid_of(pid) <= 65519, pid  # a dynamic user, not root
+        assert system.cmdline(pid)[0] == "/usr/sbin/haproxy"
+
+
+def test_the_front_units_exposure_is_within_the_threshold(
+    system: System, fronted: dict[str, Any]
+) -> None:
+    p = system.bed.run("systemd-analyze", "security", f"--threshold={EXPOSURE_LIMIT}", FRONT)
+    level = re.search(r"Overall exposure level for \S+: ([\d.]+) (\S+)", p.stdout)
+    assert level, p.stdout + p.stderr
+    print(f"exposure of {FRONT}: {level.group(1)} {level.group(2)}")
+    assert p.returncode == 0, f"exposure {level.group(1)} > 2.0"
+
+
+def test_a_deploy_holds_requests_behind_the_hardened_front(
+    system: System, fronted: dict[str, Any]
+) -> None:
+    rc, out = system.cli_json("set", "-t", "2")
+    assert (rc, out["outcome"]) == (0, "deployed"), out
+    front = out["handover"]["front"]
+    assert front["held"] is True and front["held_seconds"] > 0, front
+    rc, status = system.cli_json("status")
+    assert status["front"]["state"] == "open", status["front"]
+    assert system.bed.chat(PORT)[0] == 200
+
+
+ENV_FILE = "/etc/llama-launcher/llama-server.env"
+
+
+def killed_at_gate(system: System, *change: str) -> None:
+    """A deploy of ``change`` killed (SIGKILL) when the transaction records ``gate``."""
+    faults = str(Path(__file__).with_name("faults.py"))
+    pairs = [f"{k}={v}" for k, v in TIMEOUTS.items()]
+    p = system.bed.run("env", *pairs, sys.executable, faults, "gate:kill", *change, "--json")
+    assert p.returncode in (-9, 137), p.stdout + p.stderr
+
+
+def recovered(system: System) -> None:
+    """Wait until no transaction is pending and the front is open."""
+    deadline = time.monotonic() + 60
+    while True:
+        _, status = system.cli_json("status")
+        if not status["pending_transaction"] and status["front"]["state"] == "open":
+            return
+        assert time.monotonic() < deadline, status
+        time.sleep(0.5)
+
+
+def test_a_deployer_killed_while_holding_is_released_by_the_watcher(
+    system: System, fronted: dict[str, Any]
+) -> None:
+    before = system.bed.read(ENV_FILE)
+    killed_at_gate(system, "set", "-t", "1")
+    # nothing runs but the installed units: the held request is answered (30 s: the
+    # client's timeout, within one deploy's budget)
+    code, body = system.bed.chat(PORT)
+    assert code == 200, body
+    recovered(system)
+    assert system.bed.read(ENV_FILE) == before  # recovered: the previous config serves
+    journal = system.bed.journal("llama-server-front-release.service")
+    assert '"outcome": "recovered"' in journal, journal[-2000:]
+
+
+def test_a_start_after_a_killed_deploy_holds_until_the_watcher_has_recovered(
+    system: System, fronted: dict[str, Any]
+) -> None:
+    before = system.bed.read(ENV_FILE)
+    watcher = "llama-server-front-release.path"
+    system.bed.systemctl("stop", watcher)  # the deploy then holds nothing, and nothing recovers
+    killed_at_gate(system, "set", "-t", "3")
+    system.bed.systemctl("start", watcher)
+    # a start with the transaction pending and its lock free (a reboot, a crash restart):
+    # prestart reverts the env file and records the hold; the watcher recovers, releases
+    system.bed.systemctl("restart", "llama-server.service")
+    code, body = system.bed.chat(PORT)
+    assert code == 200, body
+    recovered(system)
+    assert system.bed.read(ENV_FILE) == before
+    journal = system.bed.journal("llama-server.service")
+    assert "its requests are held until the gate" in journal, journal[-3000:]
