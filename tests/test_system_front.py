@@ -13,11 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_system_scope import (  # noqa: F401 (the fixtures `system`, tool, wheelhouse)
+from test_system_scope import (  # noqa: F401 (the fixtures placed, `system`, tool, wheelhouse)
     EXPOSURE_LIMIT,
     PORT,
     TIMEOUTS,
     System,
+    placed_step2,
     system_after_step1,
     tool,
     wheelhouse,
@@ -29,9 +30,10 @@ BED = "llf"
 
 
 @pytest.fixture(scope="module")
-def fronted(system: System) -> dict[str, Any]:
-    rc, out = system.cli_json(
-        "install", *system.flags(), "-c", "4096", "-np", "2", "--front", "haproxy"
+def fronted(placed: System) -> dict[str, Any]:
+    """README steps 1 and 2, then install with the front (step 7)."""
+    rc, out = placed.cli_json(
+        "install", *placed.flags(), "-c", "4096", "-np", "2", "--front", "haproxy"
     )
     assert (rc, out.get("outcome")) == (0, "deployed"), out
     return out

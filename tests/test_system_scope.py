@@ -192,8 +192,8 @@ def step3() -> list[str]:
     return words[1:]
 
 
-@pytest.fixture(scope="module")
-def placed(system: System) -> System:
+@pytest.fixture(scope="module", name="placed")
+def placed_step2(system: System) -> System:
     """README step 2, as written."""
     system.sh(*readme_block(2))
     return system
