@@ -21,12 +21,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from launcher.cli import main
+from launcher.deploy.front import Front
 
 ACTIONS = ("kill", "pause", "stop", "kill-front", "truncate-slots")
 
 
 def kill_front() -> None:
-    unit = os.environ["LLAMA_LAUNCHER_UNIT"].removesuffix(".service") + "-front.service"
+    unit = Front(Path("."), os.environ["LLAMA_LAUNCHER_UNIT"]).service
     scope = ["--user"] if os.environ.get("LLAMA_LAUNCHER_SCOPE", "user") == "user" else []
     out = subprocess.run(
         ["systemctl", *scope, "show", "-p", "MainPID", "--value", unit],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -13,6 +14,8 @@ from pathlib import Path
 
 import pytest
 from conftest import Host
+
+from launcher.deploy import home
 
 BAD_TEMPLATE = (
     "{% for message in messages %}{% if message['content'] == 'Say OK.' %}"
@@ -250,6 +253,21 @@ def test_sighup_during_the_gate_rolls_back(host: Host) -> None:
     assert out["failure"]["class"] == "interrupted"
     assert host.env_file.read_text() == good
     assert host.chat()["usage"]["completion_tokens"] > 0
+
+
+def test_uninstall_waits_for_the_units_lock(host: Host) -> None:
+    """A deploy (or the front's release watcher) holding the lock is not taken apart under:
+    uninstall waits for the lock like another deploy, and gives up the same way."""
+    installed(host)
+    fd = os.open(home.lock_path("user", host.unit), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        rc, out = host.cli_json("uninstall", env={"LLAMA_LAUNCHER_LOCK_TIMEOUT": "0.5"})
+    finally:
+        os.close(fd)
+    assert (rc, out["error"]) == (5, "LockTimeout"), out
+    assert (host.sandbox.unit_dir / host.unit).exists()
+    assert host.state()["ActiveState"] == "active"
 
 
 def test_second_deploy_waits_for_the_lock_then_gives_up(host: Host) -> None:

@@ -6,24 +6,29 @@ HAProxy 2.6."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import realserver
-from conftest import Host
+from conftest import Host, Sandbox
 from test_handover import HISTORY, completion, front_stat, installed, result_of
 
-from launcher.deploy.front import Front, FrontSpec
+from launcher.deploy import store
+from launcher.deploy.front import Front, FrontError, FrontSpec, Hold
+from launcher.host import units
 
 FAULTS = str(Path(__file__).with_name("faults.py"))
 
@@ -204,6 +209,198 @@ def test_a_front_without_its_release_watcher_is_not_held(fronted: Host) -> None:
     assert (rc, out["outcome"]) == (0, "deployed"), out
     assert out["handover"]["front"]["held"] is False
     assert any("release watcher" in w and "install --front haproxy" in w for w in out["warnings"])
+
+
+class RefusingAPI(threading.Thread):
+    """A runtime API at the front's socket path that refuses every command, as HAProxy
+    answers a command it will not run; it counts the connections it answered."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(daemon=True)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(str(path))
+        self.sock.listen(16)
+        self.sock.settimeout(0.05)
+        self.stop, self.answered = threading.Event(), 0
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.recv(4096)
+                conn.sendall(b"Permission denied.\n")
+            self.answered += 1
+
+    def close(self) -> None:
+        self.stop.set()
+        self.join(10)
+        self.sock.close()
+
+
+def lock_waiters(pid: int) -> list[str]:
+    """The flock requests process ``pid`` waits on (/proc/locks' blocked lines, ``->``)."""
+    lines = Path("/proc/locks").read_text().splitlines()
+    return [line for line in lines if "->" in line and f" {pid} " in line]
+
+
+def test_a_recheck_after_the_release_leaves_no_record_behind(fronted: Host) -> None:
+    host = fronted
+    the_front = front_of(host)
+    host.sandbox.systemctl("stop", the_front.release_path)  # only the test changes the record
+    hold = the_front.hold(600)
+    # what a process that read the record before HAProxy restarted and before the release
+    # holds: it sees a new HAProxy, and must not pause it nor write the record back
+    stale = replace(hold, front="1:1")
+    the_front.release()
+    assert the_front.recheck(stale, "a late recheck") == stale
+    assert not the_front.hold_path.exists()
+    assert front_stat(host)["status"] == "OPEN"
+
+
+def test_a_recheck_waits_for_the_record_lock_and_keeps_a_deadline_moved_meanwhile(
+    fronted: Host,
+) -> None:
+    host = fronted
+    the_front = front_of(host)
+    host.sandbox.systemctl("stop", the_front.release_path)  # only the test changes the record
+    now = time.time()
+    hold = Hold(os.getpid(), now, now + 600, front="1:1")  # paused before a HAProxy restart
+    store.write_json(the_front.hold_path, hold.to_dict())
+    recheck = (
+        "import sys; from pathlib import Path; from launcher.deploy.front import Front, Hold; "
+        f"f = Front(Path({str(host.state_dir)!r}), {host.unit!r}); "
+        f"f.recheck(Hold.from_dict({hold.to_dict()!r}), 'another process')"
+    )
+    fd = os.open(the_front.hold_lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        child = subprocess.Popen([sys.executable, "-c", recheck], env=host.env)
+        deadline = time.monotonic() + 60
+        while not lock_waiters(child.pid):
+            assert child.poll() is None, "the recheck wrote the record without the lock"
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        moved = replace(hold, deadline=hold.deadline + 300)  # held again meanwhile
+        store.write_json(the_front.hold_path, moved.to_dict())
+    finally:
+        os.close(fd)
+    assert child.wait(60) == 0
+    latest = the_front.holding()
+    assert latest is not None
+    assert latest.deadline == moved.deadline, "a deadline moved meanwhile was written back"
+    assert [e["noticed_by"] for e in latest.restarts] == ["another process"]
+    the_front.release()
+
+
+def test_the_watcher_tries_again_a_release_that_failed(fronted: Host) -> None:
+    host = fronted
+    the_front = front_of(host)
+    host.sandbox.systemctl("stop", the_front.release_path)  # the test runs the watcher
+    the_front.hold(600)  # a holder gone without its lock (this test takes none)
+    real = the_front.admin_socket.with_name("admin.sock.real")
+    the_front.admin_socket.rename(real)
+    api = RefusingAPI(the_front.admin_socket)
+    api.start()
+    try:
+        watcher = subprocess.Popen(
+            [sys.executable, "-m", "launcher", "front-release", "--json"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=host.env,
+        )
+        # a round asks four times (the watcher's recheck, the recovery's): two rounds of
+        # refusals, or a watcher that stopped trying
+        deadline = time.monotonic() + 60
+        while api.answered < 8 and watcher.poll() is None:
+            assert time.monotonic() < deadline, api.answered
+            time.sleep(0.05)
+    finally:
+        api.close()
+        the_front.admin_socket.unlink(missing_ok=True)
+        real.rename(the_front.admin_socket)
+    rc, out = result_of(watcher)
+    assert (rc, out["outcome"]) == (0, "recovered"), out
+    assert not the_front.hold_path.exists(), "the watcher ended with the front still held"
+    assert front_stat(host)["status"] == "OPEN"
+
+
+def test_recover_releases_a_front_paused_with_no_hold_recorded(fronted: Host) -> None:
+    host = fronted
+    the_front = front_of(host)
+    assert the_front.command("disable frontend public").strip() == ""
+    assert not the_front.hold_path.exists()
+    rc, out = host.cli_json("status")
+    assert out["front"]["state"] == "held", out["front"]
+    rc, out = host.cli_json("recover")
+    assert rc == 0, out
+    assert "released" in out["recovered"]["front"], out
+    assert front_stat(host)["status"] == "OPEN"
+
+
+def test_install_with_another_public_address_is_refused_naming_the_reinstall(
+    fronted: Host,
+) -> None:
+    host = fronted
+    spec = front_of(host).spec()
+    rc, out = host.install("-c", "8192", "-np", "2", "--front", "haproxy", "--port", "1")
+    assert rc == 2, out
+    assert "uninstall" in out["message"] and f"127.0.0.1:{host.port}" in out["message"], out
+    assert front_of(host).spec() == spec
+    assert chat_status(host.url, 30)[0] == 200
+
+
+def test_an_instances_front_is_no_instance_of_the_template(tmp_path: Path) -> None:
+    the_front = Front(tmp_path, "llama-server@chat.service", "system")
+    names = [the_front.service, the_front.socket_unit, the_front.release_path]
+    names.append(the_front.release_service)
+    assert names == [
+        "llama-server-chat-front.service",
+        "llama-server-chat-front.socket",
+        "llama-server-chat-front-release.path",
+        "llama-server-chat-front-release.service",
+    ]
+    assert the_front.admin_socket == Path("/run/llama-server-chat-front/admin.sock")
+    assert Front(tmp_path, "llama-server.service").service == "llama-server-front.service"
+
+
+def test_a_front_spec_with_an_unknown_key_is_a_front_error(tmp_path: Path) -> None:
+    the_front = Front(tmp_path, "llama-server.service")
+    spec = FrontSpec("127.0.0.1", 8080, "127.0.0.1", 18080)
+    the_front.save_spec(spec)
+    assert the_front.spec() == spec
+    store.write_json(the_front.spec_path, {**spec.to_dict(), "public": "x"})
+    with pytest.raises(FrontError, match="no front spec"):
+        the_front.spec()
+
+
+def test_the_watchers_exec_line_keeps_each_path_one_word_as_systemd_reads_it(
+    sandbox: Sandbox, tmp_path: Path
+) -> None:
+    """install writes the watcher's --env-file and --state-dir into its ``ExecStart=``: a
+    path with a space, a %, a $, a quote or a backslash is still one word to systemd."""
+    words = [str(tmp_path / "state dir"), "100%i", "$HOME", 'say "hi"', "back\\slash", "plain"]
+    out, script = tmp_path / "argv.json", tmp_path / "argv.py"
+    script.write_text(
+        f"import json, sys\nopen({str(out)!r}, 'w').write(json.dumps(sys.argv[1:]))\n"
+    )
+    text = Front(tmp_path, "ll-words.service").release_service_text(
+        sys.executable, "/nonexistent", ["--state-dir", words[0]]
+    )
+    assert f"--state-dir {units.exec_word(words[0])} --json" in text
+    unit = sandbox.unit_dir / "ll-exec-words.service"
+    line = " ".join(units.exec_word(w) for w in [sys.executable, str(script), *words])
+    unit.write_text(f"[Service]\nType=oneshot\nExecStart={line}\n")
+    try:
+        sandbox.systemctl("daemon-reload")
+        sandbox.systemctl("start", unit.name)
+        assert json.loads(out.read_text()) == words
+    finally:
+        unit.unlink()
+        sandbox.systemctl("daemon-reload")
 
 
 # -- 2. every restart of a fronted unit holds ----------------------------------------------

@@ -42,10 +42,12 @@ paused again, and what it let through unheld is recorded in the hold.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import socket
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -118,11 +120,15 @@ class Front:
         self.dir = state_dir / "front"
         self.unit = unit
         self.scope: Literal["system", "user"] = scope
-        self.base = unit.removesuffix(".service")
-        self.service = f"{self.base}-front.service"
-        self.socket_unit = f"{self.base}-front.socket"
-        self.release_path = f"{self.base}-front-release.path"
-        self.release_service = f"{self.base}-front-release.service"
+        #: the front's units are named after the unit, outside the llama-server template:
+        #: ``llama-server@chat-front.service`` would be an instance of it, and every
+        #: ``llama-server@.service.d/`` drop-in would apply to HAProxy and the watcher
+        self.base = unit.removesuffix(".service").replace("@", "-", 1) + "-front"
+        self.service = f"{self.base}.service"
+        self.socket_unit = f"{self.base}.socket"
+        self.release_path = f"{self.base}-release.path"
+        self.release_service = f"{self.base}-release.service"
+        self._lock_depth = 0  # how deep this object holds front/hold.lock (_hold_locked)
 
     @property
     def spec_path(self) -> Path:
@@ -137,12 +143,17 @@ class Front:
         """The runtime API. In system scope HAProxy runs as a user of its own that cannot
         enter the root-only state folder: the socket is in its ``RuntimeDirectory=``."""
         if self.scope == "system":
-            return Path("/run") / f"{self.base}-front" / "admin.sock"
+            return Path("/run") / self.base / "admin.sock"
         return self.dir / "admin.sock"
 
     @property
     def hold_path(self) -> Path:
         return self.dir / "hold.json"
+
+    @property
+    def hold_lock_path(self) -> Path:
+        """The lock every read-modify-write of ``hold.json`` is made under (``_hold_locked``)."""
+        return self.dir / "hold.lock"
 
     def spec(self) -> FrontSpec | None:
         """The front's spec, or None when this unit has no front."""
@@ -152,7 +163,13 @@ class Front:
             return None
         except (OSError, ValueError) as e:
             raise FrontError(f"cannot read {self.spec_path}: {e}; move it aside") from e
-        return FrontSpec(**data)
+        try:
+            return FrontSpec(**data)
+        except TypeError as e:  # a key missing or unknown (a hand edit), or not an object
+            raise FrontError(
+                f"{self.spec_path} is no front spec ({e}); move it aside and run install "
+                "--front haproxy again"
+            ) from e
 
     def save_spec(self, spec: FrontSpec) -> None:
         store.write_json(self.spec_path, spec.to_dict())
@@ -335,18 +352,27 @@ WantedBy=paths.target
 
     def release_service_text(self, python: str, package_dir: str, where: list[str]) -> str:
         """The watcher: ``llama-launcher front-release`` with the unit's settings
-        (``where``: ``--unit ... --scope ... --env-file ... --state-dir ...``), run by the
-        tool's own interpreter (the unit's ``python -S`` lacks its dependencies)."""
+        (``where``: the words ``--unit NAME --scope ... --env-file ... --state-dir ...``), run
+        by the tool's own interpreter (the unit's ``python -S`` lacks its dependencies); each
+        word quoted as systemd reads ``ExecStart=`` (``units.exec_word``)."""
+        argv = " ".join(units.exec_word(w) for w in [python, "-m", "launcher", "front-release"])
+        words = " ".join(units.exec_word(w) for w in [*where, "--json"])
         return f"""\
 # Rendered by llama-launcher: releases the front of {self.unit} when the holder is gone
 # (it recovers the holder's transaction first) or when the hold outlives its deadline.
 [Unit]
 Description=release watcher of the front of {self.unit} (llama-launcher)
+# its path unit starts it while a hold is recorded, and must never be refused a start: a
+# watcher that gave up would leave the front paused
+StartLimitIntervalSec=0
 
 [Service]
 Type=exec
 Environment=PYTHONPATH={package_dir}
-ExecStart={python} -m launcher front-release {" ".join(where)} --json
+ExecStart={argv} {words}
+# a release that failed (HAProxy not answering) is tried again, every 5 s
+Restart=on-failure
+RestartSec=5
 """
 
     # -- the runtime API -------------------------------------------------------------------
@@ -425,6 +451,33 @@ ExecStart={python} -m launcher front-release {" ".join(where)} --json
         except (OSError, ValueError, KeyError, TypeError):
             return Hold(0, 0.0, 0.0)
 
+    @contextlib.contextmanager
+    def _hold_locked(self) -> Iterator[None]:
+        """Hold ``front/hold.lock`` (``flock``, exclusive). Several processes change the
+        record (a deployer, the release watcher, a recovery, the unit's prestart step): each
+        reads it again under this lock and writes or removes it before letting go, so none
+        writes back a deadline another just moved or re-creates a record another just
+        removed. Sections are short (a file, at most three runtime-API commands of 5 s
+        each); the lock dies with its holder. Re-entered by the same object, it is held once."""
+        if self._lock_depth:
+            self._lock_depth += 1
+            try:
+                yield
+            finally:
+                self._lock_depth -= 1
+            return
+        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(self.hold_lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            self._lock_depth = 1
+            try:
+                yield
+            finally:
+                self._lock_depth = 0
+        finally:
+            os.close(fd)
+
     def hold(self, seconds: float) -> Hold:
         """Stop accepting: new connections wait in the socket unit's listen backlog. The
         hold is recorded first (``mark_held``), so that the release watcher releases the
@@ -439,7 +492,7 @@ ExecStart={python} -m launcher front-release {" ".join(where)} --json
                 self._start()
                 self._expect_empty(f"disable frontend {FRONTEND}")
             except FrontError:
-                self.hold_path.unlink(missing_ok=True)
+                self._drop(hold)
                 raise
         return self._paused(hold)
 
@@ -452,24 +505,38 @@ ExecStart={python} -m launcher front-release {" ".join(where)} --json
     def mark_held(self, seconds: float) -> Hold:
         """Record a hold by this process for ``seconds`` (taking over a recorded one: the
         deadline moves, when it began and what was seen are kept)."""
-        now = time.time()
         old = self.holding()
         if old is not None and old.pid:
             with contextlib.suppress(FrontError):
-                old = self.recheck(old, "the next holder")
-        hold = Hold(os.getpid(), now, now + seconds)
-        if old is not None and old.pid:
-            hold = replace(hold, since=old.since, front=old.front, restarts=old.restarts)
-        self._record(hold)
+                self.recheck(old, "the next holder")
+        with self._hold_locked():
+            now = time.time()
+            old = self.holding()
+            hold = Hold(os.getpid(), now, now + seconds)
+            if old is not None and old.pid:
+                hold = replace(hold, since=old.since, front=old.front, restarts=old.restarts)
+            self._record(hold)
         return hold
 
     def _paused(self, hold: Hold) -> Hold:
         try:
-            hold = replace(hold, front=self.identity())
+            identity = self.identity()
         except FrontError:
             return hold  # paused; the next recheck learns which process it is
-        self._record(hold)
+        with self._hold_locked():
+            latest = self.holding()
+            if latest is None or (latest.pid, latest.deadline) != (hold.pid, hold.deadline):
+                return latest or hold  # released or held again meanwhile: theirs stands
+            hold = replace(latest, front=identity)
+            self._record(hold)
         return hold
+
+    def _drop(self, hold: Hold) -> None:
+        """Remove the record of ``hold`` (not one another holder wrote since)."""
+        with self._hold_locked():
+            latest = self.holding()
+            if latest is not None and (latest.pid, latest.deadline) == (hold.pid, hold.deadline):
+                self.hold_path.unlink(missing_ok=True)
 
     def _start(self) -> str:
         """Start HAProxy (a restart systemd has pending starts now) and wait until a live
@@ -489,7 +556,8 @@ ExecStart={python} -m launcher front-release {" ".join(where)} --json
         unit starts one from the config on disk, not paused) is paused again, and what it
         let through is recorded (its requests and 5xx answers so far, how long it ran).
         ``start``: a HAProxy that is down (killed, its restart pending) is started first,
-        for a caller that is about to use it."""
+        for a caller that is about to use it. The record is read again under the lock: a
+        hold released meanwhile is neither paused again nor recorded again."""
         try:
             now = self.identity()
         except FrontError:
@@ -498,14 +566,17 @@ ExecStart={python} -m launcher front-release {" ".join(where)} --json
             now = self._start()
         if now == hold.front:
             return hold
-        self._expect_empty(f"disable frontend {FRONTEND}")
-        latest = self.holding() or hold
-        if latest.front == now:
-            return latest  # another process noticed it first
-        event = {"pid_before": _pid(latest.front), "pid_after": _pid(now), "noticed_by": by}
-        event.update(self.unheld(now))
-        latest = replace(latest, front=now, restarts=(*latest.restarts, event))
-        self._record(latest)
+        with self._hold_locked():
+            latest = self.holding()
+            if latest is None:
+                return hold  # released meanwhile: nothing holds, nothing to record
+            if latest.front == now:
+                return latest  # another process noticed it first
+            self._expect_empty(f"disable frontend {FRONTEND}")
+            event = {"pid_before": _pid(latest.front), "pid_after": _pid(now), "noticed_by": by}
+            event.update(self.unheld(now))
+            latest = replace(latest, front=now, restarts=(*latest.restarts, event))
+            self._record(latest)
         return latest
 
     def unheld(self, identity: str) -> dict[str, int]:
@@ -528,12 +599,34 @@ ExecStart={python} -m launcher front-release {" ".join(where)} --json
     def release(self) -> None:
         """Accept again (the held connections are served), then drop the hold's record. A
         HAProxy that is down holds nobody (its socket unit starts it unpaused)."""
+        with self._hold_locked():
+            self._enable()
+            self.hold_path.unlink(missing_ok=True)
+
+    def release_due(self) -> Hold | None:
+        """The recorded hold, released when its deadline has passed (read again under the
+        lock: a holder that held again meanwhile moved it); None when it has not passed or
+        no hold is recorded."""
+        with self._hold_locked():
+            hold = self.holding()
+            if hold is None or time.time() < hold.deadline:
+                return None
+            self._enable()
+            self.hold_path.unlink(missing_ok=True)
+            return hold
+
+    def _enable(self) -> None:
         try:
             self._expect_empty(f"enable frontend {FRONTEND}")
-        except FrontError:
-            if Systemd(self.service, self.scope).state().active == "active":
+        except FrontError as e:
+            try:
+                active = Systemd(self.service, self.scope).state().active
+            except LauncherError as down:
+                raise FrontError(
+                    f"{e}; and systemd did not say whether {self.service} runs: {down}"
+                ) from down
+            if active == "active":
                 raise
-        self.hold_path.unlink(missing_ok=True)
 
     def _record(self, hold: Hold) -> None:
         store.write_json(self.hold_path, hold.to_dict(), durable=False)

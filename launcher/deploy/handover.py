@@ -510,6 +510,19 @@ def front_drain(front: Front, timeout: float) -> str:
     return drain.wait_idle(None, timeout, front_in_flight=_safe_count(front.in_flight)).describe()
 
 
+def left_held(state_dir: Path, unit: str, scope: Scope) -> bool:
+    """Whether the front is held with no transaction to recover: a hold recorded (its
+    holder died after the transaction ended, or could not release), or a front paused with
+    no record (``status`` says the next run that takes the lock releases it)."""
+    front = Front(state_dir, unit, scope)
+    if front.holding() is not None:
+        return True
+    try:
+        return front.spec() is not None and front.held()
+    except FrontError:
+        return False  # no front, or its HAProxy is down: nobody is held
+
+
 def recover(state_dir: Path, unit: str, scope: Scope, txn: dict[str, Any]) -> dict[str, Any]:
     """After a recovery (or a deployer killed while holding): the front pointed at the
     restored server config (the record's old spec) and released if it is held."""

@@ -10,8 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from launcher import config
-from launcher.deploy import front, home, store
+from launcher import config, waits
+from launcher.deploy import budgets, front, home, store
 from launcher.deploy.gate import Progress
 from launcher.deploy.result import Result
 from launcher.deploy.transaction import Deployer
@@ -244,6 +244,10 @@ def install(
         require_haproxy()
     require_root(settings)
     require_linger(settings)
+    the_front = front.Front(home.state_dir(settings), settings.unit_name, settings.scope)
+    spec = the_front.spec()
+    if front_kind == "haproxy":
+        require_same_public(the_front, spec, cfg)
     env_file = settings.resolved_env_file()
     if template:
         _check_template(settings, env_file, settings.resolved_unit_dir())
@@ -267,8 +271,6 @@ def install(
     state_dir = home.state_dir(settings)
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(state_dir, 0o700)
-    the_front = front.Front(state_dir, settings.unit_name, settings.scope)
-    spec = the_front.spec()
     if front_kind == "haproxy":
         spec = _front_spec(cfg, spec)
         # llama-server listens on the private address; the front holds the config's one
@@ -296,24 +298,45 @@ def install(
     return result
 
 
+def require_same_public(
+    the_front: front.Front, old: front.FrontSpec | None, cfg: config.ServerConfig
+) -> None:
+    """A front already installed keeps its public address: its socket unit holds the old
+    one, and ``systemctl start`` of an active socket binds nothing new. Another address is
+    refused (exit 2) before anything is written."""
+    if old is None or (old.public_host, old.public_port) == (cfg.host, cfg.port):
+        return
+    raise ConfigInvalid(
+        f"--front haproxy: the front of {the_front.unit} listens on "
+        f"{old.public_host}:{old.public_port} ({the_front.socket_unit}); install cannot move "
+        f"it to {cfg.host}:{cfg.port}. Run `llama-launcher uninstall` (it keeps the "
+        "generations), then install --front haproxy again with the new address, or install "
+        f"with --host {old.public_host} --port {old.public_port}; nothing was changed"
+    )
+
+
 def _front_spec(cfg: config.ServerConfig, old: front.FrontSpec | None) -> front.FrontSpec:
     """The config's address becomes the public one; the private one is kept across
-    re-installs (the server may be listening on it)."""
-    host = "127.0.0.1"
-    if old is not None and (old.public_host, old.public_port) == (cfg.host, cfg.port):
-        return old
+    re-installs (the server may be listening on it; ``require_same_public`` refused a
+    public address that moved)."""
     if old is not None:
-        return front.FrontSpec(cfg.host, cfg.port, old.private_host, old.private_port)
+        return old
+    host = "127.0.0.1"
     return front.FrontSpec(cfg.host, cfg.port, host, front.free_port(host))
 
 
 def _where(settings: config.ToolSettings) -> list[str]:
-    """The settings options that name this unit's files, for a unit that runs the CLI."""
+    """The settings options that name this unit's files, for a unit that runs the CLI (the
+    words; the unit's text quotes each)."""
     return [
-        f"--unit {settings.unit_name}",
-        f"--scope {settings.scope}",
-        f"--env-file {settings.resolved_env_file()}",
-        f"--state-dir {home.state_dir(settings)}",
+        "--unit",
+        settings.unit_name,
+        "--scope",
+        settings.scope,
+        "--env-file",
+        str(settings.resolved_env_file()),
+        "--state-dir",
+        str(home.state_dir(settings)),
     ]
 
 
@@ -421,7 +444,23 @@ def uninstall(
     require_root(settings)
     systemd = systemd or Systemd(settings.unit_name, settings.scope)
     state = home.state_dir(settings)  # before the record beside the env file goes
+    # under the unit's lock: no deploy, recovery or release watcher restarts the unit
+    # while it is taken apart (a deploy in progress is waited for, as another deploy would)
+    st = store.Store(state, home.lock_path(settings.scope, settings.unit_name))
+    wait = budgets.lock_wait(settings, waits.Waits.from_settings(settings), budgets.last_load(st))
+    with st.lock(wait):
+        return _uninstall(settings, purge, systemd, state)
+
+
+def _uninstall(
+    settings: config.ToolSettings, purge: bool, systemd: Systemd, state: Path
+) -> dict[str, Any]:
     done: dict[str, Any] = {}
+    # the front's release watcher first: it takes the lock and restarts the unit once we
+    # let go of it, and its path unit starts it again while a hold is recorded
+    watcher = _front_units(settings)[:2]
+    if _stop_units(systemd, watcher):
+        done["stopped_watcher"] = [name for name, _ in watcher]
     try:
         systemd.stop()
         done["stopped"] = settings.unit_name
@@ -508,7 +547,8 @@ def _remove_empty(settings: config.ToolSettings, env_file: Path, state: Path) ->
     return removed
 
 
-def _uninstall_front(settings: config.ToolSettings, systemd: Systemd) -> dict[str, Any]:
+def _front_units(settings: config.ToolSettings) -> list[tuple[str, Path]]:
+    """The front's units and their files: the release watcher's path and service first."""
     the_front = front.Front(home.state_dir(settings), settings.unit_name, settings.scope)
     unit_dir = settings.resolved_unit_dir()
     names = [
@@ -517,15 +557,29 @@ def _uninstall_front(settings: config.ToolSettings, systemd: Systemd) -> dict[st
         the_front.service,
         the_front.socket_unit,
     ]
-    files = [unit_dir / name for name in names]
-    if not any(f.exists() for f in files):
-        return {}
-    for unit in names:
+    return [(name, unit_dir / name) for name in names]
+
+
+def _stop_units(systemd: Systemd, units_files: list[tuple[str, Path]]) -> bool:
+    """``systemctl disable --now`` of the units whose files are installed; whether any was."""
+    installed = [name for name, f in units_files if f.exists()]
+    for unit in installed:
         systemd.run(
             [*sock_ctl(systemd), "disable", "--now", "--", unit], check=False, env=systemd.env
         )
+    return bool(installed)
+
+
+def _uninstall_front(settings: config.ToolSettings, systemd: Systemd) -> dict[str, Any]:
+    the_front = front.Front(home.state_dir(settings), settings.unit_name, settings.scope)
+    units_files = _front_units(settings)
+    files = [f for _, f in units_files]
+    if not any(f.exists() for f in files):
+        return {}
+    _stop_units(systemd, units_files[2:])
     for f in files:
         f.unlink(missing_ok=True)
     the_front.spec_path.unlink(missing_ok=True)
     the_front.hold_path.unlink(missing_ok=True)
+    the_front.hold_lock_path.unlink(missing_ok=True)
     return {"removed_front": [str(f) for f in files]}

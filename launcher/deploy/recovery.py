@@ -202,11 +202,13 @@ class Reverter:
         return folders
 
     def release_held(self) -> dict[str, Any]:
-        """No transaction to recover, but a hold recorded (its holder died after the
-        transaction ended, or could not release): released."""
-        if Front(self.store.root, self.systemd.unit, self.systemd.scope).holding() is None:
+        """No transaction to recover, but the front held (a hold recorded whose holder died
+        after the transaction ended or could not release, or a front paused with no
+        record): released."""
+        where = (self.store.root, self.systemd.unit, self.systemd.scope)
+        if not handover.left_held(*where):
             return {}
-        return handover.recover(self.store.root, self.systemd.unit, self.systemd.scope, {})
+        return handover.recover(*where, {})
 
     def restored_or_raise(self, report: dict[str, Any] | None) -> dict[str, Any] | None:
         """``report`` of ``recover``; ``RollbackFailed`` when the restored config failed its

@@ -235,6 +235,22 @@ def site_dropin(site: Site, shared: Site) -> str | None:
     )
 
 
+def exec_word(word: str) -> str:
+    """One word of an ``ExecStart=`` line, written so that systemd reads it back as it is
+    (systemd.service(5), "Command lines"): ``%`` and ``$`` doubled (a specifier, a
+    variable), and a word holding a space, a quote, a backslash or a control character in
+    double quotes, with C escapes. For a concrete value: a ``%i`` meant as a specifier is
+    not one."""
+    word = word.replace("%", "%%").replace("$", "$$")
+    if word and not any(c.isspace() or c in "\"'\\;" or not c.isprintable() for c in word):
+        return word
+    escaped = "".join(_ESCAPES.get(c, c) for c in word)
+    return f'"{escaped}"'
+
+
+_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\t": "\\t", "\r": "\\r"}
+
+
 def key_stage_path(state_dir: str) -> str:
     """Where the prestart step copies the API key for the unit's ``LoadCredential=``: in the
     state folder (root only), because systemd loads the credentials for the ExecStartPre=
