@@ -123,9 +123,15 @@ def test_a_start_after_a_killed_deploy_holds_until_the_watcher_has_recovered(
     # a start with the transaction pending and its lock free (a reboot, a crash restart):
     # prestart reverts the env file and records the hold; the watcher recovers, releases
     system.bed.systemctl("restart", "llama-server.service")
+    started = system.bed.show("llama-server.service", "InvocationID", "MainPID")
     code, body = system.bed.chat(PORT)
     assert code == 200, body
     recovered(system)
     assert system.bed.read(ENV_FILE) == before
     journal = system.bed.journal("llama-server.service")
     assert "its requests are held until the gate" in journal, journal[-3000:]
+    # the watcher gated that start, which runs the previous config: the model loaded once
+    now = system.bed.show("llama-server.service", "InvocationID", "MainPID")
+    assert now == started, "the watcher restarted the start prestart had reverted"
+    watcher = system.bed.journal("llama-server-front-release.service")
+    assert "gated the start that runs it" in watcher, watcher[-3000:]

@@ -33,11 +33,6 @@ from launcher.deploy import front, store
 from launcher.errors import StoreError
 from launcher.host import envfile
 
-#: How long the hold of a start that reverted may last when the record does not say (one
-#: deploy's budget at the defaults: drain 120 s, stop 95 s, start 120 s, health 300 s,
-#: probe 60 s).
-DEFAULT_HOLD = 695.0
-
 _USAGE = (
     "usage: llama-launcher prestart --env-file PATH --state-dir DIR [--lock PATH] "
     "[--stage-key PATH]"
@@ -78,14 +73,21 @@ def revert_pending(env_file: Path, state_dir: Path, lock: Path | None = None) ->
 
 def hold_front(state_dir: Path, txn: dict[str, Any]) -> str:
     """The front's previous config back (the record names it) and its requests held for
-    the recovery the release watcher runs next; what was done."""
+    the recovery the release watcher runs next, for the budget the deploy recorded; what
+    was done."""
     old = txn.get("front")
     if not isinstance(old, dict) or not old.get("unit"):
         return ""
     the_front = front.Front(state_dir, str(old["unit"]), "system")
+    budget = txn.get("budget")
     try:
         the_front.put_back(txn)
-        hold = the_front.mark_held(float(txn.get("budget") or DEFAULT_HOLD))
+        if not isinstance(budget, int | float) or isinstance(budget, bool):
+            return (
+                "; the front's previous config is back; the record names no budget (every "
+                "deploy writes one), so requests are not held"
+            )
+        hold = the_front.mark_held(float(budget))
     except (OSError, StoreError) as e:
         return f"; the front's config could not be put back ({e}): requests are not held"
     try:
@@ -115,13 +117,22 @@ def _revert_locked(env_file: Path, txn_path: Path) -> str | None:
         live = env_file.read_bytes().decode("utf-8", "replace")
     except FileNotFoundError:
         live = None
-    if live == old_text:
-        return None  # nothing live was touched yet
-    store.swap_env(env_file, str(old_text), backup=False)
-    store.atomic_write(
-        txn_path, (json.dumps({**txn, "reverted_at_start": True}, indent=2) + "\n").encode()
-    )
+    reverted = live != old_text
+    if reverted:
+        store.swap_env(env_file, str(old_text), backup=False)
+    # this start runs the previous config: the recovery gates this process (systemd names
+    # its start INVOCATION_ID) instead of restarting it, which would load the model twice
+    started = {
+        **txn,
+        "reverted_at_start": True,
+        "start_invocation": os.environ.get("INVOCATION_ID"),
+    }
+    store.atomic_write(txn_path, (json.dumps(started, indent=2) + "\n").encode())
+    # the front's config too, also when the env file was already the old one (an undo
+    # killed between putting the env file back and the front's config)
     held = hold_front(txn_path.parent, txn)
+    if not reverted:
+        return f"{what}; the env file is the previous one already{held}" if held else None
     return (
         f"{what}; restored the env file of generation {txn.get('from')} before starting "
         f"(the next llama-launcher command finishes the recovery and gates it){held}"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -115,10 +116,16 @@ class Reverter:
             Front(self.store.root, self.systemd.unit, self.systemd.scope).put_back(txn)
 
     def restart_old(
-        self, number: Any, old_text: str | None, hold: Callable[[float], None] | None = None
+        self,
+        number: Any,
+        old_text: str | None,
+        hold: Callable[[float], None] | None = None,
+        running: UnitState | None = None,
     ) -> dict[str, Any]:
         """Start the restored config and gate it; never raises: the result says ``ok``.
-        ``hold``: called with the restart's budget before it (a fronted unit holds)."""
+        ``hold``: called with the restart's budget before it (a fronted unit holds).
+        ``running``: the unit's start that already runs the restored config (the prestart
+        step reverted before it): gated as it is, not restarted."""
         if old_text is None:
             try:
                 self.systemd.stop()
@@ -143,17 +150,50 @@ class Reverter:
             return self.systemd.state()
 
         try:
-            cursor, before = together(self.systemd.cursor, reset_then_state)
+            if running is not None:
+                cursor, before = self._since_start(running)
+            else:
+                cursor, before = together(self.systemd.cursor, reset_then_state)
             if hold is not None:
                 hold(budgets.restart_total(self.gate.waits, budget, before))
-            self.systemd.restart()
+            if running is None:
+                self.systemd.restart()
             key = keys.key_of_env(old_text, str(self.env_file))
             gate = self.gate(plan, cursor, before, key, self.argv_of(old_text), budget)
-            if number and gate.load is not None:
+            # a start gated part-way through its load measured no load
+            if number and gate.load is not None and running is None:
                 self._mark(int(number), load=gate.load.to_dict())
-            return {"ok": True, "startup": gate.startup, "timings": gate.timings}
+            out: dict[str, Any] = {"ok": True, "startup": gate.startup, "timings": gate.timings}
+            if running is not None:
+                out["note"] = (
+                    "gated the start that runs it (the unit's prestart step had put it back "
+                    "before that start); not restarted"
+                )
+            return out
         except LauncherError as e:  # a gate, a probe, systemctl or journalctl: reported
             return {"ok": False, "message": str(e)}
+
+    def _since_start(self, running: UnitState) -> tuple[str | None, UnitState]:
+        """The journal cursor before the start ``running`` (its first line: the prestart
+        step's) and the state "before" it: the gate then takes that start as the new
+        process, however far its load has come."""
+        cursor = self.systemd.invocation_cursor(running.invocation_id)
+        return cursor, replace(running, main_pid=0, invocation_id="")
+
+    def started_reverted(self, txn: dict[str, Any]) -> UnitState | None:
+        """The unit's start that the prestart step reverted the env file for (the record
+        names its invocation), while it still runs or loads; None otherwise (it is
+        restarted then)."""
+        invocation = txn.get("start_invocation")
+        if not txn.get("reverted_at_start") or not invocation:
+            return None
+        try:
+            state = self.systemd.state()
+        except LauncherError:
+            return None
+        if state.invocation_id != invocation or state.active not in ("active", "activating"):
+            return None
+        return state
 
     # -- a dead deployer's transaction -----------------------------------------------------
 
@@ -247,7 +287,10 @@ class Reverter:
             if phase not in BEFORE_RESTART:
                 report["action"] = "restored the previous env file and restarted it"
                 report["gate"] = self.restart_old(
-                    txn.get("from"), old_text, lambda seconds: report.update(self._hold(seconds))
+                    txn.get("from"),
+                    old_text,
+                    lambda seconds: report.update(self._hold(seconds)),
+                    self.started_reverted(txn),
                 )
             else:
                 report["action"] = "restored the previous env file (no restart had happened)"

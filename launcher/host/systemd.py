@@ -180,6 +180,23 @@ class Systemd:
                 continue
         return None
 
+    def invocation_cursor(self, invocation_id: str) -> str | None:
+        """A cursor to read one start of the unit from (``InvocationID``): its first entry,
+        which is never the startup line (an ``ExecStartPre=``'s line, or the server's
+        first), or the journal's end when that start has logged nothing yet."""
+        r = self.run(
+            ["journalctl", "--no-pager", "-o", "json", f"_SYSTEMD_INVOCATION_ID={invocation_id}"],
+            check=False,
+            timeout=30,
+            env=self.env,
+        )
+        for line in r.stdout.splitlines():
+            try:
+                return str(json.loads(line)["__CURSOR"])
+            except (ValueError, KeyError):
+                continue
+        return self.cursor()
+
     def messages(
         self, after_cursor: str | None, limit: int | None = None, skip_pid: int = 0
     ) -> tuple[list[str], str | None]:
