@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import ast
 import functools
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -112,33 +114,6 @@ def test_the_module_graph_has_no_loop() -> None:
     assert loops == []
 
 
-def test_the_units_standard_library_paths_import_only_the_standard_library() -> None:
-    """``python -S -m launcher exec`` and ``prestart`` (the unit's ExecStart and
-    ExecStartPre) run without site-packages: their modules may import nothing but the
-    standard library and each other."""
-    g = graph()
-    allowed = {
-        "launcher.host.launch",
-        "launcher.host.envfile",
-        "launcher.deploy.prestart",
-        "launcher.deploy.store",
-        "launcher.deploy.front",
-        "launcher.host.proc",
-        "launcher.host.systemd",
-        "launcher.host.units",
-        "launcher.errors",
-    }
-    for entry in ("launcher.host.launch", "launcher.deploy.prestart"):
-        seen, todo = set(), [entry]
-        while todo:
-            m = todo.pop()
-            if m in seen:
-                continue
-            seen.add(m)
-            todo += [t for t in g[m] if _imported_at_load(m, t)]
-        assert seen <= allowed, f"{entry} loads {sorted(seen - allowed)}"
-
-
 def _imported_at_load(module: str, target: str) -> bool:
     """Whether ``module`` imports ``target`` when it is loaded (top level, not in a function
     or under ``TYPE_CHECKING``)."""
@@ -151,3 +126,81 @@ def _imported_at_load(module: str, target: str) -> bool:
         elif isinstance(node, ast.Import) and target in {a.name for a in node.names}:
             return True
     return False
+
+
+#: The entry points of the unit's ``python -S`` paths (``exec``, ``prestart``).
+LEAN_ENTRIES = ("launcher.host.launch", "launcher.deploy.prestart")
+
+
+def loaded_by_lean_paths() -> set[str]:
+    """The package's modules ``python -S -m launcher exec`` and ``prestart`` load: what the
+    entry points import at load time, the entry point ``launcher.__main__`` and the
+    packages holding them (their ``__init__`` runs first)."""
+    g = graph()
+    seen: set[str] = set()
+    todo = list(LEAN_ENTRIES)
+    while todo:
+        m = todo.pop()
+        if m in seen:
+            continue
+        seen.add(m)
+        todo += [t for t in g[m] if _imported_at_load(m, t)]
+    packages = {".".join(m.split(".")[:n]) for m in seen for n in range(1, m.count(".") + 1)}
+    return seen | packages | {"launcher.__main__"}
+
+
+def test_the_units_standard_library_paths_import_only_the_standard_library() -> None:
+    """``python -S -m launcher exec`` and ``prestart`` (the unit's ExecStart and
+    ExecStartPre) run without site-packages: their modules may import nothing but the
+    standard library and each other."""
+    allowed = {
+        "launcher",
+        "launcher.__main__",
+        "launcher.deploy",
+        "launcher.host",
+        "launcher.host.launch",
+        "launcher.host.envfile",
+        "launcher.deploy.prestart",
+        "launcher.deploy.store",
+        "launcher.deploy.front",
+        "launcher.host.proc",
+        "launcher.host.systemd",
+        "launcher.host.units",
+        "launcher.errors",
+    }
+    seen = loaded_by_lean_paths()
+    assert seen <= allowed, f"the python -S paths load {sorted(seen - allowed)}"
+
+
+@pytest.mark.parametrize("module", sorted(loaded_by_lean_paths()))
+def test_what_the_python_s_paths_load_imports_no_third_party_module_at_load(module: str) -> None:
+    """Every module the unit's ``python -S`` paths load imports, when it is loaded, only the
+    standard library and the package (a third-party import fails there: no site-packages).
+    An import inside a function (``from launcher import waits``, tenacity's, for the lock
+    wait) runs only where the function is called, which these paths never do."""
+    tree = ast.parse(modules()[module].read_text())
+    allowed = sys.stdlib_module_names | {"launcher", "__future__"}
+    outside = sorted(n for n in _load_time_imports(tree.body) if n.split(".")[0] not in allowed)
+    assert outside == [], f"{module} imports {outside} when it is loaded"
+
+
+def _load_time_imports(body: list[ast.stmt]) -> Iterator[str]:
+    """The modules the statements import when they run: at the top level, in ``if``,
+    ``try`` and ``with`` blocks and class bodies, not in functions nor under
+    ``if TYPE_CHECKING:``."""
+    for node in body:
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            yield node.module if node.module and not node.level else "launcher"
+        elif isinstance(node, ast.If):
+            if not (isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"):
+                yield from _load_time_imports(node.body)
+            yield from _load_time_imports(node.orelse)
+        elif isinstance(node, ast.Try):
+            for block in (node.body, node.orelse, node.finalbody):
+                yield from _load_time_imports(block)
+            for handler in node.handlers:
+                yield from _load_time_imports(handler.body)
+        elif isinstance(node, ast.With | ast.ClassDef):
+            yield from _load_time_imports(node.body)
