@@ -16,9 +16,10 @@ from conftest import Host
 
 from launcher import config
 from launcher.config import validate
-from launcher.deploy import install, prestart
+from launcher.deploy import defaults, install, prestart
 from launcher.errors import ConfigInvalid, ValidationFailed
 from launcher.host import launch, service, units
+from launcher.host.systemd import Systemd
 
 # -- the unit --------------------------------------------------------------------------------
 
@@ -230,7 +231,7 @@ def test_the_package_the_unit_runs_from_is_read_from_its_pythonpath(
     unit = tmp_path / "llama-server.service"
     unit.write_text(f"[Service]\nEnvironment=PYTHONPATH=/nonexistent:{package}\nDynamicUser=yes\n")
     settings = config.ToolSettings(scope="system", unit_dir=tmp_path)
-    svc = validate.service_view(settings)
+    svc = defaults.target(settings, tmp_path / "state", Systemd(settings.unit_name)).view
     assert svc is not None and svc.package == str(package)
 
 

@@ -89,7 +89,9 @@ def _default_unit(ns: argparse.Namespace) -> str | None:
     """The unit whose journal is read: ``--unit``, ``--instance``'s, else (no log file and
     no stdin given) the configured one, as every other verb takes it."""
     if ns.instance:
-        return f"llama-server@{ns.instance}.service"
+        from launcher.cli.deploy import instance_unit
+
+        return instance_unit(ns.instance)
     if ns.unit or ns.log or ns.stdin:
         return str(ns.unit) if ns.unit else None
     from launcher import config

@@ -22,7 +22,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from launcher.errors import ConfigInvalid, OvercommitError
 from launcher.host import envfile
-from launcher.server import kvlayout
+from launcher.server import binary, kvlayout
 
 
 class CacheType(StrEnum):
@@ -361,33 +361,33 @@ def parse_flags(tokens: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
 
     Accepts ``--flag value`` and ``--flag=value``. Returns ``(fields, extra)``. A bare word
     right after a typed flag and its value (``-a coder model``: an alias the shell split) is
-    refused: llama-server would exit on it. After an unknown flag it goes to the extra list
-    (the flag may take it); the validation's ``flags`` step knows from ``--help``.
+    refused (``binary.stray_words`` by the typed flags' arity): llama-server would exit on
+    it. After an unknown flag it goes to the extra list (the flag may take it); the
+    validation's ``flags`` step judges it by the binary's ``--help``.
     """
+    for stray in binary.stray_words(_typed_arity, list(tokens), _typed):
+        raise ConfigInvalid(stray.message())
     fields: dict[str, Any] = {}
     extra: list[str] = []
-    typed: list[str] | None = None  # the typed flag just read, with its value
     i = 0
     while i < len(tokens):
         tok = tokens[i]
         name, eq, inline = tok.partition("=")
-        if typed is not None and not envfile.is_flag(tok):
-            raise ConfigInvalid(_stray(tok, typed))
         if name == "--allow-overcommit":  # the tool's own switch, never llama-server's
             fields["allow_overcommit"] = True
-            typed, i = [name], i + 1
+            i += 1
             continue
         flag = SPELLING.get(name)
         if flag is None:
             extra.append(tok)
-            typed, i = None, i + 1
+            i += 1
             continue
         if flag.kind == "switch":
             fields[flag.field] = True
-            typed, i = [tok], i + 1
+            i += 1
         elif flag.kind == "bool":
             fields[flag.field] = name not in flag.negative
-            typed, i = [tok], i + 1
+            i += 1
         else:
             if eq:
                 value, i = inline, i + 1
@@ -396,26 +396,17 @@ def parse_flags(tokens: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
             else:
                 raise ConfigInvalid(f"{name} needs a value, e.g. {name} {_example(flag.field)}")
             fields[flag.field] = _int(name, value) if flag.field in _INT_FIELDS else value
-            typed = [tok] if eq else [name, value]
     return fields, extra
 
 
-def _stray(word: str, typed: list[str]) -> str:
-    """A bare word after a typed flag: the quoting fix when it belongs to the value."""
-    name = typed[0].split("=", 1)[0]
-    if len(typed) == 1 and "=" not in typed[0]:
-        return (
-            f"{word!r} follows {name}, which takes no value: llama-server would exit on the "
-            f"stray word (invalid argument). Leave {word!r} out, or give it its flag"
-        )
-    value = typed[-1].split("=", 1)[1] if len(typed) == 1 else typed[1]
-    whole = f"{value} {word}"
-    return (
-        f"{word!r} follows {envfile.join_words(typed)}: {name} takes one value, and "
-        f"llama-server would exit on the stray word (invalid argument). If {whole!r} is one "
-        f"value, quote it as one word: {envfile.join_words([name, whole])} (the shell split "
-        f"it); otherwise leave {word!r} out"
-    )
+def _typed(name: str) -> bool:
+    """A flag of the typed config (or the tool's own switch): its arity is known here."""
+    return name == "--allow-overcommit" or name in SPELLING
+
+
+def _typed_arity(name: str) -> int:
+    flag = SPELLING.get(name)
+    return 1 if flag is not None and flag.kind == "value" else 0
 
 
 def _example(field: str) -> str:

@@ -97,14 +97,6 @@ def files_of(cfg: config.ServerConfig) -> list[tuple[str, Path]]:
     return files
 
 
-def service_view(settings: config.ToolSettings) -> service.ServiceView | None:
-    """The installed system unit's view, whose user must be able to read every file; None in
-    user scope or for a unit that runs as root (the service reads as the caller then)."""
-    if settings.scope != "system":
-        return None
-    return service.view(settings.resolved_unit_file(), settings.unit_name)
-
-
 @dataclass(frozen=True)
 class Validated:
     """A config that passed every step, with what the steps learned."""
@@ -259,27 +251,8 @@ def check_flags(info: binary.BinaryInfo, args: list[str]) -> None:
         raise ValidationFailed(
             "flags", f"{name} is not a flag of {info.path} ({info.name}); {hint}"
         )
-    for stray in binary.stray_words(info, args):
-        raise ValidationFailed("flags", stray_message(stray, info))
-
-
-def stray_message(stray: binary.Stray, info: binary.BinaryInfo) -> str:
-    """A word no flag takes: where it is, and the quoting that makes it part of a value."""
-    word = stray.word
-    if stray.after is None:
-        where = "it comes before any flag"
-    elif stray.after_arity == 0:
-        where = f"it follows {stray.after}, which takes no value"
-    else:
-        n = "one value" if stray.after_arity == 1 else f"{stray.after_arity} values"
-        before = envfile.join_words(list(stray.after_words))
-        where = f"it follows {before} ({stray.after} takes {n})"
-    return (
-        f"{word!r} is neither a flag of {info.path} ({info.name}) nor the value of the flag "
-        f"before it ({where}); llama-server would exit on it (invalid argument). A value "
-        f"with a space is one word only when it is quoted, as in -a 'coder {word}' rather "
-        f"than -a coder {word}; a flag needs its dashes; otherwise leave {word!r} out"
-    )
+    for stray in binary.stray_words(info.arity, args):
+        raise ValidationFailed("flags", stray.message(f"{info.path} ({info.name})"))
 
 
 def model_facts(path: Path) -> tuple[dict[str, Any], kvbytes.ModelInfo | None, str | None]:

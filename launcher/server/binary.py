@@ -384,17 +384,57 @@ class Stray:
     after_arity: int  # how many values that flag takes
     after_words: tuple[str, ...] = ()  # that flag and its values
 
+    def message(self, source: str = "") -> str:
+        """The refusal: where the word is, and the quoting that makes it part of a value.
+        ``source``: the binary whose ``--help`` gave the flag's arity."""
+        word, after = self.word, self.after
+        says = f" (so says the --help of {source})" if source else ""
+        exits = "llama-server would exit on the stray word (invalid argument)"
+        if after is None:
+            return (
+                f"{word!r} comes before any flag{says}: {exits}. A flag needs its dashes; "
+                f"otherwise leave {word!r} out"
+            )
+        if self.after_arity == 0:
+            return (
+                f"{word!r} follows {after}, which takes no value{says}: {exits}. Leave "
+                f"{word!r} out, or give it its flag"
+            )
+        head = f"{word!r} follows {envfile.join_words(list(self.after_words))}: {after} takes"
+        if self.after_arity > 1:
+            return (
+                f"{head} {self.after_arity} values{says}, and {exits}; a value with a space "
+                f"is one word only when it is quoted; otherwise leave {word!r} out"
+            )
+        first = self.after_words[0]
+        value = first.split("=", 1)[1] if "=" in first else self.after_words[-1]
+        whole = f"{value} {word}"
+        return (
+            f"{head} one value{says}, and {exits}. If {whole!r} is one value, quote it as "
+            f"one word: {envfile.join_words([after, whole])} (the shell split it); otherwise "
+            f"leave {word!r} out"
+        )
 
-def stray_words(info: BinaryInfo, args: list[str]) -> list[Stray]:
-    """The words of ``args`` that no flag of this binary takes as its value."""
+
+def stray_words(
+    arity: Callable[[str], int],
+    args: list[str],
+    judged: Callable[[str], bool] | None = None,
+) -> list[Stray]:
+    """The words of ``args`` that no flag takes as its value, by ``arity`` (how many values
+    a flag takes: a binary's ``BinaryInfo.arity``, or the typed config's flags). ``judged``:
+    whether a word after that flag (None: at the start) can be told a stray; None: every
+    word is (the binary's ``--help`` knows every flag)."""
     strays: list[Stray] = []
     before: tuple[str | None, list[str]] = (None, [])
-    for name, words in flag_spans(args, info.arity):
-        if name is None:
-            prev, prev_words = before
-            strays.append(Stray(words[0], prev, info.arity(prev or ""), tuple(prev_words)))
-        else:
+    for name, words in flag_spans(args, arity):
+        if name is not None:
             before = (name, words)
+            continue
+        prev, prev_words = before
+        if judged is not None and (prev is None or not judged(prev)):
+            continue
+        strays.append(Stray(words[0], prev, arity(prev) if prev else 0, tuple(prev_words)))
     return strays
 
 
