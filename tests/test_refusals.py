@@ -267,3 +267,19 @@ def test_global_options_before_the_verb_are_read_after_it(
     args: list[str], expected: list[str]
 ) -> None:
     assert cli.verb_first(args) == expected
+
+
+def test_an_option_before_a_verb_that_does_not_take_it_is_refused_naming_it() -> None:
+    takes = {"diagnose": {"--unit", "--instance", "--json"}}
+    assert cli.verb_first(["--unit", "u", "diagnose"], takes) == ["diagnose", "--unit", "u"]
+    with pytest.raises(ValueError, match="--scope: not an option of diagnose"):
+        cli.verb_first(["--scope", "system", "diagnose"], takes)
+
+
+def test_the_cli_says_which_option_before_the_verb_the_verb_lacks(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--scope", "system", "diagnose"])
+    assert e.value.code == 2
+    assert "--scope: not an option of diagnose" in capsys.readouterr().err

@@ -15,7 +15,7 @@ import importlib
 import json
 import pkgutil
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 EPILOG = """exit codes:
@@ -51,9 +51,12 @@ GLOBAL_OPTIONS = {
 }
 
 
-def verb_first(args: list[str]) -> list[str]:
-    """``args`` with the global options given before the verb moved after it."""
+def verb_first(args: list[str], takes: Mapping[str, Collection[str]] | None = None) -> list[str]:
+    """``args`` with the global options given before the verb moved after it. ``takes``:
+    the options of each verb (``verb_options``); one the verb does not take (``diagnose``,
+    ``bench`` and ``plan`` take only some) is refused, ``ValueError`` naming it."""
     moved: list[str] = []
+    names: list[str] = []
     i = 0
     while i < len(args):
         name, inline, _ = args[i].partition("=")
@@ -61,10 +64,26 @@ def verb_first(args: list[str]) -> list[str]:
             break
         n = 1 + (0 if inline else GLOBAL_OPTIONS[name])
         moved += args[i : i + n]
+        names.append(name)
         i += n
     if not moved or i >= len(args) or args[i].startswith("-"):
         return args
-    return [args[i], *moved, *args[i + 1 :]]
+    verb = args[i]
+    lacking = [n for n in names if takes is not None and verb in takes and n not in takes[verb]]
+    if lacking:
+        raise ValueError(
+            f"{', '.join(lacking)}: not an option of {verb} (one given before the verb is "
+            f"read as the verb's own); see llama-launcher {verb} --help"
+        )
+    return [verb, *moved, *args[i + 1 :]]
+
+
+def verb_options(parser: argparse.ArgumentParser) -> dict[str, set[str]]:
+    """The option strings each verb of ``parser`` takes."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return {v: set(p._option_string_actions) for v, p in action._name_parser_map.items()}
+    return {}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
         description="Launch llama-server under systemd and deploy its flags safely. The "
         "options that say where (--unit, --instance, --scope, --env-file, --state-dir, "
-        "--base-url, the timeouts, --json) may come before the verb or after it.",
+        "--base-url, the timeouts, --json) may come before the verb or after it, for a verb "
+        "that takes them (diagnose, bench and plan take only some: see their --help).",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -133,7 +153,11 @@ def main(args: Sequence[str], on_phase: Callable[[str], None] | None = None) -> 
     crash-safety tests pass one in to inject a fault at a phase)."""
     parser = build_parser()
     # llama-server flags (`set -ctk q8_0 ...`) are whatever the verb's own options are not.
-    ns, extra = parser.parse_known_args(verb_first(list(args)))
+    try:
+        ordered = verb_first(list(args), verb_options(parser))
+    except ValueError as e:
+        parser.error(str(e))
+    ns, extra = parser.parse_known_args(ordered)
     if extra and not getattr(ns, "takes_flags", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     ns.flags = extra

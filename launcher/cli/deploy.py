@@ -116,7 +116,9 @@ def register(sub: Any) -> None:
         sub,
         "render",
         "print the env file a deploy of a config writes (with the deploy's defaults: the "
-        "slot folder, the key file); change nothing." + flags_note,
+        "slot folder, the key file); change nothing live (a config with an api_key makes "
+        "the state folder's salt of key-file names once, if the folder exists, so the "
+        "name shown is the one the deploy writes)." + flags_note,
         True,
     )
     _config_options(p)
@@ -127,7 +129,8 @@ def register(sub: Any) -> None:
         sub,
         "check",
         "validate a config and show the argv diff against the live env "
-        "file; change nothing." + flags_note,
+        "file; change nothing live (an api_key: the salt of key-file names, as render)."
+        + flags_note,
         True,
     )
     _config_options(p)
