@@ -3,6 +3,8 @@ deploy transaction, for the crash-safety tests (passed in as the deployer's ``on
 
 ``PHASE:kill`` kills the process with SIGKILL when the transaction records PHASE;
 ``PHASE:pause`` sleeps there (60 s), so a test can signal it at a known point;
+``PHASE:wait:FILE`` waits there until FILE exists (at most 600 s), holding what it holds, so
+a test decides when it goes on;
 ``PHASE:stop`` stops it there (SIGSTOP), so a test can do something at that point and then
 let it go on (SIGCONT) at once; ``PHASE:kill-front`` kills the front's HAProxy (its
 service's main process) with SIGKILL there and goes on once it is gone;
@@ -23,7 +25,7 @@ from pathlib import Path
 from launcher.cli import main
 from launcher.deploy.front import Front
 
-ACTIONS = ("kill", "pause", "stop", "kill-front", "truncate-slots")
+ACTIONS = ("kill", "pause", "wait", "stop", "kill-front", "truncate-slots")
 
 
 def kill_front() -> None:
@@ -47,10 +49,19 @@ def truncate_slots() -> None:
         os.truncate(f, f.stat().st_size // 2)
 
 
+def wait_for(path: Path) -> None:
+    deadline = time.monotonic() + 600
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"faults.py: {path} did not appear")
+        time.sleep(0.05)
+
+
 def hook(fault: str) -> Callable[[str], None]:
     at, _, action = fault.partition(":")
-    if action not in ACTIONS:
-        raise SystemExit(f"faults.py: {fault!r} is not PHASE:{'|'.join(ACTIONS)}")
+    action, _, arg = action.partition(":")
+    if action not in ACTIONS or (action == "wait") != bool(arg):
+        raise SystemExit(f"faults.py: {fault!r} is not PHASE:{'|'.join(ACTIONS)} (wait:FILE)")
 
     def on_phase(phase: str) -> None:
         if phase != at:
@@ -61,6 +72,8 @@ def hook(fault: str) -> Callable[[str], None]:
             os.kill(os.getpid(), signal.SIGSTOP)
         elif action == "pause":
             time.sleep(60)
+        elif action == "wait":
+            wait_for(Path(arg))
         elif action == "kill-front":
             kill_front()
         else:
