@@ -343,8 +343,8 @@ def test_recover_releases_a_front_paused_with_no_hold_recorded(fronted: Host) ->
     assert out["front"]["state"] == "held", out["front"]
     rc, out = host.cli_json("recover")
     assert rc == 0, out
+    assert front_stat(host)["status"] == "OPEN", out
     assert "released" in out["recovered"]["front"], out
-    assert front_stat(host)["status"] == "OPEN"
 
 
 def test_install_with_another_public_address_is_refused_naming_the_reinstall(
