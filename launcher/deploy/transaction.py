@@ -10,8 +10,9 @@ one serving again::
     -> any failure, SIGINT, SIGTERM or SIGHUP: restore the previous generation and gate it
        -> rolled_back, or rollback_failed (a swap that did not happen restarts nothing).
 
-A rollback skips render + validate: it takes a stored generation's own bytes, checked
-by the strict parse and ``bash -n`` only (launcher.deploy.restore).
+A rollback skips render and the memory and pool checks: it takes a stored generation's own
+bytes, checked by the strict parse, ``bash -n`` and what can change after a config served
+(``validate.check_served``; launcher.deploy.restore).
 
 If the deployer dies (kill -9), the next invocation finds ``txn.json`` and reverts it first.
 """
