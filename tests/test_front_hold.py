@@ -464,9 +464,16 @@ def test_haproxy_killed_at_any_phase_is_noticed_and_the_front_points_at_the_new_
 # -- 4. the front's config is part of the transaction -----------------------------------------
 
 
+@pytest.mark.parametrize(
+    "live", ['LLAMA_SERVER="/new"\n', 'LLAMA_SERVER="/old"\n'], ids=["reverted", "already-old"]
+)
 def test_the_record_names_the_fronts_old_config_and_prestart_puts_it_back(
-    tmp_path: Path,
+    tmp_path: Path, live: str
 ) -> None:
+    """prestart puts the front's old config back with the env file, and also when the env
+    file is the old one already (an undo killed between the env file and the front's
+    config: HAProxy must not start from the new config, pointing at a port nothing
+    serves); it holds the front for the record's budget."""
     from launcher.deploy import prestart
 
     state, env = tmp_path / "state", tmp_path / "llama-server.env"
@@ -475,7 +482,7 @@ def test_the_record_names_the_fronts_old_config_and_prestart_puts_it_back(
     new = FrontSpec("127.0.0.1", 8080, "127.0.0.1", 18081)
     the_front.swap(the_front.render(new, 2))
     the_front.save_spec(new)
-    env.write_text('LLAMA_SERVER="/new"\n')
+    env.write_text(live)
     txn = {
         "phase": "gate",
         "from": 1,
@@ -498,41 +505,6 @@ def test_the_record_names_the_fronts_old_config_and_prestart_puts_it_back(
     hold = the_front.holding()
     assert hold is not None and hold.pid == os.getpid()
     assert 299 <= hold.deadline - hold.since <= 301
-
-
-def test_prestart_puts_the_fronts_config_back_when_the_env_file_is_already_the_old_one(
-    tmp_path: Path,
-) -> None:
-    """An undo killed between putting the env file back and the front's config: the start
-    must not run HAProxy on the new config, pointing at a port nothing serves."""
-    from launcher.deploy import prestart
-
-    state, env = tmp_path / "state", tmp_path / "llama-server.env"
-    the_front = Front(state, "llama-server.service", "system")
-    old = FrontSpec("127.0.0.1", 8080, "127.0.0.1", 18080)
-    new = FrontSpec("127.0.0.1", 8080, "127.0.0.1", 18081)
-    the_front.swap(the_front.render(new, 2))
-    the_front.save_spec(new)
-    env.write_text('LLAMA_SERVER="/old"\n')
-    txn = {
-        "phase": "gate",
-        "from": 1,
-        "to": 2,
-        "old_text": 'LLAMA_SERVER="/old"\n',
-        "budget": 300.0,
-        "front": {
-            "unit": "llama-server.service",
-            "old_text": the_front.render(old, 2),
-            "old_spec": old.to_dict(),
-            "old_slots": 2,
-        },
-    }
-    (state / "txn.json").write_text(json.dumps(txn))
-    done = prestart.revert_pending(env, state, tmp_path / "lock")
-    assert done and "front's previous config is back" in done, done
-    assert the_front.live_text() == the_front.render(old, 2)
-    assert the_front.spec() == old
-    assert the_front.holding() is not None
     assert json.loads((state / "txn.json").read_text())["reverted_at_start"] is True
 
 

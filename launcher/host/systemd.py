@@ -167,8 +167,18 @@ class Systemd:
 
     def cursor(self) -> str | None:
         """The journal's current end, to read only what comes after it."""
+        return self._first_cursor("-n", "1")
+
+    def invocation_cursor(self, invocation_id: str) -> str | None:
+        """A cursor to read one start of the unit from (``InvocationID``): its first entry,
+        which is never the startup line (an ``ExecStartPre=``'s line, or the server's
+        first), or the journal's end when that start has logged nothing yet."""
+        return self._first_cursor(f"_SYSTEMD_INVOCATION_ID={invocation_id}") or self.cursor()
+
+    def _first_cursor(self, *args: str) -> str | None:
+        """The cursor of the first entry ``journalctl -o json ARGS`` prints (None: none)."""
         r = self.run(
-            ["journalctl", "--no-pager", "-n", "1", "-o", "json"],
+            ["journalctl", "--no-pager", "-o", "json", *args],
             check=False,
             timeout=30,
             env=self.env,
@@ -179,23 +189,6 @@ class Systemd:
             except (ValueError, KeyError):
                 continue
         return None
-
-    def invocation_cursor(self, invocation_id: str) -> str | None:
-        """A cursor to read one start of the unit from (``InvocationID``): its first entry,
-        which is never the startup line (an ``ExecStartPre=``'s line, or the server's
-        first), or the journal's end when that start has logged nothing yet."""
-        r = self.run(
-            ["journalctl", "--no-pager", "-o", "json", f"_SYSTEMD_INVOCATION_ID={invocation_id}"],
-            check=False,
-            timeout=30,
-            env=self.env,
-        )
-        for line in r.stdout.splitlines():
-            try:
-                return str(json.loads(line)["__CURSOR"])
-            except (ValueError, KeyError):
-                continue
-        return self.cursor()
 
     def messages(
         self, after_cursor: str | None, limit: int | None = None, skip_pid: int = 0
