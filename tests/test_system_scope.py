@@ -686,8 +686,12 @@ def test_killed_deploy_then_reboot_comes_up_on_the_known_good_generation(serving
     assert "-c 2048" not in " ".join(serving.cmdline(serving.main_pid()))
     assert serving.wait_serving(PORT) == 200
     assert "restored the env file of generation" in serving.bed.journal(UNIT)
+    pid = serving.main_pid()
     rc, out = serving.cli_json("recover")
     assert rc == 0, out
+    # the start prestart reverted for is gated as it runs, not restarted (one model load)
+    assert out["recovered"]["gate"]["ok"] is True, out
+    assert serving.main_pid() == pid
     rc, status = serving.cli_json("status")
     assert (status["live_generation"], status["pending_transaction"]) == (live, False)
 
