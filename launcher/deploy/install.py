@@ -440,7 +440,8 @@ def uninstall(
     the template with the template's last instance); the generations are kept (and said
     so) unless ``purge``, which removes everything else install made: the state folder,
     the service's own ``StateDirectory=``, the record, the unit's lock and the folders left
-    empty."""
+    empty. Under the unit's lock (``LockTimeout`` when a deploy holds it past the wait),
+    the front's release watcher stopped first."""
     require_root(settings)
     systemd = systemd or Systemd(settings.unit_name, settings.scope)
     state = home.state_dir(settings)  # before the record beside the env file goes
