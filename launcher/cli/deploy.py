@@ -382,9 +382,10 @@ def _finish(ns: argparse.Namespace, result: Result) -> int:
 
 
 def cmd_render(ns: argparse.Namespace) -> int:
-    from launcher.config import validate
+    from launcher import config
+    from launcher.config import endpoints, validate
 
-    cfg = config_from(ns)
+    cfg = endpoints.with_metrics(config_from(ns), config.load_settings().metrics_endpoint)
     text = validate.render(cfg)
     emit({"env": text, "argv": cfg.argv()}, ns.json, lambda: text.rstrip("\n"))
     return 0

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from launcher import config, waits
-from launcher.config import memory, validate
+from launcher.config import endpoints, memory, validate
 from launcher.deploy import budgets, handover, home, keys, restore, store, window
 from launcher.deploy.errorhandler import Signals, on_error
 from launcher.deploy.gate import Gate, Progress, together
@@ -172,6 +172,7 @@ class Deployer:
             folder = handover.slot_folder(self.settings.scope, self.store.root, self.systemd.show)
             create = not check and self.settings.scope != "system"
             cfg = handover.with_slot_dir(cfg, folder, create)
+        cfg = endpoints.with_metrics(cfg, self.settings.metrics_endpoint)
         checked, running = validate.beside_state(
             cfg,
             self._unit_state,
