@@ -312,6 +312,11 @@ def read_server(
         with client:
             reads.slots = _try(reads, "slots", lambda: slotstate.read(client))
             reads.metrics = _try(reads, "metrics", lambda: metrics.read(client))
+        if reads.slots and any(s.tokens is None for s in reads.slots):
+            reads.unread["slots"] = (
+                f"this build's /slots has no {slotstate.TOKENS_FIELD} (it came with "
+                f"b{slotstate.TOKENS_SINCE}): what the slots hold and the pool use are unknown"
+            )
         reads.memory = _try(reads, "proc", lambda: procfs.memory(reads.unit.main_pid))
     else:
         why = f"{target.unit} is {reads.unit.active}/{reads.unit.sub}: the server is down"
