@@ -24,7 +24,9 @@ def write(path: Path, data: bytes, mode: int) -> None:
 
 def busy(t: float, **counts: float) -> Delta:
     base = {"requests": 4, "completions": 4, "decode_tokens": 400, "decode_seconds": 2.0}
-    return Delta(t, Now(pool=500, slot_fill=300, busy=2, deferred=0, memory=2**30), {**base, **counts})
+    return Delta(
+        t, Now(pool=500, slot_fill=300, busy=2, deferred=0, memory=2**30), {**base, **counts}
+    )
 
 
 def test_a_week_of_one_minute_samples_stays_under_a_few_megabytes(tmp_path: Path) -> None:
@@ -200,7 +202,9 @@ def test_an_unchanged_metrics_file_is_not_rewritten_only_touched(tmp_path: Path)
 
 
 def test_the_files_name_is_the_units_with_safe_characters() -> None:
-    assert textfile.file_name("llama-server@chat.service") == "llama_launcher_llama_server_chat.prom"
+    assert (
+        textfile.file_name("llama-server@chat.service") == "llama_launcher_llama_server_chat.prom"
+    )
 
 
 def test_every_metric_name_follows_the_guide() -> None:

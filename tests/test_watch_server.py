@@ -19,7 +19,7 @@ from launcher.host import procfs
 from launcher.server import httpclient, metrics, serverlog, slotstate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-import repro  # noqa: E402
+import repro
 
 BUILDS = realserver.BUILDS
 
@@ -66,9 +66,10 @@ def test_the_process_start_header_is_the_monotonic_clock_and_new_per_process(
     starts = []
     for _ in range(2):
         before = time.monotonic() * 1e6
-        with realserver.run_server(tiny_model, ["--metrics"], binary=binary) as s, client(
-            s.url
-        ) as c:
+        with (
+            realserver.run_server(tiny_model, ["--metrics"], binary=binary) as s,
+            client(s.url) as c,
+        ):
             starts.append(int(metrics.read(c).process_start or 0))
         assert before <= starts[-1] <= time.monotonic() * 1e6  # µs of CLOCK_MONOTONIC
     assert starts[0] != starts[1]
@@ -77,9 +78,12 @@ def test_the_process_start_header_is_the_monotonic_clock_and_new_per_process(
 @pytest.mark.parametrize("build", BUILDS)
 def test_metrics_without_the_flag_is_501_naming_the_fix(tiny_model: Path, build: int) -> None:
     binary = realserver.build_binary(build)
-    with realserver.run_server(tiny_model, binary=binary) as s, client(s.url) as c:
-        with pytest.raises(Unreadable) as e:
-            metrics.read(c)
+    with (
+        realserver.run_server(tiny_model, binary=binary) as s,
+        client(s.url) as c,
+        pytest.raises(Unreadable) as e,
+    ):
+        metrics.read(c)
     assert e.value.status == 501
     assert "/metrics is off" in str(e.value) and "set --metrics" in str(e.value)
 
@@ -175,7 +179,9 @@ def test_the_journal_lines_a_sample_counts(tiny_model: Path, tmp_path: Path, bui
 
 
 @pytest.mark.parametrize("build", BUILDS)
-def test_a_request_too_long_is_counted_as_such(tiny_model: Path, tmp_path: Path, build: int) -> None:
+def test_a_request_too_long_is_counted_as_such(
+    tiny_model: Path, tmp_path: Path, build: int
+) -> None:
     run = repro.too_long(tiny_model, tmp_path / "t.log", binary=realserver.build_binary(build))
     kinds = [
         serverlog.failure_kind(x)

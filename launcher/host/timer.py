@@ -140,8 +140,8 @@ def install(
     write(unit_dir / timer_file, render_timer(sampler).encode(), 0o644)
     systemd.daemon_reload()
     timer = names(unit)[1]
-    systemd.run([*_ctl(systemd), "enable", "--now", "--", timer], timeout=60, env=systemd.env)
-    # a timer already running keeps the interval it was started with
+    systemd.run([*_ctl(systemd), "enable", "--", timer], timeout=60, env=systemd.env)
+    # started, or restarted: a timer already running keeps the interval it was started with
     systemd.run([*_ctl(systemd), "restart", "--", timer], timeout=60, env=systemd.env)
     return [str(unit_dir / service_file), str(unit_dir / timer_file)]
 

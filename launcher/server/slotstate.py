@@ -149,16 +149,15 @@ class Pressure:
             return None
         return slot.tokens / self.pool_cells
 
-    def over(self, threshold: float) -> list[str]:
-        """What passes ``threshold`` (a share): the pool, and every slot over its cap's."""
-        out = []
+    def over(self, threshold: float) -> dict[str, str]:
+        """What passes ``threshold`` (a share): the pool, and every slot over that share of
+        its cap; ``{"pool": "pool 93%", "slot 2": "slot 2 91% of its 256"}``."""
+        out = {}
         if self.use is not None and self.use >= threshold:
-            out.append(f"pool {self.use:.0%}")
-        out += [
-            f"slot {s.id} {s.fill:.0%} of its {s.n_ctx}"
-            for s in self.slots
-            if s.fill is not None and s.fill >= threshold
-        ]
+            out["pool"] = f"pool {self.use:.0%}"
+        for s in self.slots:
+            if s.fill is not None and s.fill >= threshold:
+                out[f"slot {s.id}"] = f"slot {s.id} {s.fill:.0%} of its {s.n_ctx}"
         return out
 
     def describe(self) -> str:

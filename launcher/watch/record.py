@@ -193,6 +193,8 @@ class Record:
         if not self.minutes:
             return
         newest = self.minutes[-1][0] or 0.0
+        if (self.minutes[0][0] or 0) > newest - KEEP_MINUTES:
+            return  # nothing to fold
         keep = [r for r in self.minutes if (r[0] or 0) > newest - KEEP_MINUTES]
         old = self.minutes[: len(self.minutes) - len(keep)]
         self.minutes = keep

@@ -124,7 +124,8 @@ class State:
     counters: dict[str, float] = field(default_factory=dict)
     cursor: str | None = None
     n_restarts: int | None = None
-    warned: bool = False
+    #: what was warned about and has not fallen under CLEAR_AT since ("pool", "slot 2")
+    warned: list[str] = field(default_factory=list)
     decode_tps: float | None = None
     unread: dict[str, str] = field(default_factory=dict)
     #: the counts of the generations before the live one (the metrics' totals)
@@ -147,7 +148,10 @@ def load_state(target: Target) -> tuple[State, float | None]:
     try:
         data = json.loads(path.read_bytes())
         known = State.__dataclass_fields__
-        return State(**{k: v for k, v in data.items() if k in known}), path.stat().st_mtime
+        state = State(**{k: v for k, v in data.items() if k in known})
+        if not isinstance(state.warned, list):
+            state.warned = []
+        return state, path.stat().st_mtime
     except FileNotFoundError:
         return State(), None
     except (OSError, ValueError, TypeError):
@@ -507,17 +511,17 @@ def _warnings(
     out = []
     if pressure is not None and pressure.known:
         over = pressure.over(WARN_AT)
-        if over and not state.warned:
+        new = [k for k in over if k not in state.warned]
+        if new:
             out.append(
-                f"KV pool of {target.unit}: {', '.join(over)} (warns at {WARN_AT:.0%}): "
-                f"{pressure.describe()}. When the busy slots fill the pool together every "
-                "request fails with 'Context size has been exceeded': cap the slots "
-                "(--kv-unified-per-slot) and size the pool for all of them (llama-launcher "
-                "plan)"
+                f"KV pool of {target.unit}: {', '.join(over.values())} (warns at "
+                f"{WARN_AT:.0%}): {pressure.describe()}. When the busy slots fill the pool "
+                "together every request fails with 'Context size has been exceeded': cap "
+                "the slots (--kv-unified-per-slot) and size the pool for all of them "
+                "(llama-launcher plan)"
             )
-            state.warned = True
-        elif not pressure.over(CLEAR_AT):
-            state.warned = False
+        # warned again only after it fell under CLEAR_AT
+        state.warned = sorted({*over, *(k for k in state.warned if k in pressure.over(CLEAR_AT))})
     failed = delta.counts.get("context_exceeded", 0)
     if failed:
         before = next((f for f in delta.failures if f["kind"] == "context_exceeded"), None)
@@ -622,8 +626,8 @@ def _page(
     if reads is not None:
         gauges = reads.metrics.gauges if reads.metrics else {}
         page.add("llama_launcher_requests_deferred", gauges.get("requests_deferred"))
-        memory = reads.memory.growth if reads.memory else None
-        page.add("llama_launcher_process_memory_bytes", memory)
+        # as recorded (within a MiB): a page of memory is no reason to rewrite the file
+        page.add("llama_launcher_process_memory_bytes", rec.now.memory if rec else None)
         page.add("llama_launcher_unit_restarts_total", reads.unit.n_restarts)
         for source in SOURCES:
             page.add("llama_launcher_sample_source_up", source not in reads.unread, source=source)
