@@ -129,7 +129,8 @@ def _first_timer_sample(s: System) -> None:
 def test_the_timer_is_enabled_and_its_hardened_service_samples_as_root(system: System) -> None:
     assert system.bed.systemctl("is-enabled", TIMER).stdout.strip() == "enabled"
     state = system.bed.show(SERVICE, "Result", "ExecMainStatus", "User", "ProtectSystem")
-    assert state == {"Result": "success", "ExecMainStatus": "0", "User": "", "ProtectSystem": "strict"}
+    want = {"Result": "success", "ExecMainStatus": "0", "User": "", "ProtectSystem": "strict"}
+    assert state == want
     record = json.loads(system.bed.read(f"{STATE}/generations/0001/live.json"))
     assert record["generation"] == 1 and record["first"] is not None
 
