@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -92,11 +91,7 @@ def system(
 ) -> Iterator[System]:
     name = f"llt-{os.getpid()}"
     with sysbed.bed(sysbed.state_folder(tmp_path_factory, name), name) as bed:
-        (bed.share / "models").mkdir(mode=0o755)
-        model = bed.share / "models" / "tiny.gguf"
-        shutil.copy(tiny_model, model)
-        os.chmod(model, 0o644)
-        yield System(bed, llama_server_bin, bed.inside(model))
+        yield System(bed, llama_server_bin, sysbed.share_model(bed, tiny_model))
 
 
 @pytest.fixture(scope="module")

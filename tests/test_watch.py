@@ -19,7 +19,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -66,9 +66,13 @@ def watched(
 def first_timer_sample(h: Host) -> None:
     """Wait for the sample the timer takes a second after install (the next one is an hour
     away): the tests' own samples must not race it."""
-    service = timer.names(h.unit)[0]
+    ran_once(h.sandbox.show, timer.names(h.unit)[0])
+
+
+def ran_once(show: Callable[..., dict[str, str]], service: str) -> None:
+    """Wait until ``service`` (a oneshot) has run to its end once (``show``: systemctl show)."""
     deadline = time.monotonic() + 60
-    while h.sandbox.show(service, "ExecMainExitTimestampMonotonic").get(
+    while show(service, "ExecMainExitTimestampMonotonic").get(
         "ExecMainExitTimestampMonotonic", "0"
     ) in ("0", ""):
         assert time.monotonic() < deadline, f"{service} never ran"
@@ -76,9 +80,15 @@ def first_timer_sample(h: Host) -> None:
 
 
 def take(h: Host, *args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
-    """``llama-launcher sample --json`` (again, when the timer's own sample held the lock)."""
+    """``llama-launcher sample --json``."""
+    return sampled(lambda: h.cli_json("sample", *args, env=env))
+
+
+def sampled(run: Callable[[], tuple[int, dict[str, Any]]]) -> dict[str, Any]:
+    """What ``run`` (a sample, as rc and JSON) said, run again while the timer's own sample
+    held the sampler's lock."""
     for _ in range(100):
-        rc, out = h.cli_json("sample", *args, env=env)
+        rc, out = run()
         if not str(out.get("skipped") or "").startswith("another sample"):
             assert rc == (0 if out.get("ok") else 1), out
             return out

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from launcher.server.serverlog import TALLY_KEYS
+
 VERSION = 1
 NAME = "live.json"
 
@@ -37,13 +39,7 @@ NAME = "live.json"
 ROW = (
     "t",
     "samples",
-    "requests",
-    "completions",
-    "failures",
-    "context_exceeded",
-    "too_long",
-    "decode_failed",
-    "kv_retries",
+    *TALLY_KEYS,  # what the sample counted in the journal
     "restarts",
     "prompt_tokens",
     "prompt_seconds",
