@@ -183,7 +183,7 @@ def decode(url: str, timer_unit: str) -> None:
     med = {m: (statistics.median(x for x, _ in r), statistics.median(y for _, y in r))
            for m, r in results.items()}  # fmt: skip
     for mode, (server_tps, wall_tps) in med.items():
-        print(f"  {mode:<10} server's counters {server_tps:8.1f} tok/s   agent {wall_tps:8.1f} tok/s")
+        print(f"  {mode:<10} server's counters {server_tps:8.1f} tok/s   agent {wall_tps:8.1f}")
     ratio = med["every 1 s"][0] / med["none"][0]
     wall_ratio = med["every 1 s"][1] / med["none"][1]
     print(f"  ratio sampled / none: {ratio:.3f} (counters), {wall_ratio:.3f} (agent); goal >= 0.98")

@@ -21,7 +21,9 @@ def register(sub: Any) -> None:
         "sample",
         "take one live sample of the unit: read /slots, /metrics, /proc and the journal, "
         "add it to the live generation's record, write the metrics file, warn when the KV "
-        "pool or a slot passes 90 percent (what NAME-sample.timer runs; takes no deploy lock)",
+        "pool or a slot passes 90 percent (what NAME-sample.timer runs; takes no deploy lock; "
+        "with --unit, --scope and --state-dir all given, as the timer gives them, it reads no "
+        "settings)",
     )
     p.add_argument(
         "--textfile-dir",
@@ -60,9 +62,18 @@ def cmd_sample(ns: argparse.Namespace) -> int:
     from launcher.host.systemd import Systemd
     from launcher.watch import sample
 
-    settings = settings_from(ns)
-    target = sample.target_for(settings, ns.textfile_dir)
-    out = sample.sample(target, Systemd(settings.unit_name, settings.scope))
+    if ns.unit and ns.scope and ns.state_dir:
+        # as the sampler's timer runs it, with the unit, its scope and its state folder that
+        # install resolved: no settings are read (their typed config's import would be most
+        # of a sample's CPU time)
+        unit = ns.unit if "." in ns.unit else f"{ns.unit}.service"
+        target = sample.Target(unit, ns.state_dir.absolute(), ns.textfile_dir, ns.base_url)
+        systemd = Systemd(unit, ns.scope)
+    else:
+        settings = settings_from(ns)
+        target = sample.target_for(settings, ns.textfile_dir)
+        systemd = Systemd(settings.unit_name, settings.scope)
+    out = sample.sample(target, systemd)
     for w in out.warnings:
         _warn(w)
     emit(out.to_dict(), ns.json, lambda: _sample_text(out))

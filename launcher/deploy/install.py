@@ -384,6 +384,7 @@ def install_sampler(
         env_file=str(env_file.parent / "%i.env") if template else str(env_file),
         interval=settings.sample_interval,
         textfile_dir=str(textfile_dir) if textfile_dir else None,
+        base_url=settings.base_url,
     )
     unit_dir = settings.resolved_unit_dir()
     unit_dir.mkdir(parents=True, exist_ok=True)

@@ -54,6 +54,7 @@ class Sampler:
     env_file: str
     interval: float
     textfile_dir: str | None = None
+    base_url: str | None = None
 
 
 _SERVICE = """\
@@ -66,7 +67,7 @@ After={unit}
 Type=oneshot
 Environment=PYTHONPATH={package_dir}
 ExecStart={python} -m launcher sample --unit {unit} --scope {scope} --state-dir {state_dir} \
---env-file {env_file}{textfile}
+--env-file {env_file}{textfile}{base_url}
 # a sample reads two endpoints, /proc and the journal; a hung one must not pile up
 TimeoutStartSec=120
 # llama-server comes first: the sampler's CPU time and I/O are what it leaves over
@@ -107,6 +108,7 @@ WantedBy=timers.target
 
 def render_service(s: Sampler) -> str:
     textfile = f" --textfile-dir {s.textfile_dir}" if s.textfile_dir else ""
+    base_url = f" --base-url {s.base_url}" if s.base_url else ""
     hardening = ""
     if s.scope == "system":
         hardening = _SYSTEM_HARDENING.format(
@@ -120,6 +122,7 @@ def render_service(s: Sampler) -> str:
         state_dir=s.state_dir,
         env_file=s.env_file,
         textfile=textfile,
+        base_url=base_url,
         hardening=hardening,
     )
 

@@ -10,14 +10,16 @@ come from the samples the sampler recorded.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from launcher import config
 from launcher.deploy import store
 from launcher.errors import StoreError
 from launcher.host.systemd import Systemd
 from launcher.server import metrics
 from launcher.watch import record, sample
+
+if TYPE_CHECKING:  # a sample prints its pool with pool_lines, without the typed config
+    from launcher import config
 
 HOUR = 3600
 

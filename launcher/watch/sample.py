@@ -35,11 +35,11 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from launcher.deploy import home, keys, store
-from launcher.deploy.gate import url_from_argv
 from launcher.errors import LauncherError, StoreError, Unreadable
 from launcher.host import journalread, procfs
 from launcher.host.systemd import Systemd, UnitState
 from launcher.server import httpclient, metrics, serverlog, slotstate
+from launcher.server.httpclient import url_from_argv
 from launcher.watch import record, textfile
 
 if TYPE_CHECKING:
