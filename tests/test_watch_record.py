@@ -212,3 +212,52 @@ def test_every_metric_name_follows_the_guide() -> None:
         assert name.startswith("llama_launcher_")
         assert (kind == "counter") == name.endswith("_total"), name
     assert json.dumps(sorted(textfile.METRICS))  # names are plain ASCII
+
+
+# -- the sampler's units ---------------------------------------------------------------------
+
+
+def _sampler(**kw: object) -> object:
+    from launcher.host import timer
+
+    base = dict(
+        unit="llama-server.service", scope="system", python="/usr/bin/python3",
+        package_dir="/opt/ll", state_dir="/var/lib/llama-launcher/llama-server",
+        env_file="/etc/llama-launcher/llama-server.env", interval=60.0,
+    )  # fmt: skip
+    return timer.Sampler(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def test_an_instances_sampler_is_a_template_of_its_own() -> None:
+    from launcher.host import timer
+
+    assert timer.names("llama-server@chat.service") == (
+        "llama-server-sample@chat.service",
+        "llama-server-sample@chat.timer",
+    )
+    assert timer.file_names("llama-server@chat.service") == (
+        "llama-server-sample@.service",
+        "llama-server-sample@.timer",
+    )
+
+
+def test_a_timer_of_seconds_gets_an_accuracy_finer_than_systemds_minute() -> None:
+    from launcher.host import timer
+
+    fast = timer.render_timer(_sampler(interval=1.0))  # type: ignore[arg-type]
+    assert "OnUnitActiveSec=1s" in fast and "AccuracySec=100ms" in fast
+    assert "AccuracySec=1s" in timer.render_timer(_sampler())  # type: ignore[arg-type]
+
+
+def test_the_system_sampler_writes_only_its_own_folders() -> None:
+    from launcher.host import timer
+
+    text = timer.render_service(_sampler(textfile_dir="/var/lib/prometheus/node-exporter"))  # type: ignore[arg-type]
+    assert "ProtectSystem=strict" in text
+    assert (
+        "ReadWritePaths=/var/lib/llama-launcher/llama-server -/var/lib/prometheus/node-exporter"
+        in text
+    )
+    assert "--textfile-dir /var/lib/prometheus/node-exporter" in text
+    user = timer.render_service(_sampler(scope="user"))  # type: ignore[arg-type]
+    assert "ProtectSystem" not in user and "--scope user" in user
