@@ -6,7 +6,7 @@ systemd); prints figures from one run, not a test: nothing here asserts.
    against an installed unit on a small random-weight model: wall time, and CPU time (user +
    system of the process and what it runs: systemctl, journalctl), medians of N, once with
    nothing new between two samples and once with a request between.
-2. Decode speed: one agent generates without pause (256-token completions) while the
+2. Decode speed: one agent generates without pause (64-token completions) while the
    sampler's timer is stopped, then while it samples every second, in alternating windows;
    decode tok/s from llama-server's own counters over each window (Δ tokens_predicted_total ÷
    Δ tokens_predicted_seconds_total), and the tokens per wall second the agent got.
@@ -94,7 +94,7 @@ class Agent(threading.Thread):
     def run(self) -> None:
         body = {
             "messages": [{"role": "user", "content": "Tell a long story about a river."}],
-            "max_tokens": 256,
+            "max_tokens": 64,  # the counters move when a request ends: end often
             "ignore_eos": True,
         }
         with httpx.Client(timeout=300) as c:

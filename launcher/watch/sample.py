@@ -311,7 +311,11 @@ def read_server(
     reads = Reads(systemd.state())
     if reads.unit.running:
         url = target.base_url or url_from_argv(list(gen.meta.get("argv") or []))
-        key = keys.key_of_env(gen.env_text, str(gen.path / "env"))
+        try:
+            key = keys.key_of_env(gen.env_text, str(gen.path / "env"))
+        except LauncherError as e:  # the key file went away: read without, and say why
+            key = None
+            reads.unread["key"] = str(e)
         client = httpclient.client(httpx.Client, url, key, HTTP_TIMEOUT, transport, False)
         with client:
             reads.slots = _try(reads, "slots", lambda: slotstate.read(client))
