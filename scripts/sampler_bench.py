@@ -63,10 +63,14 @@ def systemctl(*args: str) -> None:
 
 
 def one_sample(env: dict[str, str]) -> tuple[float, float]:
-    """Wall and CPU seconds of one ``llama-launcher sample`` (and the commands it runs)."""
+    """Wall and CPU seconds of one ``llama-launcher sample`` as the timer's service runs it
+    (the unit, scope and folders named: no settings read), and of the commands it runs."""
+    where = ["--unit", UNIT, "--scope", "user", "--state-dir", env["LLAMA_LAUNCHER_STATE_DIR"],
+             "--env-file", env["LLAMA_LAUNCHER_ENV_FILE"],
+             "--textfile-dir", env["LLAMA_LAUNCHER_METRICS_TEXTFILE_DIR"]]  # fmt: skip
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.monotonic()
-    p = cli(env, "sample", "--json")
+    p = cli(env, "sample", *where, "--json")
     wall = time.monotonic() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if p.returncode != 0 or '"skipped": null' not in p.stdout:
