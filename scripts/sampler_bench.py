@@ -6,10 +6,12 @@ systemd); prints figures from one run, not a test: nothing here asserts.
    against an installed unit on a small random-weight model: wall time, and CPU time (user +
    system of the process and what it runs: systemctl, journalctl), medians of N, once with
    nothing new between two samples and once with a request between.
-2. Decode speed: one agent generates without pause (64-token completions) while the
-   sampler's timer is stopped, then while it samples every second, in alternating windows;
-   decode tok/s from llama-server's own counters over each window (Δ tokens_predicted_total ÷
-   Δ tokens_predicted_seconds_total), and the tokens per wall second the agent got.
+2. Decode speed: one agent generates without pause (64-token completions) while nothing
+   samples, while the sampler's timer samples every second (a process per sample), and
+   while one ``llama-launcher sample --every 1`` process does (its imports paid once), in
+   alternating windows; decode tok/s from llama-server's own counters over each window
+   (Δ tokens_predicted_total ÷ Δ tokens_predicted_seconds_total), the tokens per wall
+   second the agent got, and the CPU the sampling took per second.
 """
 
 from __future__ import annotations
@@ -65,18 +67,22 @@ def systemctl(*args: str) -> None:
 def one_sample(env: dict[str, str]) -> tuple[float, float]:
     """Wall and CPU seconds of one ``llama-launcher sample`` as the timer's service runs it
     (the unit, scope and folders named: no settings read), and of the commands it runs."""
-    where = ["--unit", UNIT, "--scope", "user", "--state-dir", env["LLAMA_LAUNCHER_STATE_DIR"],
-             "--env-file", env["LLAMA_LAUNCHER_ENV_FILE"],
-             "--textfile-dir", env["LLAMA_LAUNCHER_METRICS_TEXTFILE_DIR"]]  # fmt: skip
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.monotonic()
-    p = cli(env, "sample", *where, "--json")
+    p = cli(env, "sample", *_where(env), "--json")
     wall = time.monotonic() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if p.returncode != 0 or '"skipped": null' not in p.stdout:
         raise RuntimeError(f"the sample did not run: {p.stdout}{p.stderr}")
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return wall, cpu
+
+
+def _where(env: dict[str, str]) -> list[str]:
+    """What the timer's service names: the unit, its scope and folders."""
+    return ["--unit", UNIT, "--scope", "user", "--state-dir", env["LLAMA_LAUNCHER_STATE_DIR"],
+            "--env-file", env["LLAMA_LAUNCHER_ENV_FILE"],
+            "--textfile-dir", env["LLAMA_LAUNCHER_METRICS_TEXTFILE_DIR"]]  # fmt: skip
 
 
 def chat(url: str, max_tokens: int) -> None:
@@ -143,7 +149,7 @@ def main() -> None:
             systemctl("stop", timer_unit)
             print(f"before: {load()}")
             cost(env, url)
-            decode(url, timer_unit)
+            decode(env, url, timer_unit)
             print(f"after:  {load()}")
         finally:
             cli(env, "uninstall")
@@ -165,32 +171,75 @@ def cost(env: dict[str, str], url: str) -> None:
         print(f"  {name:<18} wall {wall * 1000:7.1f} ms   CPU {cpu * 1000:7.1f} ms")
 
 
-def decode(url: str, timer_unit: str) -> None:
+MODES = ("none", "timer, every 1 s", "--every 1")
+
+
+def decode(env: dict[str, str], url: str, timer_unit: str) -> None:
     agent = Agent(url)
     agent.start()
     time.sleep(3)  # warm
-    results: dict[str, list[tuple[float, float]]] = {"none": [], "every 1 s": []}
+    results: dict[str, list[tuple[float, float, float]]] = {m: [] for m in MODES}
     try:
         for _ in range(ROUNDS):
-            for mode in ("none", "every 1 s"):
-                systemctl("start" if mode != "none" else "stop", timer_unit)
-                time.sleep(1)
-                results[mode].append(window(url, agent, WINDOW))
+            for mode in MODES:
+                results[mode].append(_window(env, url, agent, timer_unit, mode))
     finally:
         systemctl("stop", timer_unit)
         agent.stop.set()
         agent.join(600)
     print(
-        f"decode with the sampler's timer stopped / sampling every second ({ROUNDS} "
-        f"alternating windows of {WINDOW:g} s each, -np 1 -t {THREADS}, one agent):"
+        f"decode while nothing samples / the timer samples every second / one process "
+        f"samples every second ({ROUNDS} alternating windows of {WINDOW:g} s each, -np 1 "
+        f"-t {THREADS}, one agent; medians):"
     )
-    med = {m: (statistics.median(x for x, _ in r), statistics.median(y for _, y in r))
-           for m, r in results.items()}  # fmt: skip
-    for mode, (server_tps, wall_tps) in med.items():
-        print(f"  {mode:<10} server's counters {server_tps:8.1f} tok/s   agent {wall_tps:8.1f}")
-    ratio = med["every 1 s"][0] / med["none"][0]
-    wall_ratio = med["every 1 s"][1] / med["none"][1]
-    print(f"  ratio sampled / none: {ratio:.3f} (counters), {wall_ratio:.3f} (agent); goal >= 0.98")
+    med = {m: [statistics.median(x[i] for x in r) for i in range(3)] for m, r in results.items()}
+    for mode, (server_tps, wall_tps, cpu) in med.items():
+        used = f"{1000 * cpu:5.1f} ms/s" if cpu else "not accounted (cgroup v1)"
+        print(
+            f"  {mode:<17} server's counters {server_tps:7.1f} tok/s  agent {wall_tps:7.1f} "
+            f"tok/s  sampling CPU {used if mode != 'none' else '-'}"
+        )
+    for mode in MODES[1:]:
+        ratio = med[mode][0] / med["none"][0]
+        wall_ratio = med[mode][1] / med["none"][1]
+        print(f"  {mode} / none: {ratio:.3f} (counters), {wall_ratio:.3f} (agent); goal >= 0.98")
+
+
+def _window(
+    env: dict[str, str], url: str, agent: Agent, timer_unit: str, mode: str
+) -> tuple[float, float, float]:
+    """One window in ``mode``: (server tok/s, agent tok/s, sampling CPU seconds per second)."""
+    resident = None
+    if mode == "timer, every 1 s":
+        systemctl("start", timer_unit)
+    elif mode == "--every 1":
+        resident = subprocess.Popen(
+            [sys.executable, "-m", "launcher", "sample", "--every", "1", *_where(env), "--json"],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+    time.sleep(1)
+    cpu0 = _cpu_of_samples(timer_unit)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    server, wall = window(url, agent, WINDOW)
+    cpu = _cpu_of_samples(timer_unit) - cpu0
+    if resident is not None:
+        resident.terminate()
+        resident.wait(60)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    systemctl("stop", timer_unit)
+    return server, wall, cpu / WINDOW
+
+
+def _cpu_of_samples(timer_unit: str) -> float:
+    """CPU seconds the timer's sample service has used (systemd's CPUUsageNSec; cgroup v1
+    here: 0 when not accounted)."""
+    service = timer_unit.removesuffix(".timer") + ".service"
+    out = subprocess.run(
+        ["systemctl", "--user", "show", "-p", "CPUUsageNSec", "--value", service],
+        capture_output=True, text=True,
+    ).stdout.strip()  # fmt: skip
+    return int(out) / 1e9 if out.isdigit() else 0.0
 
 
 if __name__ == "__main__":

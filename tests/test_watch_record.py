@@ -261,3 +261,19 @@ def test_the_system_sampler_writes_only_its_own_folders() -> None:
     assert "--textfile-dir /var/lib/prometheus/node-exporter" in text
     user = timer.render_service(_sampler(scope="user"))  # type: ignore[arg-type]
     assert "ProtectSystem" not in user and "--scope user" in user
+
+
+def test_every_calls_its_step_again_at_the_interval_until_the_step_raises() -> None:
+    from launcher import waits
+
+    calls: list[int] = []
+    pauses: list[float] = []
+
+    def step() -> None:
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # sample --every ends on Ctrl-C or SIGTERM
+
+    with pytest.raises(KeyboardInterrupt):
+        waits.every(2.5, sleep=pauses.append)(step)
+    assert len(calls) == 3 and pauses == [2.5, 2.5]

@@ -32,6 +32,13 @@ def register(sub: Any) -> None:
         help="write llama_launcher_<unit>.prom there (default: the setting "
         "metrics_textfile_dir; unset: no metrics file)",
     )
+    p.add_argument(
+        "--every",
+        type=float,
+        metavar="SECONDS",
+        help="sample again every SECONDS until stopped, in this one process (its imports "
+        "paid once: for intervals of seconds, where a process per sample costs more)",
+    )
     _settings_options(p)
     p.set_defaults(func=cmd_sample)
 
@@ -73,12 +80,23 @@ def cmd_sample(ns: argparse.Namespace) -> int:
         settings = settings_from(ns)
         target = sample.target_for(settings, ns.textfile_dir)
         systemd = Systemd(settings.unit_name, settings.scope)
-    out = sample.sample(target, systemd)
+    if ns.every is not None:
+        from launcher import waits
+        from launcher.errors import ConfigInvalid
+
+        if ns.every <= 0:
+            raise ConfigInvalid(f"--every {ns.every:g} is not a positive number of seconds")
+        waits.every(ns.every)(lambda: _report(sample.sample(target, systemd), ns.json))
+    return _report(sample.sample(target, systemd), ns.json)
+
+
+def _report(out: Outcome, as_json: bool) -> int:
     for w in out.warnings:
         _warn(w)
-    emit(out.to_dict(), ns.json, lambda: _sample_text(out))
+    emit(out.to_dict(), as_json, lambda: _sample_text(out))
     for e in out.errors:
         print(f"llama-launcher: {e}", file=sys.stderr)
+    sys.stdout.flush()
     return 0 if out.ok else 1
 
 
