@@ -13,6 +13,8 @@
     │   └── CommandTimeout
     ├── SystemdError                   systemctl/journalctl said something unexpected
     ├── ProbeError                     the HTTP probe of llama-server failed
+    │   └── Unreadable                 a source the sampler reads (/slots, /metrics, /proc,
+    │                                  the journal) said nothing usable; names it and why
     ├── GateFailure                    the restarted unit failed the gate (phase, class, log)
     ├── EstimateUnsupported            (kvbytes) a model whose KV cache the estimator cannot size
     ├── StoreError                     the generation store cannot be read or written (names
@@ -115,6 +117,20 @@ class SystemdError(LauncherError):
 
 class ProbeError(LauncherError):
     """llama-server did not answer the probe as it should."""
+
+
+class Unreadable(ProbeError):
+    """One source of a live sample could not be read: the server is down or loading, an
+    endpoint is off (501), a build lacks a field, a process is gone. ``source`` names it;
+    the message says why and, where there is one, the fix. A sample records it and goes on
+    with the other sources."""
+
+    def __init__(self, source: str, message: str, status: int | None = None) -> None:
+        self.source, self.status = source, status
+        super().__init__(message)
+
+    def details(self) -> dict[str, Any]:
+        return {"source": self.source, "status": self.status}
 
 
 class GateFailure(LauncherError):

@@ -22,6 +22,7 @@ policy             what it waits for
                    ``drain_timeout``, and says what the timeout cut)
 ``front_up``       the front's HAProxy back after a restart (systemd starts it again
                    ``RestartSec`` after it died), for a deploy that must pause it
+``every``          the next live sample of ``sample --every`` (until the process is stopped)
 =================  =========================================================================
 """
 
@@ -274,3 +275,9 @@ def drain(poll: float, sleep: Callable[[float], None] = time.sleep) -> Retrying:
     """Call a drain step again every ``poll`` seconds while it returns None; the step
     returns its report when the server is idle, unreachable or past its deadline."""
     return Retrying(retry=retry_if_result(lambda r: r is None), wait=wait_fixed(poll), sleep=sleep)
+
+
+def every(interval: float, sleep: Callable[[float], None] = time.sleep) -> Retrying:
+    """Call a step again every ``interval`` seconds, without end (``sample --every``: one
+    process that pays its imports once); an exception of the step ends it."""
+    return Retrying(retry=retry_if_result(lambda _: True), wait=wait_fixed(interval), sleep=sleep)

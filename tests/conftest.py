@@ -195,9 +195,13 @@ class Host:
         return self.sandbox.journal(self.unit, self.cursor)
 
     def remove(self) -> None:
-        self.sandbox.systemctl("stop", self.unit, check=False)
-        self.sandbox.systemctl("reset-failed", self.unit, check=False)
-        (self.sandbox.unit_dir / self.unit).unlink(missing_ok=True)
+        from launcher.host import timer
+
+        sampler = timer.names(self.unit)
+        self.sandbox.systemctl("stop", *sampler, self.unit, check=False)
+        self.sandbox.systemctl("reset-failed", *sampler, self.unit, check=False)
+        for name in (self.unit, *sampler):
+            (self.sandbox.unit_dir / name).unlink(missing_ok=True)
 
 
 @pytest.fixture

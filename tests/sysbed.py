@@ -174,6 +174,16 @@ except urllib.error.HTTPError as e:
 """
 
 
+def share_model(b: Bed, model: Path) -> str:
+    """``model`` copied into the bed's share, readable by the service's own user; its path
+    inside the bed."""
+    (b.share / "models").mkdir(mode=0o755, exist_ok=True)
+    shared = b.share / "models" / model.name
+    shutil.copy(model, shared)
+    os.chmod(shared, 0o644)
+    return b.inside(shared)
+
+
 def state_folder(tmp_path_factory: Any, name: str) -> Path:
     """Where a bed keeps its state: under scripts/test's sandbox folder when there is one
     (its exit trap stops every bed left there, should pytest itself be killed)."""

@@ -17,7 +17,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "launcher"
 
 #: lowest first; the package's own root modules (errors, waits) sit below every folder
-LAYERS = ["", "host", "server", "config", "deploy", "reports", "cli"]
+LAYERS = ["", "host", "server", "config", "deploy", "watch", "reports", "cli"]
 #: the entry point imports the CLI and the unit's two standard-library paths
 TOP = {"launcher.__main__"}
 

@@ -70,8 +70,8 @@ def _live(unit: str) -> dict[str, Any] | None:
     """The live generation of ``unit`` (number, argv, plan, URL), if llama-launcher manages it."""
     from launcher import config
     from launcher.deploy import home, store
-    from launcher.deploy.gate import url_from_argv
     from launcher.errors import LauncherError
+    from launcher.server.httpclient import url_from_argv
 
     try:
         settings = config.load_settings(unit=unit)

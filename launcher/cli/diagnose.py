@@ -6,7 +6,7 @@ import argparse
 import contextlib
 import sys
 from collections.abc import Iterator
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from launcher.deploy.store import Generation
@@ -176,8 +176,34 @@ def run(ns: argparse.Namespace) -> int:
             memory=_pricer(model),
             lacks_cap=_lacks_cap(ns.llama_server, live),
         )
-    emit(report.to_dict(), ns.json, lambda: render(report))
+    recorded = _recorded_failures(ns.unit) if ns.unit else []
+    emit(
+        {**report.to_dict(), "recorded": recorded},
+        ns.json,
+        lambda: "\n\n".join(filter(None, [render(report), _recorded_text(recorded)])),
+    )
     return 0
+
+
+def _recorded_failures(unit: str) -> list[dict[str, Any]]:
+    """The failures the sampler recorded for ``unit``, with the pool before each (none when
+    llama-launcher does not manage the unit)."""
+    from launcher import config
+    from launcher.deploy import home, store
+    from launcher.errors import LauncherError
+    from launcher.reports import pressure
+
+    try:
+        settings = config.load_settings(unit=unit)
+        return pressure.failures_recorded(store.Store(home.state_dir(settings)))
+    except (LauncherError, OSError):
+        return []
+
+
+def _recorded_text(recorded: list[dict[str, Any]]) -> str:
+    from launcher.reports import pressure
+
+    return "\n".join(pressure.failure_lines(recorded))
 
 
 def _n(x: int | None) -> str:

@@ -589,6 +589,20 @@ class ToolSettings(BaseSettings):
         description="a config without --slot-save-path gets STATE_DIR/slots: the slots' "
         "caches are saved before a restart and restored after it",
     )
+    # the watch (launcher/watch/): install renders the interval into the sampler's timer
+    sample_interval: float = Field(
+        60.0, ge=1, description="seconds between two live samples (NAME-sample.timer)"
+    )
+    metrics_textfile_dir: Path | None = Field(
+        None,
+        description="node_exporter's --collector.textfile.directory: every sample writes "
+        "llama_launcher_<unit>.prom there (unset: no metrics file)",
+    )
+    metrics_endpoint: bool = Field(
+        True,
+        description="a config that keeps /slots on gets --metrics (the sampler's decode "
+        "and prefill tok/s)",
+    )
 
     @classmethod
     def settings_customise_sources(

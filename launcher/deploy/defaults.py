@@ -8,7 +8,9 @@ module's check and diff modes print exactly the bytes and the argv the deploy wr
   (``launcher.deploy.keys``);
 - with ``carry_slots`` (the default), a config without ``--slot-save-path`` gets the folder
   its slots are carried in across a restart (``Target.slot_folder``): ``STATE_DIR/slots`` in
-  user scope, the unit's ``StateDirectory=`` in system scope.
+  user scope, the unit's ``StateDirectory=`` in system scope;
+- with ``metrics_endpoint`` (the default), a config that keeps ``/slots`` on gets
+  ``--metrics``, the counters the live sampler reads (``launcher.config.endpoints``).
 
 (``-c`` from the per-slot cap, ``--log-colors off`` and ``--api-key-file`` on the argv are the
 config's own rendering, ``ServerConfig.server_args``/``argv``.)
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from launcher import config
+from launcher.config import endpoints
 from launcher.deploy import handover, keys, store
 from launcher.errors import LauncherError
 from launcher.host import service, units
@@ -89,7 +92,7 @@ def deployed_config(
     if settings.carry_slots:
         create = write and settings.scope != "system"  # systemd makes a StateDirectory=
         cfg = handover.with_slot_dir(cfg, to.slot_folder, create)
-    return cfg
+    return endpoints.with_metrics(cfg, settings.metrics_endpoint)
 
 
 def make_slot_folder(settings: config.ToolSettings, to: Target, cfg: config.ServerConfig) -> None:

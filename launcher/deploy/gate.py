@@ -30,6 +30,7 @@ from launcher.errors import GateFailure, LauncherError, ProbeError
 from launcher.host import envfile
 from launcher.host.systemd import JournalFollower, Systemd, UnitState
 from launcher.server import binary, kvlayout, serverlog
+from launcher.server.httpclient import url_from_argv
 
 if TYPE_CHECKING:
     from launcher.server.probe import Completion, Probe
@@ -502,19 +503,6 @@ def _compare_props(plan: kvlayout.PoolPlan | None, props: dict[str, Any], log: l
             f"{plan.n_slots} and {plan.n_ctx_slot}",
             log[-30:],
         )
-
-
-def url_from_argv(argv: list[str]) -> str:
-    """http://HOST:PORT from llama-server's --host/--port (defaults 127.0.0.1:8080)."""
-    host, port = "127.0.0.1", "8080"
-    for i, word in enumerate(argv[:-1]):
-        if word == "--host":
-            host = argv[i + 1].split(",")[0]
-        elif word == "--port":
-            port = argv[i + 1]
-    if host in ("0.0.0.0", "::", ""):
-        host = "127.0.0.1"
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def _dead(state: UnitState, before: UnitState, started: bool) -> str | None:

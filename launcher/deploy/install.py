@@ -17,7 +17,7 @@ from launcher.deploy.result import Result
 from launcher.deploy.transaction import Deployer
 from launcher.deploy.window import client_window_path
 from launcher.errors import ConfigInvalid, LauncherError
-from launcher.host import service, units
+from launcher.host import service, timer, units
 from launcher.host.systemd import Systemd
 
 
@@ -283,6 +283,7 @@ def install(
     _write_pending(pending, force)
     systemd.daemon_reload()
     systemd.enable()
+    install_sampler(settings, env_file, template, systemd)
     # no stop on failure here: with no previous config the rollback stops the unit itself,
     # and with one it serves that config again
     result = deployer.deploy(cfg, origin="install")
@@ -489,6 +490,10 @@ def _uninstall(
         else:
             done.setdefault("removed", []).append(str(f))
     done.update(_uninstall_front(settings, systemd))
+    if removed := timer.remove(
+        settings.resolved_unit_dir(), settings.unit_name, systemd, keep_templates=True
+    ):
+        done["removed_sampler"] = removed
     if purge and state.exists():
         shutil.rmtree(state)
         done["purged"] = str(state)
@@ -584,3 +589,28 @@ def _uninstall_front(settings: config.ToolSettings, systemd: Systemd) -> dict[st
     the_front.hold_path.unlink(missing_ok=True)
     the_front.hold_lock_path.unlink(missing_ok=True)
     return {"removed_front": [str(f) for f in files]}
+
+
+def install_sampler(
+    settings: config.ToolSettings, env_file: Path, template: bool, systemd: Systemd
+) -> list[str]:
+    """The sampler's timer and service (``launcher.host.timer``), enabled and started: it
+    skips its samples until the deploy that follows is done."""
+    python, package_dir = units.this_python()
+    textfile_dir = settings.metrics_textfile_dir
+    if textfile_dir is not None:
+        textfile_dir.mkdir(parents=True, exist_ok=True, mode=0o755)
+    sampler = timer.Sampler(
+        unit="llama-server@%i.service" if template else settings.unit_name,
+        scope=settings.scope,
+        python=python,
+        package_dir=package_dir,
+        state_dir=_template_state_dir(settings) if template else str(home.state_dir(settings)),
+        env_file=str(env_file.parent / "%i.env") if template else str(env_file),
+        interval=settings.sample_interval,
+        textfile_dir=str(textfile_dir) if textfile_dir else None,
+        base_url=settings.base_url,
+    )
+    unit_dir = settings.resolved_unit_dir()
+    unit_dir.mkdir(parents=True, exist_ok=True)
+    return timer.install(unit_dir, settings.unit_name, sampler, systemd, store.atomic_write)

@@ -10,11 +10,14 @@ from __future__ import annotations
 import hashlib
 import secrets
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from launcher import config
 from launcher.deploy import store
 from launcher.errors import ConfigInvalid, ProbeError
 from launcher.host import envfile
+
+if TYPE_CHECKING:  # the live sampler reads keys without the typed config's import
+    from launcher import config
 
 
 def read_api_key(path: Path | None) -> str | None:

@@ -13,6 +13,8 @@ from launcher.deploy.front import Front, FrontError
 from launcher.errors import StoreError
 from launcher.host import envfile, launch
 from launcher.host.systemd import Systemd
+from launcher.reports import pressure
+from launcher.watch import sample
 
 
 def status(settings: config.ToolSettings, systemd: Systemd | None = None) -> dict[str, Any]:
@@ -48,6 +50,7 @@ def status(settings: config.ToolSettings, systemd: Systemd | None = None) -> dic
                 "kv_estimate": live.meta.get("kv_estimate"),
             }
         )
+        data["watch"] = pressure.status_of(settings, systemd)
     return data
 
 
@@ -179,6 +182,7 @@ def status_text(d: dict[str, Any]) -> str:
         lines.append(f"  memory: {memory_line(mem, d.get('kv_estimate'))}")
     if sides := sides_line(mem, d.get("kv_estimate")):
         lines.append(f"  per side: {sides}")
+    lines += pressure.status_lines(d.get("watch"))
     if d.get("pending_transaction"):
         lines.append("  a deploy was interrupted: the next verb recovers it")
     return "\n".join(lines)
@@ -187,6 +191,7 @@ def status_text(d: dict[str, Any]) -> str:
 def history(settings: config.ToolSettings) -> dict[str, Any]:
     st = store.Store(home.state_dir(settings))
     live = st.live_number()
+    tail = sample.last_run(sample.target_for(settings))
     out: list[dict[str, Any]] = []
     argvs: dict[int, list[str]] = {}
     for gen in st.all():
@@ -209,6 +214,7 @@ def history(settings: config.ToolSettings) -> dict[str, Any]:
                 "memory": mem,
                 "kv_estimate": gen.meta.get("kv_estimate"),
                 "failure": (gen.meta.get("failure") or {}).get("message"),
+                "watched": pressure.headline(gen, tail if gen.number == live else None),
             }
         )
     return {"unit": settings.unit_name, "live_generation": live, "generations": out}
@@ -231,6 +237,8 @@ def history_text(d: dict[str, Any]) -> str:
             lines.append(f"        memory: {memory_line(g['memory'], g.get('kv_estimate'))}")
         if sides := sides_line(g["memory"], g.get("kv_estimate")):
             lines.append(f"        per side: {sides}")
+        if g.get("watched"):
+            lines.append(f"        {pressure.headline_line(g['watched'])}")
     return "\n".join(lines)
 
 

@@ -49,3 +49,16 @@ def error_text(resp: httpx.Response) -> str:
     if "Jinja Exception" in msg:
         first += " (" + msg[msg.index("Jinja Exception") :].splitlines()[0] + ")"
     return first[:300]
+
+
+def url_from_argv(argv: list[str]) -> str:
+    """http://HOST:PORT from llama-server's --host/--port (defaults 127.0.0.1:8080)."""
+    host, port = "127.0.0.1", "8080"
+    for i, word in enumerate(argv[:-1]):
+        if word == "--host":
+            host = argv[i + 1].split(",")[0]
+        elif word == "--port":
+            port = argv[i + 1]
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"

@@ -469,3 +469,50 @@ KEYWORDS: dict[str, tuple[bytes, ...]] = {
         b"llama_server: initializing",
     ),
 }
+
+
+# -- what a live sample counts in the journal ------------------------------------------------
+
+# server-context.cpp:1962 (SLT_INF; b9093 :1353, b10405 :1858): ``slot launch_slot_: id  3 |
+# task 2 | processing task, is_child = 0``, once per task a slot starts (one per request;
+# a request with n > 1 choices starts children, is_child = 1)
+TASK_LAUNCH = _compile(r"\| processing task(?:, is_child = (?P<child>\d+))?")
+
+#: The counters of ``tally``, in the order a live record keeps them.
+TALLY_KEYS = (
+    "requests",
+    "completions",
+    "failures",
+    "context_exceeded",
+    "too_long",
+    "decode_failed",
+    "kv_retries",
+)
+
+
+def tally(line: str) -> str | None:
+    """Which live counter one message line adds to (``TALLY_KEYS``): a request launched, a
+    task released (``completions``; a failed one is subtracted by the caller through
+    ``failures``), a request answered with an error (``failure_kind`` says which kind), a
+    step of a KV cascade. None: a line no counter wants (the ``decode() failed`` line that
+    follows a failure repeats what its requests' error lines said)."""
+    if "processing task" in line:
+        m = TASK_LAUNCH.search(line)
+        return "requests" if m and m["child"] in (None, "0") else None
+    if "stop processing" in line:
+        return "completions" if SLOT_RELEASE.search(line) else None
+    if "send_error" in line and SEND_ERROR.search(line):
+        return "failures"
+    if RETRY_TEXT in line:
+        return "kv_retries"
+    return None
+
+
+def failure_kind(line: str) -> str:
+    """The kind of a request's error line (``tally`` said ``failures``): the exhausted pool,
+    a request too long for its slot, or another decode failure."""
+    if CONTEXT_EXCEEDED in line:
+        return "context_exceeded"
+    if REQUEST_TOO_LONG.search(line) or INPUT_TOO_LARGE.search(line):
+        return "too_long"
+    return "decode_failed"

@@ -1,0 +1,197 @@
+"""Verbs of the live watch: sample (what the sampler's timer runs), top, compare."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from launcher.cli import emit
+from launcher.cli.deploy import _parser, _settings_options, settings_from
+
+if TYPE_CHECKING:
+    from launcher.watch.sample import Outcome
+
+
+def register(sub: Any) -> None:
+    p = _parser(
+        sub,
+        "sample",
+        "take one live sample of the unit: read /slots, /metrics, /proc and the journal, "
+        "add it to the live generation's record, write the metrics file, warn when the KV "
+        "pool or a slot passes 90 percent (what NAME-sample.timer runs; takes no deploy lock; "
+        "with --unit, --scope and --state-dir all given, as the timer gives them, it reads no "
+        "settings)",
+    )
+    p.add_argument(
+        "--textfile-dir",
+        type=Path,
+        metavar="DIR",
+        help="write llama_launcher_<unit>.prom there (default: the setting "
+        "metrics_textfile_dir; unset: no metrics file)",
+    )
+    p.add_argument(
+        "--every",
+        type=float,
+        metavar="SECONDS",
+        help="sample again every SECONDS until stopped, in this one process (its imports "
+        "paid once: for intervals of seconds, where a process per sample costs more)",
+    )
+    _settings_options(p)
+    p.set_defaults(func=cmd_sample)
+
+    p = _parser(
+        sub,
+        "top",
+        "the KV pool and every slot, refreshed every second (q to quit); the peak of the "
+        "last hour from the live record",
+    )
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between two frames")
+    p.add_argument("--once", action="store_true", help="print one frame and exit")
+    _settings_options(p)
+    p.set_defaults(func=cmd_top)
+
+    p = _parser(
+        sub,
+        "compare",
+        "two generations side by side from their live records: decode tok/s, errors per "
+        "1,000 requests, peak pool, memory; says when either has too little data",
+    )
+    p.add_argument("a", type=int, metavar="A", help="a generation (see history)")
+    p.add_argument("b", type=int, metavar="B", help="the other one")
+    _settings_options(p)
+    p.set_defaults(func=cmd_compare)
+
+
+def cmd_sample(ns: argparse.Namespace) -> int:
+    from launcher.host.systemd import Systemd
+    from launcher.watch import sample
+
+    if ns.unit and ns.scope and ns.state_dir:
+        # as the sampler's timer runs it, with the unit, its scope and its state folder that
+        # install resolved: no settings are read (their typed config's import would be most
+        # of a sample's CPU time)
+        unit = ns.unit if "." in ns.unit else f"{ns.unit}.service"
+        target = sample.Target(unit, ns.state_dir.absolute(), ns.textfile_dir, ns.base_url)
+        systemd = Systemd(unit, ns.scope)
+    else:
+        settings = settings_from(ns)
+        target = sample.target_for(settings, ns.textfile_dir)
+        systemd = Systemd(settings.unit_name, settings.scope)
+    if ns.every is not None:
+        from launcher import waits
+        from launcher.errors import ConfigInvalid
+
+        if ns.every <= 0:
+            raise ConfigInvalid(f"--every {ns.every:g} is not a positive number of seconds")
+        waits.every(ns.every)(lambda: _report(sample.sample(target, systemd), ns.json))
+    return _report(sample.sample(target, systemd), ns.json)
+
+
+def _report(out: Outcome, as_json: bool) -> int:
+    for w in out.warnings:
+        _warn(w)
+    emit(out.to_dict(), as_json, lambda: _sample_text(out))
+    for e in out.errors:
+        print(f"llama-launcher: {e}", file=sys.stderr)
+    sys.stdout.flush()
+    return 0 if out.ok else 1
+
+
+def _warn(text: str) -> None:
+    """A warning on stderr; in the journal (a unit's stderr) at priority warning."""
+    print(f"{'<4>' if _to_journal() else ''}llama-launcher: warning: {text}", file=sys.stderr)
+
+
+def _to_journal() -> bool:
+    """stderr is the journal stream systemd connected (``$JOURNAL_STREAM`` names it)."""
+    try:
+        dev, ino = (int(x) for x in os.environ.get("JOURNAL_STREAM", "").split(":"))
+        st = os.fstat(2)
+    except (ValueError, OSError):
+        return False
+    return (st.st_dev, st.st_ino) == (dev, ino)
+
+
+def _sample_text(out: Outcome) -> str:
+    if out.skipped:
+        return f"skipped: {out.skipped}"
+    head = f"sampled {out.unit} (generation {out.generation})"
+    lines = [head]
+    if out.pressure:
+        from launcher.reports import pressure
+
+        lines += [f"  {x}" for x in pressure.pool_lines(out.pressure)]
+    if out.decode_tps is not None:
+        lines.append(f"  decode since the last sample: {out.decode_tps:,.1f} tok/s")
+    if out.counts:
+        shown = ", ".join(f"{k} +{v:g}" for k, v in out.counts.items() if k in _SHOWN)
+        if shown:
+            lines.append(f"  {shown}")
+    lines += [f"  could not read {k}: {v}" for k, v in out.unread.items()]
+    if out.lost:
+        lines.append(f"  journal: {out.lost}")
+    lines.append(f"  wrote: {', '.join(out.wrote)}" if out.wrote else "  nothing changed")
+    return "\n".join(lines)
+
+
+_SHOWN = ("requests", "completions", "failures", "context_exceeded", "restarts")
+
+
+def cmd_top(ns: argparse.Namespace) -> int:
+    from launcher.errors import ConfigInvalid
+    from launcher.host.systemd import Systemd
+    from launcher.reports import pressure
+
+    if ns.interval <= 0:
+        raise ConfigInvalid(f"--interval {ns.interval:g} is not a positive number of seconds")
+    settings = settings_from(ns)
+    view = pressure.Top(settings, Systemd(settings.unit_name, settings.scope))
+    if ns.once or ns.json or not sys.stdout.isatty():
+        frame = view.frame()
+        emit(frame, ns.json, lambda: "\n".join(pressure.top_lines(frame)))
+        return 0
+    _loop(view, ns.interval)
+    return 0
+
+
+def _loop(view: Any, interval: float) -> None:
+    """Redraw every ``interval`` seconds until q (or Ctrl-C): the terminal in cbreak mode,
+    no curses needed for one screen of text."""
+    import select
+    import termios
+    import tty
+
+    from launcher.reports import pressure
+
+    fd = sys.stdin.fileno() if sys.stdin.isatty() else None
+    saved = termios.tcgetattr(fd) if fd is not None else None
+    try:
+        if fd is not None:
+            tty.setcbreak(fd)
+        while True:
+            lines = pressure.top_lines(view.frame())
+            sys.stdout.write("\x1b[H\x1b[2J" + "\n".join(lines) + "\n\n(q to quit)\n")
+            sys.stdout.flush()
+            ready = select.select([fd], [], [], interval)[0] if fd is not None else []
+            if fd is None:
+                import time
+
+                time.sleep(interval)
+            elif ready and os.read(fd, 1) in (b"q", b"Q"):
+                return
+    except KeyboardInterrupt:
+        return
+    finally:
+        if fd is not None and saved is not None:
+            termios.tcsetattr(fd, termios.TCSADRAIN, saved)
+
+
+def cmd_compare(ns: argparse.Namespace) -> int:
+    from launcher.reports import compare
+
+    data = compare.compare(settings_from(ns), ns.a, ns.b)
+    emit(data, ns.json, lambda: compare.compare_text(data))
+    return 0

@@ -1,0 +1,127 @@
+"""llama-server's ``GET /metrics``: the counters a watcher may use, and whose process they count.
+
+Read from b9093, b10405 and b11434 (tools/server/server-context.cpp, server-task.cpp,
+server-common.h) and confirmed against each real server by the tests:
+
+- The endpoint exists only with ``--metrics``; without it every build answers 501 ``This
+  server does not support metrics endpoint. Start it with `--metrics```. While the model
+  loads it answers 503 ``Loading model`` like every route. With an API key it needs the key
+  on all three builds (it is not among the public paths: ``/health``, ``/v1/health``, and
+  on b9093 also ``/models``), so it is reachable exactly where the API is.
+- The text is Prometheus' format 0.0.4, every name prefixed ``llamacpp:``. The counters are
+  cumulative since the process started: ``prompt_tokens_total`` (prompt tokens processed,
+  cache hits not counted), ``prompt_seconds_total``, ``tokens_predicted_total``,
+  ``tokens_predicted_seconds_total``, ``n_decode_total``. Decode and prefill tok/s are their
+  deltas between two reads.
+- The gauges ``prompt_tokens_seconds`` and ``predicted_tokens_seconds`` are averaged "over
+  the window between two scrapes": every GET resets that window (``reset_bucket()``), so
+  this module never reads them; ``requests_deferred`` (requests waiting for a free slot)
+  and ``requests_processing`` are plain gauges of the moment.
+- The header ``Process-Start-Time-Unix`` is ``ggml_time_us()`` when the server started
+  (``server_metrics::init``): microseconds of the monotonic clock on b11434, not Unix time
+  despite its name. It is read as the identity of the process the counters belong to: a new
+  value means a restart, and counters back at zero.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from launcher.errors import Unreadable
+from launcher.server import httpclient
+
+PREFIX = "llamacpp:"
+#: The counters a sample keeps (cumulative since the process started).
+COUNTERS = (
+    "prompt_tokens_total",
+    "prompt_seconds_total",
+    "tokens_predicted_total",
+    "tokens_predicted_seconds_total",
+    "n_decode_total",
+)
+#: Gauges of the moment (never the windowed ``*_tokens_seconds`` ones).
+GAUGES = ("requests_processing", "requests_deferred")
+START_HEADER = "Process-Start-Time-Unix"
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """One read of ``/metrics``: counters and instant gauges, and the process's start mark."""
+
+    counters: dict[str, float]
+    gauges: dict[str, float]
+    process_start: str | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.__dict__.copy()
+
+
+def parse(text: str) -> dict[str, float]:
+    """The ``llamacpp:`` samples of a Prometheus text page (name without the prefix ->
+    value). Comments, labels and other prefixes are ignored; a value that is not a number
+    leaves its name out."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith(PREFIX):
+            continue
+        name, _, rest = line[len(PREFIX) :].partition(" ")
+        if "{" in name:
+            continue
+        try:
+            value = float(rest.split()[0])
+        except (IndexError, ValueError):
+            continue
+        if math.isfinite(value):
+            values[name] = value
+    return values
+
+
+def from_response(resp: httpx.Response) -> Metrics:
+    """``Metrics`` from an answer of ``GET /metrics``; ``Unreadable`` naming why not."""
+    if resp.status_code != 200:
+        raise Unreadable("metrics", _refusal(resp), resp.status_code)
+    values = parse(resp.text)
+    missing = [c for c in COUNTERS[:4] if c not in values]
+    if missing:
+        raise Unreadable(
+            "metrics",
+            f"/metrics has no {', '.join(PREFIX + m for m in missing)}: a llama-server build "
+            "this reader does not know",
+        )
+    return Metrics(
+        counters={c: values[c] for c in COUNTERS if c in values},
+        gauges={g: values[g] for g in GAUGES if g in values},
+        process_start=resp.headers.get(START_HEADER),
+    )
+
+
+def read(client: httpx.Client) -> Metrics:
+    """``GET /metrics`` through ``client`` (``httpclient.client``)."""
+    try:
+        resp = client.get("/metrics")
+    except httpx.TransportError as e:
+        raise Unreadable("metrics", f"the server does not answer: {type(e).__name__}") from e
+    return from_response(resp)
+
+
+def _refusal(resp: httpx.Response) -> str:
+    why = httpclient.error_text(resp)
+    if resp.status_code == 501:
+        return (
+            f"/metrics is off (501: {why}): decode and prefill tok/s are unknown; deploy "
+            "the config with --metrics (llama-launcher set --metrics)"
+        )
+    if resp.status_code == 503:
+        return f"the server is loading (503: {why})"
+    if resp.status_code == 401:
+        return "/metrics wants the API key (401); the live env file names none that works"
+    return f"/metrics answered {resp.status_code}: {why}"
+
+
+def rate(tokens: float, seconds: float) -> float | None:
+    """Tokens per second of a counter delta; None when no time was spent."""
+    return tokens / seconds if seconds > 0 else None

@@ -1,0 +1,680 @@
+"""One live sample of a unit: read, aggregate into the live generation's record, write the
+metrics file, warn.
+
+What one sample reads, each source on its own (one that cannot be read is named in the
+outcome, and the others go on): the unit's state (``systemctl show``), llama-server's
+``GET /slots`` and ``GET /metrics`` (counters only: ``launcher.server.metrics``), the
+process's ``/proc/PID/status`` (``RssAnon + VmSwap``), and the unit's journal since the
+cursor of the sample before (``launcher.host.journalread``). It adds what changed to the
+live generation's record (``launcher.watch.record``) and writes nothing when nothing did;
+it keeps its own state (the counters, the journal cursor, the process it counted for) in
+``STATE_DIR/watch/sampler.json``, whose mtime is the time of the last sample.
+
+The deploy and the sampler: the sampler never takes the unit's deploy lock, so a deploy
+never waits for it. It takes a lock of its own (``STATE_DIR/watch/lock``, never waited
+for: a second sampler at the same moment skips), reads the store without a lock (its files
+are replaced atomically), skips while a deploy is in progress (``txn.json`` of a live
+deployer), and throws its reads away when the live generation changed while it read. A
+sample writes its own files only; a failure to write one (a full disk) leaves that file
+whole, as it was, and is named in the outcome.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from launcher.deploy import home, keys, store
+from launcher.errors import LauncherError, StoreError, Unreadable
+from launcher.host import journalread, procfs
+from launcher.host.systemd import Systemd, UnitState
+from launcher.server import httpclient, metrics, serverlog, slotstate
+from launcher.server.httpclient import url_from_argv
+from launcher.watch import record, textfile
+
+if TYPE_CHECKING:
+    from launcher.config import ToolSettings
+
+#: Warn when the pool, or a slot's cap, is this full; warn again only after it fell under
+#: ``CLEAR_AT``.
+WARN_AT = 0.9
+CLEAR_AT = 0.8
+#: The HTTP timeout of one read: /slots and /metrics are high-priority tasks, answered
+#: between two decode batches.
+HTTP_TIMEOUT = 10.0
+SOURCES = ("slots", "metrics", "proc", "journal")
+
+
+def default_writer(path: Path, data: bytes, mode: int) -> None:
+    """Atomic replace (temp file in the same folder, rename), not fsynced: a killed sampler
+    leaves the old file or the new one; a power loss may cost the last samples."""
+    store.atomic_write(path, data, mode, durable=False)
+
+
+@dataclass(frozen=True)
+class Target:
+    """The unit a sample watches, and where its files are."""
+
+    unit: str
+    state_dir: Path
+    textfile_dir: Path | None = None
+    base_url: str | None = None
+
+    @property
+    def folder(self) -> Path:
+        return self.state_dir / "watch"
+
+
+def target_for(settings: ToolSettings, textfile_dir: Path | None = None) -> Target:
+    """The unit of ``settings``, its one state folder (``launcher.deploy.home``), and the
+    metrics folder (``textfile_dir``, else the setting ``metrics_textfile_dir``)."""
+    return Target(
+        unit=settings.unit_name,
+        state_dir=home.state_dir(settings),
+        textfile_dir=textfile_dir or settings.metrics_textfile_dir,
+        base_url=settings.base_url,
+    )
+
+
+@dataclass
+class Outcome:
+    """What one sample did (``--json`` prints ``to_dict``)."""
+
+    unit: str
+    generation: int | None = None
+    skipped: str | None = None
+    unread: dict[str, str] = field(default_factory=dict)
+    lost: str | None = None
+    wrote: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    pressure: dict[str, Any] | None = None
+    counts: dict[str, float] = field(default_factory=dict)
+    decode_tps: float | None = None
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ok": self.ok, **self.__dict__}
+
+
+# -- the sampler's own state -------------------------------------------------------------------
+
+
+@dataclass
+class State:
+    """What the next sample needs of this one (``sampler.json``)."""
+
+    generation: int | None = None
+    pid: int = 0
+    process: str | None = None
+    counters: dict[str, float] = field(default_factory=dict)
+    cursor: str | None = None
+    n_restarts: int | None = None
+    #: what was warned about and has not fallen under CLEAR_AT since ("pool", "slot 2")
+    warned: list[str] = field(default_factory=list)
+    decode_tps: float | None = None
+    unread: dict[str, str] = field(default_factory=dict)
+    #: the counts of the generations before the live one (the metrics' totals)
+    past: dict[str, float] | None = None
+    #: generation number -> outcome, and the newest deploy's time and duration
+    outcomes: dict[str, str] = field(default_factory=dict)
+    last_deploy: list[float | None] = field(default_factory=lambda: [None, None])
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(self.__dict__, sort_keys=True, separators=(",", ":")).encode()
+
+
+def state_path(target: Target) -> Path:
+    return target.folder / "sampler.json"
+
+
+def load_state(target: Target) -> tuple[State, float | None]:
+    """The state of the sample before, and when it ran (the file's mtime)."""
+    path = state_path(target)
+    try:
+        data = json.loads(path.read_bytes())
+        known = State.__dataclass_fields__
+        state = State(**{k: v for k, v in data.items() if k in known})
+        if not isinstance(state.warned, list):
+            state.warned = []
+        return state, path.stat().st_mtime
+    except FileNotFoundError:
+        return State(), None
+    except (OSError, ValueError, TypeError):
+        return State(), None  # damaged: counted afresh from the live generation's start
+
+
+def last_run(target: Target) -> float | None:
+    """When the last sample ran (None: never)."""
+    try:
+        return state_path(target).stat().st_mtime
+    except OSError:
+        return None
+
+
+@contextlib.contextmanager
+def _own_lock(folder: Path) -> Iterator[bool]:
+    """The sampler's own lock, never waited for: False when another sample holds it."""
+    fd = os.open(folder / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in (errno.EAGAIN, errno.EACCES):
+                yield False
+                return
+            raise
+        yield True
+    finally:
+        os.close(fd)
+
+
+def deploying(st: store.Store) -> bool:
+    """A deploy is in progress: its transaction record is there and its deployer lives (a
+    killed deployer's record waits for the next command; sampling goes on meanwhile)."""
+    txn = st.txn()
+    if not txn:
+        return False
+    try:
+        pid = int(txn.get("pid") or 0)
+        if pid <= 0:
+            return False
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, ValueError):
+        return True
+    return True
+
+
+def served_from(gen: store.Generation) -> float:
+    """When a generation began to serve: the deploy's commit (its meta's ``time`` is taken
+    after the validation; ``timings`` count from the deploy's start)."""
+    meta = gen.meta
+    timings = meta.get("timings") or {}
+    started = float(meta.get("time") or 0) - float(timings.get("validate") or 0)
+    return started + float(timings.get("total") or 0)
+
+
+def deployed_at(gen: store.Generation) -> float:
+    """When the generation's deploy stored it, before the restart: its process logs after."""
+    return float(gen.meta.get("time") or 0)
+
+
+# -- one sample ------------------------------------------------------------------------------
+
+
+@dataclass
+class Reads:
+    """What one read of the unit found (``read_server``; the sampler adds the journal)."""
+
+    unit: UnitState
+    slots: list[slotstate.Slot] | None = None
+    metrics: metrics.Metrics | None = None
+    memory: procfs.Memory | None = None
+    journal: journalread.Read = field(default_factory=journalread.Read)
+    unread: dict[str, str] = field(default_factory=dict)
+
+
+def sample(
+    target: Target,
+    systemd: Systemd,
+    clock: Callable[[], float] = time.time,
+    write: record.Writer = default_writer,
+    transport: httpx.BaseTransport | None = None,
+) -> Outcome:
+    """Take one sample of ``target`` (see the module docstring)."""
+    t0 = time.monotonic()
+    out = Outcome(target.unit)
+    try:
+        target.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        with _own_lock(target.folder) as mine:
+            if not mine:
+                out.skipped = f"another sample of {target.unit} is running"
+            else:
+                _sample(target, systemd, clock, write, transport, out)
+    except OSError as e:
+        out.errors.append(store.write_failed(e, target.folder, "--state-dir"))
+    out.seconds = round(time.monotonic() - t0, 4)
+    return out
+
+
+def _sample(
+    target: Target,
+    systemd: Systemd,
+    clock: Callable[[], float],
+    write: record.Writer,
+    transport: httpx.BaseTransport | None,
+    out: Outcome,
+) -> None:
+    st = store.Store(target.state_dir)
+    state, before = load_state(target)
+    live = st.live_number()
+    if deploying(st):
+        out.skipped = f"a deploy of {target.unit} is in progress; the next sample goes on"
+        return
+    if live is None:
+        out.skipped = f"nothing deployed for {target.unit} yet (no live generation)"
+        _publish(target, _page(target, st, state, None, None, None), write, out)
+        return
+    gen = st.get(live)
+    out.generation = live
+    store.sweep_temp([target.folder, gen.path, *filter(None, [target.textfile_dir])])
+    # the journal from the last sample on; a generation's first sample from its deploy
+    since = before if before and state.generation == live else deployed_at(gen)
+    reads = _read(target, systemd, gen, state, since, transport)
+    if st.live_number() != live or deploying(st):
+        out.skipped = "a deploy began while the sample read: its reads were thrown away"
+        return
+    previous = _close_previous(st, state, gen, reads, write, out)
+    rec = record.load(gen.path, live, repair=True)
+    rec.begin(served_from(gen))
+    delta, pressure = _delta(clock(), gen, reads, state, rec, previous, out)
+    out.unread, out.lost = reads.unread, reads.journal.lost
+    out.pressure = pressure.to_dict() if pressure else None
+    out.warnings += _warnings(target, pressure, delta, state)
+    state.unread = reads.unread
+    changed = rec.changed_by(delta)
+    if changed:
+        rec.add(delta)
+        if reads.journal.lost:
+            rec.notes.append(reads.journal.lost)
+    page = _page(target, st, state, rec, pressure, reads)  # it keeps its caches in the state
+    # the state first: a record written without it would be counted twice by the next sample
+    if _save_state(target, state, write, out) and changed:
+        _save(gen.path, rec, write, out, "live record")
+    _publish(target, page, write, out)
+
+
+def read_server(
+    target: Target,
+    systemd: Systemd,
+    gen: store.Generation,
+    transport: httpx.BaseTransport | None = None,
+) -> Reads:
+    """The unit's state, and when it runs its server's /slots and /metrics and its process's
+    memory: each source on its own (``Reads.unread`` says which could not be read, why)."""
+    reads = Reads(systemd.state())
+    if reads.unit.running:
+        url = target.base_url or url_from_argv(list(gen.meta.get("argv") or []))
+        try:
+            key = keys.key_of_env(gen.env_text, str(gen.path / "env"))
+        except LauncherError as e:  # the key file went away: read without, and say why
+            key = None
+            reads.unread["key"] = str(e)
+        client = httpclient.client(httpx.Client, url, key, HTTP_TIMEOUT, transport, False)
+        with client:
+            reads.slots = _try(reads, "slots", lambda: slotstate.read(client))
+            reads.metrics = _try(reads, "metrics", lambda: metrics.read(client))
+        if reads.slots and any(s.tokens is None for s in reads.slots):
+            reads.unread["slots"] = (
+                f"this build's /slots has no {slotstate.TOKENS_FIELD} (it came with "
+                f"b{slotstate.TOKENS_SINCE}): what the slots hold and the pool use are unknown"
+            )
+        reads.memory = _try(reads, "proc", lambda: procfs.memory(reads.unit.main_pid))
+    else:
+        why = f"{target.unit} is {reads.unit.active}/{reads.unit.sub}: the server is down"
+        reads.unread.update({"slots": why, "metrics": why, "proc": why})
+    return reads
+
+
+def pressure_of(gen: store.Generation, reads: Reads) -> slotstate.Pressure | None:
+    """The pool and the slots now, against the generation's planned pool."""
+    if reads.slots is None:
+        return None
+    return slotstate.Pressure(reads.slots, (gen.meta.get("planned") or {}).get("pool_cells"))
+
+
+def _read(
+    target: Target,
+    systemd: Systemd,
+    gen: store.Generation,
+    state: State,
+    since: float,
+    transport: httpx.BaseTransport | None,
+) -> Reads:
+    reads = read_server(target, systemd, gen, transport)
+    try:
+        reads.journal = journalread.since(target.unit, state.cursor, since, systemd.run)
+    except LauncherError as e:
+        reads.unread["journal"] = str(e)
+    return reads
+
+
+def _try(reads: Reads, source: str, fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except Unreadable as e:
+        reads.unread[source] = str(e)
+        return None
+
+
+def _close_previous(
+    st: store.Store,
+    state: State,
+    gen: store.Generation,
+    reads: Reads,
+    write: record.Writer,
+    out: Outcome,
+) -> set[int]:
+    """When another generation went live since the last sample: its record gets what its
+    process logged and the time up to the new one's start. Returns the pids whose lines
+    belonged to it."""
+    old = state.generation
+    if old is None or old == gen.number:
+        return set()
+    pids = {state.pid} if state.pid else set()
+    try:
+        old_gen = st.get(old)
+    except StoreError:
+        return pids  # purged meanwhile
+    rec = record.load(old_gen.path, old, repair=True)
+    counts = _tally([x for x in reads.journal.lines if x.pid in pids])
+    if any(counts.values()):
+        rec.add(record.Delta(served_from(gen), rec.now, counts))
+    rec.close(served_from(gen))
+    _save(old_gen.path, rec, write, out, f"live record of generation {old}")
+    if state.past is not None:
+        for k, v in rec.totals.items():
+            state.past[k] = state.past.get(k, 0) + v
+    # a new process with counters of its own; not a restart within the generation
+    state.generation, state.process, state.counters = gen.number, None, {}
+    state.pid, state.n_restarts = 0, None
+    return pids
+
+
+def _tally(lines: list[journalread.Line]) -> dict[str, float]:
+    counts: dict[str, float] = dict.fromkeys(serverlog.TALLY_KEYS, 0)
+    for line in lines:
+        key = serverlog.tally(line.text)
+        if key is None:
+            continue
+        counts[key] += 1
+        if key == "failures":
+            counts[serverlog.failure_kind(line.text)] += 1
+    counts["completions"] = max(0, counts["completions"] - counts["failures"])
+    return counts
+
+
+def _delta(
+    now: float,
+    gen: store.Generation,
+    reads: Reads,
+    state: State,
+    rec: record.Record,
+    previous: set[int],
+    out: Outcome,
+) -> tuple[record.Delta, slotstate.Pressure | None]:
+    lines = [x for x in reads.journal.lines if x.pid not in previous]
+    if state.generation is None and reads.unit.main_pid:
+        # the first sample ever read from the deploy on: the replaced process logged too
+        lines = [x for x in lines if x.pid == reads.unit.main_pid]
+    counts = _tally(lines)
+    counts.update(_counter_deltas(reads, state, out))
+    counts["restarts"] = _restarts(reads.unit, state, gen.number)
+    state.cursor = reads.journal.cursor or state.cursor
+    if reads.journal.lost and not reads.journal.cursor:
+        state.cursor = None
+    pressure = pressure_of(gen, reads)
+    seen = record.Now(
+        up=reads.slots is not None,
+        pool=_permille(pressure.use if pressure else None),
+        slot_fill=_permille(pressure.max_fill if pressure else None),
+        busy=pressure.busy_slots if pressure else None,
+        deferred=_int((reads.metrics.gauges if reads.metrics else {}).get("requests_deferred")),
+        memory=reads.memory.growth if reads.memory else None,
+    )
+    out.counts = {k: v for k, v in counts.items() if v}
+    return record.Delta(now, seen, counts, _failures(lines, rec, state)), pressure
+
+
+def _counter_deltas(reads: Reads, state: State, out: Outcome) -> dict[str, float]:
+    """Tokens and the server's own seconds since the last sample, from /metrics' counters:
+    from zero for a process not seen before (a restart sets them back)."""
+    m = reads.metrics
+    if m is None:
+        return {}
+    ident = m.process_start or f"pid {reads.unit.main_pid}"
+    prev = state.counters if state.process == ident else {}
+    cur = m.counters
+    names = {
+        "prompt_tokens": "prompt_tokens_total",
+        "prompt_seconds": "prompt_seconds_total",
+        "decode_tokens": "tokens_predicted_total",
+        "decode_seconds": "tokens_predicted_seconds_total",
+    }
+    if any(cur.get(c, 0) < prev.get(c, 0) for c in names.values()):
+        prev = {}  # counters went back: a process this reader took for the same one
+    deltas = {k: cur.get(c, 0) - prev.get(c, 0) for k, c in names.items()}
+    state.process, state.counters = ident, dict(cur)
+    rate = metrics.rate(deltas["decode_tokens"], deltas["decode_seconds"])
+    if rate is not None:
+        state.decode_tps = round(rate, 3)
+    out.decode_tps = rate
+    return deltas
+
+
+def _restarts(unit: UnitState, state: State, generation: int) -> int:
+    """Processes replaced within the generation since the last sample (systemd's NRestarts,
+    or a new MainPID that no deploy explains)."""
+    n = 0
+    if state.generation == generation and unit.main_pid and state.pid:
+        grew = unit.n_restarts - state.n_restarts if state.n_restarts is not None else 0
+        n = max(grew, 1 if unit.main_pid != state.pid else 0)
+    state.generation = generation
+    state.pid = unit.main_pid or state.pid
+    state.n_restarts = unit.n_restarts
+    return max(n, 0)
+
+
+def _failures(
+    lines: list[journalread.Line], rec: record.Record, state: State
+) -> list[dict[str, Any]]:
+    """The requests that failed, grouped per second and kind, each with the pool as the
+    sample before it saw it."""
+    events: dict[tuple[int, str], dict[str, Any]] = {}
+    for line in lines:
+        if serverlog.tally(line.text) != "failures":
+            continue
+        kind = serverlog.failure_kind(line.text)
+        event = events.setdefault(
+            (int(line.time), kind),
+            {
+                "t": round(line.time, 3),
+                "kind": kind,
+                "requests": 0,
+                "pool_before": rec.now.pool,
+                "slot_fill_before": rec.now.slot_fill,
+                "sampled_before": rec.last,
+            },
+        )
+        event["requests"] += 1
+    return list(events.values())
+
+
+def _warnings(
+    target: Target,
+    pressure: slotstate.Pressure | None,
+    delta: record.Delta,
+    state: State,
+) -> list[str]:
+    out = []
+    if pressure is not None and pressure.known:
+        over = pressure.over(WARN_AT)
+        new = [k for k in over if k not in state.warned]
+        if new:
+            out.append(
+                f"KV pool of {target.unit}: {', '.join(over.values())} (warns at "
+                f"{WARN_AT:.0%}): {pressure.describe()}. When the busy slots fill the pool "
+                "together every request fails with 'Context size has been exceeded': cap "
+                "the slots (--kv-unified-per-slot) and size the pool for all of them "
+                "(llama-launcher plan)"
+            )
+        # warned again only after it fell under CLEAR_AT
+        state.warned = sorted({*over, *(k for k in state.warned if k in pressure.over(CLEAR_AT))})
+    failed = delta.counts.get("context_exceeded", 0)
+    if failed:
+        before = next((f for f in delta.failures if f["kind"] == "context_exceeded"), None)
+        pool = before["pool_before"] if before else None
+        at = f"; the sample before saw the pool at {pool / 10:.1f} %" if pool is not None else ""
+        out.append(
+            f"{target.unit}: {int(failed)} request(s) failed with 'Context size has been "
+            f"exceeded' since the last sample{at} (llama-launcher diagnose --unit "
+            f"{target.unit})"
+        )
+    return out
+
+
+def _permille(share: float | None) -> int | None:
+    return None if share is None else round(share * 1000)
+
+
+def _int(x: float | None) -> int | None:
+    return None if x is None else int(x)
+
+
+# -- writing ---------------------------------------------------------------------------------
+
+
+def _save(path: Path, rec: record.Record, write: record.Writer, out: Outcome, what: str) -> None:
+    try:
+        record.save(path, rec, write)
+        out.wrote.append(str(record.path_of(path)))
+    except OSError as e:
+        out.errors.append(f"the {what} was not updated (it stays whole, as it was): {_why(e)}")
+
+
+def _save_state(target: Target, state: State, write: record.Writer, out: Outcome) -> bool:
+    """Write the state when it changed (else only its mtime); False when it could not be
+    written: the sample's figures are then not recorded either (the next sample counts
+    them from the old state, once)."""
+    path = state_path(target)
+    data = state.to_bytes()
+    try:
+        if path.read_bytes() == data:
+            os.utime(path)  # nothing changed: the mtime says when the sample ran
+            return True
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        out.errors.append(f"the sampler's state was not read back: {_why(e)}")
+        return False
+    try:
+        write(path, data, 0o600)
+    except OSError as e:
+        out.errors.append(
+            f"the sampler's state was not updated: {_why(e)}; nothing of this sample was "
+            "recorded (the next sample counts it from the old state)"
+        )
+        return False
+    out.wrote.append(str(path))
+    return True
+
+
+def _why(e: OSError) -> str:
+    fix = {errno.ENOSPC: "free space", errno.EDQUOT: "free space", errno.EROFS: "remount it"}
+    return f"cannot write {e.filename or '?'}: {e.strerror or e}" + (
+        f"; {fix[e.errno]}" if e.errno in fix else ""
+    )
+
+
+def _publish(target: Target, page: textfile.Page, write: record.Writer, out: Outcome) -> None:
+    """The metrics file, when a folder is set (``metrics_textfile_dir``)."""
+    if target.textfile_dir is None:
+        return
+    try:
+        if textfile.publish(target.textfile_dir, target.unit, page.render(), write):
+            out.wrote.append(str(target.textfile_dir / textfile.file_name(target.unit)))
+    except OSError as e:
+        out.errors.append(f"the metrics file was not updated (the old one stays): {_why(e)}")
+
+
+def _page(
+    target: Target,
+    st: store.Store,
+    state: State,
+    rec: record.Record | None,
+    pressure: slotstate.Pressure | None,
+    reads: Reads | None,
+) -> textfile.Page:
+    page = textfile.Page(target.unit)
+    _deploys(st, state, page)
+    page.add("llama_launcher_serving_generation", st.live_number())
+    if pressure is not None:
+        page.add("llama_launcher_kv_pool_tokens", pressure.pool_cells)
+        page.add("llama_launcher_kv_pool_used_tokens", pressure.held(True), state="busy")
+        page.add("llama_launcher_kv_pool_used_tokens", pressure.held(False), state="idle")
+        for s in pressure.slots:
+            page.add("llama_launcher_slot_tokens", s.tokens, slot=str(s.id))
+            page.add("llama_launcher_slot_limit_tokens", s.n_ctx, slot=str(s.id))
+    totals = _totals(st, state, rec)
+    page.add("llama_launcher_requests_total", totals.get("requests", 0))
+    for kind in ("context_exceeded", "too_long", "decode_failed"):
+        page.add("llama_launcher_request_failures_total", totals.get(kind, 0), kind=kind)
+    page.add("llama_launcher_context_exceeded_total", totals.get("context_exceeded", 0))
+    page.add("llama_launcher_decode_tokens_per_second", state.decode_tps)
+    if reads is not None:
+        gauges = reads.metrics.gauges if reads.metrics else {}
+        page.add("llama_launcher_requests_deferred", gauges.get("requests_deferred"))
+        # as recorded (within a MiB): a page of memory is no reason to rewrite the file
+        page.add("llama_launcher_process_memory_bytes", rec.now.memory if rec else None)
+        page.add("llama_launcher_unit_restarts_total", reads.unit.n_restarts)
+        for source in SOURCES:
+            page.add("llama_launcher_sample_source_up", source not in reads.unread, source=source)
+    return page
+
+
+def _deploys(st: store.Store, state: State, page: textfile.Page) -> None:
+    """Generations by outcome: read once per generation (an outcome is final once a deploy
+    is done), again when one was still pending."""
+    numbers = st.numbers()
+    cached = state.outcomes
+    if [int(n) for n in cached] != numbers or "pending" in cached.values():
+        cached = {}
+        for n in numbers:
+            with contextlib.suppress(StoreError):
+                cached[str(n)] = st.get(n).outcome
+        state.outcomes = cached
+        newest = st.get(numbers[-1]).meta if numbers else {}
+        total = (newest.get("timings") or {}).get("total")
+        state.last_deploy = [newest.get("time"), total]
+    by: dict[str, int] = {}
+    for outcome in cached.values():
+        if outcome != "pending":
+            by[outcome] = by.get(outcome, 0) + 1
+    for outcome, n in sorted(by.items()):
+        page.add("llama_launcher_deploys_total", n, outcome=outcome)
+    page.add("llama_launcher_last_deploy_timestamp_seconds", state.last_deploy[0])
+    page.add("llama_launcher_last_deploy_duration_seconds", state.last_deploy[1])
+
+
+def _totals(st: store.Store, state: State, rec: record.Record | None) -> dict[str, float]:
+    """Counts over every generation's record: the ones before the live one, summed once and
+    kept in the state; the live one's own."""
+    if state.past is None:
+        state.past = {}
+        live = st.live_number()
+        for n in st.numbers():
+            if n == live:
+                continue
+            with contextlib.suppress(StoreError):
+                for k, v in record.load(st.get(n).path, n).totals.items():  # read only
+                    state.past[k] = state.past.get(k, 0) + v
+    totals = dict(state.past)
+    for k, v in (rec.totals if rec else {}).items():
+        totals[k] = totals.get(k, 0) + v
+    return totals
