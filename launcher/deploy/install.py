@@ -490,8 +490,10 @@ def _uninstall(
         else:
             done.setdefault("removed", []).append(str(f))
     done.update(_uninstall_front(settings, systemd))
+    # an instance's sampler templates stay while another instance of the template uses them
+    others = "@" in settings.unit_name and bool(_other_instances(settings, env_file))
     if removed := timer.remove(
-        settings.resolved_unit_dir(), settings.unit_name, systemd, keep_templates=True
+        settings.resolved_unit_dir(), settings.unit_name, systemd, keep_templates=others
     ):
         done["removed_sampler"] = removed
     if purge and state.exists():
