@@ -542,6 +542,26 @@ def _default_scope() -> Literal["system", "user"]:
     return "system" if os.geteuid() == 0 and Path("/run/systemd/system").is_dir() else "user"
 
 
+#: The longest bake (AWS AppConfig's limit: 1,440 minutes).
+MAX_BAKE = 86400.0
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|min|h)?\s*$")
+_DURATION_UNITS = {None: 1.0, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
+
+
+def duration(value: Any, name: str) -> Any:
+    """Seconds of ``30m``, ``2h``, ``90s`` or ``90`` (a number passes as it is); anything
+    else is refused naming the value and the spellings."""
+    if not isinstance(value, str):
+        return value
+    m = _DURATION.match(value)
+    if m is None:
+        raise ValueError(
+            f"{value!r} is not a duration for {name}; write seconds or a number with s, m "
+            "or h (90, 90s, 30m, 2h; 0: off)"
+        )
+    return float(m[1]) * _DURATION_UNITS[m[2]]
+
+
 class ToolSettings(BaseSettings):
     """Where and how llama-launcher works on this host.
 
@@ -603,6 +623,46 @@ class ToolSettings(BaseSettings):
         description="a config that keeps /slots on gets --metrics (the sampler's decode "
         "and prefill tok/s)",
     )
+    # the bake (launcher/watch/bake.py, verdict.py): the defaults are the anchors' (README,
+    # "The bake window"); a deploy copies them into its bake record, the sampler reads them
+    bake: float = Field(
+        0.0,
+        ge=0,
+        le=MAX_BAKE,
+        description="watch a deployed config this long (30m, 2h, seconds) and put the "
+        "previous one back when it is worse under load; 0: no bake",
+    )
+    bake_interval: float = Field(15.0, ge=1, description="seconds between two bake samples")
+    bake_warmup: float = Field(
+        120.0, ge=0, description="seconds after the gate before a soft signal counts"
+    )
+    bake_drain: float = Field(
+        5.0, ge=0, description="the drain before a revert on a hard failure, seconds"
+    )
+    bake_failure_rate: float = Field(
+        0.01, ge=0, le=1, description="failed requests (5xx, in-stream errors) that revert"
+    )
+    bake_soft_samples: int = Field(3, ge=1, description="bad samples in a row for a soft revert")
+    bake_min_completions: int = Field(
+        20, ge=1, description="completions in the window before a soft signal counts"
+    )
+    bake_decode_ratio: float = Field(
+        0.8, gt=0, le=1, description="decode tok/s under this share of the baseline's is bad"
+    )
+    bake_memory_ratio: float = Field(
+        1.5, gt=1, description="memory growing faster than this many times the baseline's"
+    )
+    bake_memory_floor: float = Field(
+        256.0, ge=0, description="MiB per hour of memory growth that is never bad"
+    )
+    bake_unread_limit: int = Field(
+        4, ge=1, description="samples in a row that cannot read the signals: inconclusive"
+    )
+
+    @field_validator("bake", mode="before")
+    @classmethod
+    def _bake_duration(cls, value: Any) -> Any:
+        return duration(value, "bake")
 
     @classmethod
     def settings_customise_sources(
