@@ -281,3 +281,9 @@ def every(interval: float, sleep: Callable[[float], None] = time.sleep) -> Retry
     """Call a step again every ``interval`` seconds, without end (``sample --every``: one
     process that pays its imports once); an exception of the step ends it."""
     return Retrying(retry=retry_if_result(lambda _: True), wait=wait_fixed(interval), sleep=sleep)
+
+
+def every_while(interval: float, sleep: Callable[[float], None] = time.sleep) -> Retrying:
+    """Call a step again every ``interval`` seconds while it returns True (the bake's
+    samples until its verdict); an exception of the step ends it."""
+    return Retrying(retry=retry_if_result(bool), wait=wait_fixed(interval), sleep=sleep)

@@ -178,6 +178,15 @@ def test_allow_overcommit_accepts_the_risk() -> None:
     assert cfg.check_overcommit(262144).overcommitted
 
 
+def test_a_deploy_with_allow_overcommit_warns_with_the_pool_the_promise_and_what_comes() -> None:
+    cfg = config.from_flags(["-c", "12288", "-np", "4", "-kvu", "--allow-overcommit"], BASE)
+    text = config.overcommit_warning(cfg.check_overcommit(262144))
+    assert "pool holds 12288 cells but promises 49152 (4 slots x 12288)" in text
+    assert "only 3072 per slot is guaranteed" in text
+    assert "every request in flight fails at once with 'Context size has been exceeded'" in text
+    assert "set --kv-unified-per-slot 12288 -c 49152" in text
+
+
 def test_set_replaces_and_unset_removes() -> None:
     cfg = config.from_flags(["-c", "4096", "--top-k", "5"], BASE)
     data = cfg.model_dump()

@@ -5,7 +5,7 @@ Only this package prints to the user or exits. Each module in it registers its v
 only for the imports X needs.
 
 Exit codes: 0 success (changed or not), 1 other error, 2 invalid input (nothing changed),
-3 deploy failed and rolled back, 4 rollback failed, 5 lock timeout.
+3 deploy failed and rolled back, 4 rollback failed, 5 lock timeout, 6 reverted by its bake.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ EPILOG = """exit codes:
      (a failed first install: the unit is left stopped)
   4  rollback failed: both configs failed; nothing was deleted
   5  lock timeout: another deploy holds the unit's lock
+  6  reverted (--wait): the new config passed the gate, but its bake found it
+     worse under load; the previous config serves again
   78 exec only: the env file or its values are refused (systemd does not restart)
   128+signal  SIGINT/SIGTERM/SIGHUP before the change went live (130, 143, 129)
   141 the reader of the output went away (a closed pipe)

@@ -95,6 +95,23 @@ def _drain_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _bake_options(p: argparse.ArgumentParser) -> None:
+    """The bake after the gate (launcher/watch/bake.py)."""
+    g = p.add_argument_group("after the gate")
+    g.add_argument(
+        "--bake",
+        metavar="DURATION",
+        help="watch the new config this long (30m, 2h, seconds; max 24h) against the "
+        "previous one and put the previous one back when it is worse under load; the "
+        "sampler carries it (default: the setting bake; 0: off)",
+    )
+    g.add_argument(
+        "--wait",
+        action="store_true",
+        help="wait for the bake's verdict (exit 6 when it reverted)",
+    )
+
+
 def _parser(sub: Any, name: str, help: str, flags: bool = False) -> argparse.ArgumentParser:
     from launcher.cli import EPILOG
 
@@ -147,6 +164,7 @@ def register(sub: Any) -> None:
     _config_options(p)
     _mode_options(p)
     _drain_options(p)
+    _bake_options(p)
     _settings_options(p)
     _memory_option(p)
     p.set_defaults(func=cmd_deploy)
@@ -165,6 +183,7 @@ def register(sub: Any) -> None:
     )
     _mode_options(p)
     _drain_options(p)
+    _bake_options(p)
     _settings_options(p)
     _memory_option(p)
     p.set_defaults(func=cmd_set)
@@ -177,6 +196,7 @@ def register(sub: Any) -> None:
     )
     _mode_options(p)
     _drain_options(p)
+    _bake_options(p)
     _settings_options(p)
     _memory_option(p)
     p.set_defaults(func=cmd_unset)
@@ -313,6 +333,7 @@ def settings_from(ns: argparse.Namespace) -> ToolSettings:
         lock_timeout=ns.lock_timeout,
         unit_dir=getattr(ns, "unit_dir", None),
         drain_timeout=0.0 if getattr(ns, "no_drain", False) else getattr(ns, "drain_timeout", None),
+        bake=getattr(ns, "bake", None),
     )
     install.require_root(settings)
     return settings
@@ -414,7 +435,56 @@ def _finish(ns: argparse.Namespace, result: Result) -> int:
         ns.json,
         lambda: human(result, getattr(ns, "diff", True) or result.outcome == "checked"),
     )
-    return 0
+    return {"reverted": 6, "rollback_failed": 4}.get(result.outcome, 0)
+
+
+def _baked(ns: argparse.Namespace, d: Deployer, result: Result, bakes: bool = True) -> Result:
+    """After a verb that changed the live generation: the bake it replaced ends (said in
+    the result), and with ``bakes`` (deploy, set, unset; never a rollback: a revert is
+    never reverted) and a bake set, the new one's bake begins; ``--wait`` carries it to
+    its verdict here."""
+    from launcher.watch import bake
+
+    if result.outcome != "deployed" or result.generation is None:
+        return result
+    prev = result.previous_generation
+    data: dict[str, Any] = {}
+    ended = bake.end(d.store, prev, f"generation {result.generation} replaced it ({ns.verb})")
+    if ended is not None:
+        data["ended"] = ended
+        result.warnings.append(
+            f"the bake of generation {prev} ended before its verdict: generation "
+            f"{result.generation} replaced it"
+        )
+    if bakes and d.settings.bake > 0:
+        started = bake.begin(d.settings, d.store, result.generation, prev)
+        data["started"] = started.view()
+        if getattr(ns, "wait", False):
+            return _wait(d, result, data)
+    result.bake = data or None
+    return result
+
+
+def _wait(d: Deployer, result: Result, data: dict[str, Any]) -> Result:
+    """Sample every bake interval until the bake's verdict (``deploy --wait``)."""
+    from launcher.watch import bake, sample
+
+    assert result.generation is not None
+    target = sample.target_for(d.settings)
+    final = bake.carry(d.store, result.generation, lambda: sample.sample(target, d.systemd))
+    if final is not None:
+        data["verdict"] = final.view()
+        if final.state in ("reverted", "revert_failed"):
+            done = final.revert or {}
+            result.outcome = str(done.get("outcome") or "rollback_failed")
+            if result.outcome != "reverted":
+                result.outcome = "rollback_failed"
+            result.message = bake.say(final)
+            result.generation = done.get("generation", result.generation)
+        elif final.verdict is not None:
+            result.message += f"; {bake.say(final)}"
+    result.bake = data
+    return result
 
 
 # -- verbs -------------------------------------------------------------------------------------
@@ -438,7 +508,7 @@ def cmd_check(ns: argparse.Namespace) -> int:
 
 def cmd_deploy(ns: argparse.Namespace) -> int:
     d = deployer_for(ns)
-    return _finish(ns, d.deploy(config_from(ns), check=ns.check))
+    return _finish(ns, _baked(ns, d, d.deploy(config_from(ns), check=ns.check)))
 
 
 def cmd_set(ns: argparse.Namespace) -> int:
@@ -452,7 +522,8 @@ def cmd_set(ns: argparse.Namespace) -> int:
 
     d = deployer_for(ns)
     origin = "set " + envfile.join_words(flags)
-    return _finish(ns, d.change(lambda live: config.from_flags(flags, live), origin, ns.check))
+    result = d.change(lambda live: config.from_flags(flags, live), origin, ns.check)
+    return _finish(ns, _baked(ns, d, result))
 
 
 def cmd_unset(ns: argparse.Namespace) -> int:
@@ -466,11 +537,13 @@ def cmd_unset(ns: argparse.Namespace) -> int:
         return config.build(config.remove_flags(live, ns.flags))
 
     origin = "unset " + " ".join(ns.flags)
-    return _finish(ns, deployer_for(ns).change(edit, origin, ns.check))
+    d = deployer_for(ns)
+    return _finish(ns, _baked(ns, d, d.change(edit, origin, ns.check)))
 
 
 def cmd_rollback(ns: argparse.Namespace) -> int:
-    return _finish(ns, deployer_for(ns).rollback(ns.to))
+    d = deployer_for(ns)
+    return _finish(ns, _baked(ns, d, d.rollback(ns.to), bakes=False))
 
 
 def cmd_recover(ns: argparse.Namespace) -> int:

@@ -21,7 +21,9 @@ def register(sub: Any) -> None:
         "sample",
         "take one live sample of the unit: read /slots, /metrics, /proc and the journal, "
         "add it to the live generation's record, write the metrics file, warn when the KV "
-        "pool or a slot passes 90 percent (what NAME-sample.timer runs; takes no deploy lock; "
+        "pool or a slot passes 90 percent; while the live generation bakes, sample every "
+        "bake_interval until its verdict and revert it when it is worse (what "
+        "NAME-sample.timer runs; takes no deploy lock, but a revert does; "
         "with --unit, --scope and --state-dir all given, as the timer gives them, it reads no "
         "settings)",
     )
@@ -87,7 +89,26 @@ def cmd_sample(ns: argparse.Namespace) -> int:
         if ns.every <= 0:
             raise ConfigInvalid(f"--every {ns.every:g} is not a positive number of seconds")
         waits.every(ns.every)(lambda: _report(sample.sample(target, systemd), ns.json))
-    return _report(sample.sample(target, systemd), ns.json)
+    return _through_bake(target, systemd, ns.json)
+
+
+def _through_bake(target: Any, systemd: Any, as_json: bool) -> int:
+    """One sample; while the live generation bakes, one every ``bake_interval`` until its
+    verdict (the bake's cadence, whatever the timer's)."""
+    from launcher.deploy import store
+    from launcher.watch import bake, sample
+
+    st = store.Store(target.state_dir)
+    found = bake.live_bake(st)
+    if found is None or not found[1].running:
+        return _report(sample.sample(target, systemd), as_json)
+    worst = [0]
+
+    def once() -> None:
+        worst[0] = max(worst[0], _report(sample.sample(target, systemd), as_json))
+
+    bake.carry(st, found[0].number, once)
+    return worst[0]
 
 
 def _report(out: Outcome, as_json: bool) -> int:

@@ -337,6 +337,19 @@ def overcommit_message(
     )
 
 
+def overcommit_warning(plan: kvlayout.PoolPlan) -> str:
+    """What a deploy with ``allow_overcommit`` says: the pool, the promise, what comes."""
+    w, n = plan.n_ctx_slot, plan.n_slots
+    return (
+        f"allow_overcommit: the shared KV pool holds {plan.n_ctx} cells but promises "
+        f"{plan.promised} ({n} slots x {w}); only {plan.guaranteed_window} per slot is "
+        "guaranteed. When the busy slots fill the pool together, every request in flight "
+        "fails at once with 'Context size has been exceeded' (HTTP 200 with an error event "
+        "in the stream). Watch it with --bake 30m (a revert on the first one), or cap the "
+        f"slots: llama-launcher set --kv-unified-per-slot {w} -c {n * w}"
+    )
+
+
 def _int(flag: str, value: str) -> int:
     try:
         return int(value)

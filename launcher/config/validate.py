@@ -111,6 +111,13 @@ class Validated:
     memory: memory.Need
     steps: tuple[str, ...] = field(default=STEPS)
 
+    @property
+    def warnings(self) -> list[str]:
+        """What a deploy of it says: a pool over-committed on purpose (allow_overcommit)."""
+        if self.plan.overcommitted and self.config.allow_overcommit:
+            return [config.overcommit_warning(self.plan)]
+        return []
+
     def meta(self) -> dict[str, Any]:
         """What the generation store keeps about it (the config with its secrets masked)."""
         return {

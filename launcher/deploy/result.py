@@ -1,7 +1,9 @@
 """What a verb of the config life cycle did: the one JSON object of ``--json``.
 
 ``outcome`` is one of ``deployed``, ``unchanged``, ``checked`` (the success outcomes, ``ok``),
-``rolled_back`` (the new config failed, the old one serves again) and ``rollback_failed``.
+``rolled_back`` (the new config failed, the old one serves again), ``rollback_failed``, and
+``reverted`` (the new config passed its gate but its bake found it worse under load: the
+previous one serves again; ``launcher.watch.revert``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ class Result:
     #: included (launcher/deploy/defaults.py): what every preview prints
     argv: list[str] | None = None
     env: str | None = None
+    #: the bake (launcher/watch/bake.py): the one this verb started, and the one it ended
+    bake: dict[str, Any] | None = None
 
     @property
     def ok(self) -> bool:

@@ -225,7 +225,7 @@ class Deployer:
             planned=window.plan_dict(checked.plan),
             diff=config.argv_diff(self.reverter.argv_of(live_text), checked.argv),
             timings={"validate": round(time.monotonic() - t0, 3)},
-            warnings=[*checked.memory.notes, *notes],
+            warnings=[*checked.memory.notes, *checked.warnings, *notes],
             recovered=recovered,
             argv=checked.argv,
             env=checked.env_text,

@@ -68,8 +68,9 @@ Type=oneshot
 Environment=PYTHONPATH={package_dir}
 ExecStart={python} -m launcher sample --unit {unit} --scope {scope} --state-dir {state_dir} \
 --env-file {env_file}{textfile}{base_url}
-# a sample reads two endpoints, /proc and the journal; a hung one must not pile up
-TimeoutStartSec=120
+# no limit: a sample that finds a bake running samples through it (up to 24 h) and may
+# revert (a deploy's gate); each read has its own timeout (HTTP 10 s, the journal's)
+TimeoutStartSec=infinity
 # llama-server comes first: the sampler's CPU time and I/O are what it leaves over
 Nice=10
 IOSchedulingClass=idle

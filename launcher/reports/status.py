@@ -14,7 +14,7 @@ from launcher.errors import StoreError
 from launcher.host import envfile, launch
 from launcher.host.systemd import Systemd
 from launcher.reports import pressure
-from launcher.watch import sample
+from launcher.watch import bake, sample
 
 
 def status(settings: config.ToolSettings, systemd: Systemd | None = None) -> dict[str, Any]:
@@ -51,6 +51,7 @@ def status(settings: config.ToolSettings, systemd: Systemd | None = None) -> dic
             }
         )
         data["watch"] = pressure.status_of(settings, systemd)
+        data["bake"] = bake.status_of(st)
     return data
 
 
@@ -183,6 +184,7 @@ def status_text(d: dict[str, Any]) -> str:
     if sides := sides_line(mem, d.get("kv_estimate")):
         lines.append(f"  per side: {sides}")
     lines += pressure.status_lines(d.get("watch"))
+    lines += bake.status_lines(d.get("bake"))
     if d.get("pending_transaction"):
         lines.append("  a deploy was interrupted: the next verb recovers it")
     return "\n".join(lines)
@@ -215,6 +217,8 @@ def history(settings: config.ToolSettings) -> dict[str, Any]:
                 "kv_estimate": gen.meta.get("kv_estimate"),
                 "failure": (gen.meta.get("failure") or {}).get("message"),
                 "watched": pressure.headline(gen, tail if gen.number == live else None),
+                "bake": baked(gen),
+                "reverted_from": gen.meta.get("reverted_from"),
             }
         )
     return {"unit": settings.unit_name, "live_generation": live, "generations": out}
@@ -239,7 +243,21 @@ def history_text(d: dict[str, Any]) -> str:
             lines.append(f"        per side: {sides}")
         if g.get("watched"):
             lines.append(f"        {pressure.headline_line(g['watched'])}")
+        if g.get("bake"):
+            lines.append(f"        {g['bake']['line']}")
     return "\n".join(lines)
+
+
+def baked(gen: store.Generation) -> dict[str, Any] | None:
+    """A generation's bake, as history shows it: state, verdict and one line."""
+    b = bake.load(gen.path)
+    if b is None:
+        return None
+    return {
+        "state": b.state,
+        "verdict": b.verdict.to_dict() if b.verdict else None,
+        "line": bake.say(b),
+    }
 
 
 def memory_line(mem: dict[str, Any], estimate: dict[str, Any] | None) -> str:

@@ -40,7 +40,7 @@ from launcher.host import journalread, procfs
 from launcher.host.systemd import Systemd, UnitState
 from launcher.server import httpclient, metrics, serverlog, slotstate
 from launcher.server.httpclient import url_from_argv
-from launcher.watch import record, textfile
+from launcher.watch import bake, record, textfile, verdict
 
 if TYPE_CHECKING:
     from launcher.config import ToolSettings
@@ -101,6 +101,8 @@ class Outcome:
     pressure: dict[str, Any] | None = None
     counts: dict[str, float] = field(default_factory=dict)
     decode_tps: float | None = None
+    #: the live generation's bake after this sample (``launcher.watch.bake``)
+    bake: dict[str, Any] | None = None
     seconds: float = 0.0
 
     @property
@@ -201,15 +203,6 @@ def deploying(st: store.Store) -> bool:
     return True
 
 
-def served_from(gen: store.Generation) -> float:
-    """When a generation began to serve: the deploy's commit (its meta's ``time`` is taken
-    after the validation; ``timings`` count from the deploy's start)."""
-    meta = gen.meta
-    timings = meta.get("timings") or {}
-    started = float(meta.get("time") or 0) - float(timings.get("validate") or 0)
-    return started + float(timings.get("total") or 0)
-
-
 def deployed_at(gen: store.Generation) -> float:
     """When the generation's deploy stored it, before the restart: its process logs after."""
     return float(gen.meta.get("time") or 0)
@@ -236,8 +229,10 @@ def sample(
     clock: Callable[[], float] = time.time,
     write: record.Writer = default_writer,
     transport: httpx.BaseTransport | None = None,
+    revert: bake.Revert | None = None,
 ) -> Outcome:
-    """Take one sample of ``target`` (see the module docstring)."""
+    """Take one sample of ``target`` (see the module docstring); a running bake of the live
+    generation is judged on it (``launcher.watch.bake.step``; ``revert``: the revert)."""
     t0 = time.monotonic()
     out = Outcome(target.unit)
     try:
@@ -246,7 +241,7 @@ def sample(
             if not mine:
                 out.skipped = f"another sample of {target.unit} is running"
             else:
-                _sample(target, systemd, clock, write, transport, out)
+                _sample(target, systemd, clock, write, transport, out, revert)
     except OSError as e:
         out.errors.append(store.write_failed(e, target.folder, "--state-dir"))
     out.seconds = round(time.monotonic() - t0, 4)
@@ -260,6 +255,7 @@ def _sample(
     write: record.Writer,
     transport: httpx.BaseTransport | None,
     out: Outcome,
+    revert: bake.Revert | None = None,
 ) -> None:
     st = store.Store(target.state_dir)
     state, before = load_state(target)
@@ -282,7 +278,7 @@ def _sample(
         return
     previous = _close_previous(st, state, gen, reads, write, out)
     rec = record.load(gen.path, live, repair=True)
-    rec.begin(served_from(gen))
+    rec.begin(bake.served_from(gen))
     delta, pressure = _delta(clock(), gen, reads, state, rec, previous, out)
     out.unread, out.lost = reads.unread, reads.journal.lost
     out.pressure = pressure.to_dict() if pressure else None
@@ -298,6 +294,37 @@ def _sample(
     if _save_state(target, state, write, out) and changed:
         _save(gen.path, rec, write, out, "live record")
     _publish(target, page, write, out)
+    _judge(gen, rec, delta, reads, out, revert)
+
+
+def _judge(
+    gen: store.Generation,
+    rec: record.Record,
+    delta: record.Delta,
+    reads: Reads,
+    out: Outcome,
+    revert: bake.Revert | None,
+) -> None:
+    """The bake's step on this sample (after it is recorded: the judge reads the record)."""
+    row = rec.minutes[-1] if rec.minutes else None
+    minute = float(int(delta.t // record.MINUTE) * record.MINUTE)
+    busy = delta.now.busy
+    if row is not None and row[0] == minute and row[record.COL["busy_peak"]] is not None:
+        busy = int(row[record.COL["busy_peak"]] or 0)
+
+    def seen(b: bake.Bake) -> verdict.Seen:
+        return bake.seen_of(b, delta.t, delta.counts, busy, reads.unit, reads.unread)
+
+    try:
+        judged = bake.step(gen, rec, seen, revert)
+    except OSError as e:
+        out.errors.append(f"the bake record was not updated (it stays as it was): {_why(e)}")
+        return
+    if judged is None:
+        return
+    out.bake = judged.view(delta.t)
+    if judged.verdict is not None:
+        out.warnings.append(bake.say(judged))
 
 
 def read_server(
@@ -385,8 +412,8 @@ def _close_previous(
     rec = record.load(old_gen.path, old, repair=True)
     counts = _tally([x for x in reads.journal.lines if x.pid in pids])
     if any(counts.values()):
-        rec.add(record.Delta(served_from(gen), rec.now, counts))
-    rec.close(served_from(gen))
+        rec.add(record.Delta(bake.served_from(gen), rec.now, counts))
+    rec.close(bake.served_from(gen))
     _save(old_gen.path, rec, write, out, f"live record of generation {old}")
     if state.past is not None:
         for k, v in rec.totals.items():
@@ -647,7 +674,9 @@ def _deploys(st: store.Store, state: State, page: textfile.Page) -> None:
         cached = {}
         for n in numbers:
             with contextlib.suppress(StoreError):
-                cached[str(n)] = st.get(n).outcome
+                gen = st.get(n)
+                # a bake's revert is a rollback that deployed: counted as what it was
+                cached[str(n)] = "reverted" if gen.meta.get("reverted_from") else gen.outcome
         state.outcomes = cached
         newest = st.get(numbers[-1]).meta if numbers else {}
         total = (newest.get("timings") or {}).get("total")

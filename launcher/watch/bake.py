@@ -1,0 +1,445 @@
+"""The bake window: a deployed generation watched for a while against the previous one, and
+put back by itself when it is worse under load.
+
+A deploy with a bake (``--bake 30m``, the setting ``bake``) writes the generation's bake
+record beside its ``meta.json`` and its live record: ``generations/NNNN/bake.json``, with
+the policy (the ``bake_*`` settings as they were), the baseline (the previous generation's
+live record, its figures by the load they were measured at: ``launcher.watch.verdict``),
+the deadline, and the settings a revert needs (the sampler's timer reads no settings).
+
+The sampler carries the bake: every sample of the live generation judges it (``step``), and
+a sample that finds a bake running keeps sampling every ``bake_interval`` until it ends
+(``carry``; ``deploy --wait`` does the same in the deploy's own process). The verdicts:
+``reverted`` (the revert, ``launcher.watch.revert``: one function, so a later switch in
+the front can take its place), ``passed``, ``inconclusive`` (the new config stays), and
+``ended`` (a later deploy or rollback replaced the generation). A revert that fails is
+``revert_failed``. At most one revert per deploy: a bake ends once; a revert's generation
+(a rollback) has no bake.
+
+A sampler killed or a host rebooted mid-bake: the next sample resumes it (the record says
+when and why); when the deadline passed meanwhile it ends ``inconclusive``. A restart seen
+across a reboot (another boot id) is not counted against the config.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from launcher import waits
+from launcher.deploy import store
+from launcher.errors import StoreError
+from launcher.watch import record, verdict
+from launcher.watch.verdict import Baseline, Policy, Progress, Verdict
+
+if TYPE_CHECKING:
+    from launcher.config import ToolSettings
+    from launcher.host.systemd import UnitState
+
+VERSION = 1
+NAME = "bake.json"
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+#: The states of a bake: one running, the rest final.
+RUNNING = "baking"
+FINAL = ("passed", "inconclusive", "reverted", "revert_failed", "ended")
+
+#: The revert: given the bake and its verdict, puts the previous generation back and says
+#: how it went (``launcher.watch.revert.revert``'s result as a dict: outcome, ...).
+Revert = Callable[["Bake", Verdict], dict[str, Any]]
+
+
+@dataclass
+class Bake:
+    """One generation's bake record (see the module docstring)."""
+
+    generation: int
+    started: float
+    policy: Policy
+    baseline: Baseline | None = None
+    #: the generation the revert puts back (the one that served before)
+    previous: int | None = None
+    state: str = RUNNING
+    progress: Progress = field(default_factory=Progress)
+    verdict: Verdict | None = None
+    ended: float | None = None
+    #: the tool settings of the deploy, for the revert (``launcher.config.load_settings``)
+    settings: dict[str, Any] = field(default_factory=dict)
+    boot_id: str | None = None
+    #: the revert's result (outcome, generation, message, timings, handover)
+    revert: dict[str, Any] | None = None
+
+    @property
+    def deadline(self) -> float:
+        return self.started + self.policy.duration
+
+    @property
+    def running(self) -> bool:
+        return self.state == RUNNING
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "version": VERSION,
+            "generation": self.generation,
+            "state": self.state,
+            "started": self.started,
+            "deadline": self.deadline,
+            "ended": self.ended,
+            "previous": self.previous,
+            "policy": self.policy.to_dict(),
+            "baseline": self.baseline.to_dict() if self.baseline else None,
+            "progress": self.progress.to_dict(),
+            "verdict": self.verdict.to_dict() if self.verdict else None,
+            "revert": self.revert,
+            "boot_id": self.boot_id,
+            "settings": self.settings,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Bake:
+        if data.get("version") != VERSION:
+            raise ValueError(f"not a version {VERSION} bake record")
+        return cls(
+            generation=int(data["generation"]),
+            started=float(data["started"]),
+            policy=Policy.from_dict(data["policy"]),
+            baseline=Baseline.from_dict(data.get("baseline")),
+            previous=data.get("previous"),
+            state=str(data["state"]),
+            progress=Progress.from_dict(data.get("progress")),
+            verdict=Verdict.from_dict(data.get("verdict")),
+            ended=data.get("ended"),
+            settings=dict(data.get("settings") or {}),
+            boot_id=data.get("boot_id"),
+            revert=data.get("revert"),
+        )
+
+    def finish(self, state: str, why: Verdict, now: float) -> None:
+        self.state, self.verdict, self.ended = state, why, now
+
+    def view(self, now: float | None = None) -> dict[str, Any]:
+        """What ``status`` and a deploy's result show: the state, the time left, the
+        verdict and the figures, against the baseline."""
+        now = time.time() if now is None else now
+        data = {
+            "generation": self.generation,
+            "state": self.state,
+            "deadline": self.deadline,
+            "seconds_left": max(0.0, round(self.deadline - now, 1)) if self.running else None,
+            "baseline": self.baseline.generation if self.baseline else None,
+            "samples": self.progress.samples,
+            "bad_samples_in_a_row": self.progress.soft_bad,
+            "notes": self.progress.notes[-5:],
+            "verdict": self.verdict.to_dict() if self.verdict else None,
+        }
+        if self.revert is not None:
+            data["revert"] = self.revert
+        return data
+
+
+def path_of(generation_dir: Path) -> Path:
+    return generation_dir / NAME
+
+
+def load(generation_dir: Path) -> Bake | None:
+    """The generation's bake record; None: it has none, or one that cannot be read (a bake
+    is never judged on a half-read record; ``status`` says so through ``unreadable``)."""
+    try:
+        data = json.loads(path_of(generation_dir).read_bytes())
+        return Bake.from_json(data) if isinstance(data, dict) else None
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def save(generation_dir: Path, bake: Bake) -> None:
+    """Durable (fsynced): a verdict must outlive a power cut as the deploy's record does."""
+    data = json.dumps(bake.to_json(), separators=(",", ":")).encode()
+    store.atomic_write(path_of(generation_dir), data, 0o600)
+
+
+def boot_id() -> str | None:
+    try:
+        return BOOT_ID.read_text().strip() or None
+    except OSError:
+        return None
+
+
+def served_from(gen: store.Generation) -> float:
+    """When a generation began to serve: the deploy's commit (its meta's ``time`` is taken
+    after the validation; ``timings`` count from the deploy's start)."""
+    meta = gen.meta
+    timings = meta.get("timings") or {}
+    started = float(meta.get("time") or 0) - float(timings.get("validate") or 0)
+    return started + float(timings.get("total") or 0)
+
+
+# -- begin, end, read ------------------------------------------------------------------------
+
+
+def begin(settings: ToolSettings, st: store.Store, generation: int, previous: int | None) -> Bake:
+    """Start the bake of ``generation`` (just deployed over ``previous``) with the policy of
+    ``settings``; the baseline is ``previous``'s live record, when it recorded anything."""
+    gen = st.get(generation)
+    baseline = None
+    if previous is not None:
+        with contextlib.suppress(StoreError):
+            old = st.get(previous)
+            rec = record.load(old.path, previous)
+            if rec.totals.get("samples"):
+                baseline = verdict.baseline_of(rec)
+    bake = Bake(
+        generation=generation,
+        started=served_from(gen),
+        policy=Policy.from_settings(settings),
+        baseline=baseline,
+        previous=previous,
+        settings=settings.model_dump(mode="json"),
+        boot_id=boot_id(),
+    )
+    save(gen.path, bake)
+    return bake
+
+
+def live_bake(st: store.Store) -> tuple[store.Generation, Bake] | None:
+    """The live generation and its bake record (running or not), if it has one."""
+    live = st.live_number()
+    if live is None:
+        return None
+    with contextlib.suppress(StoreError):
+        gen = st.get(live)
+        bake = load(gen.path)
+        if bake is not None:
+            return gen, bake
+    return None
+
+
+def deadline(state_dir: Path) -> float | None:
+    """When the live generation's running bake ends (Unix seconds); None: none runs. What a
+    reader outside the watch needs of a bake (e.g. how long to keep the old config warm)."""
+    found = live_bake(store.Store(state_dir))
+    return found[1].deadline if found and found[1].running else None
+
+
+def end(st: store.Store, generation: int | None, why: str) -> dict[str, Any] | None:
+    """A later deploy or rollback replaced ``generation``: its running bake ends
+    (``ended``). Returns what the bake was, for the later verb's result; None: none ran."""
+    if generation is None:
+        return None
+    try:
+        gen = st.get(generation)
+    except StoreError:
+        return None
+    bake = load(gen.path)
+    if bake is None or not bake.running:
+        return None
+    bake.finish("ended", Verdict("ended", "replaced", why), time.time())
+    save(gen.path, bake)
+    return bake.view()
+
+
+# -- one sample --------------------------------------------------------------------------------
+
+
+def seen_of(
+    bake: Bake,
+    t: float,
+    counts: dict[str, float],
+    busy: int | None,
+    unit: UnitState,
+    unread: dict[str, str],
+) -> verdict.Seen:
+    """One sample as the judge reads it."""
+    now_boot = boot_id()
+    rebooted = bool(bake.boot_id and now_boot and now_boot != bake.boot_id)
+    last = bake.progress.last
+    return verdict.Seen(
+        t=t,
+        counts=counts,
+        busy=busy,
+        active=unit.active,
+        sub=unit.sub,
+        result=unit.result,
+        unread=tuple(k for k in unread if k in ("slots", "metrics", "journal"))
+        if unit.running
+        else (),
+        gap=t - last if last is not None else None,
+        rebooted=rebooted,
+    )
+
+
+def step(
+    gen: store.Generation,
+    rec: record.Record,
+    seen_now: Callable[[Bake], verdict.Seen],
+    revert: Revert | None = None,
+) -> Bake | None:
+    """Judge the live generation's running bake on one sample (the sampler calls it after
+    the sample is recorded); a revert verdict puts the previous generation back through
+    ``revert``. Returns the bake (None: none runs)."""
+    bake = load(gen.path)
+    if bake is None or not bake.running:
+        return None
+    seen = seen_now(bake)
+    if seen.rebooted:
+        bake.boot_id = boot_id()
+    why = verdict.judge(
+        bake.policy, bake.baseline, seen, verdict.Window.of(rec), bake.progress, bake.started
+    )
+    if why is None:
+        save(gen.path, bake)
+        return bake
+    if why.state != "revert":
+        bake.finish(why.state, why, seen.t)
+        save(gen.path, bake)
+        return bake
+    if bake.previous is None:
+        bake.finish(
+            "inconclusive",
+            Verdict(
+                "inconclusive",
+                why.signal,
+                f"{why.reason}; but no generation served before this one: nothing to put "
+                "back, the new config stays",
+                why.hard,
+                why.figures,
+            ),
+            seen.t,
+        )
+        save(gen.path, bake)
+        return bake
+    # the verdict first: a sampler killed mid-revert leaves a bake that says what it did
+    bake.finish("reverting", why, seen.t)
+    save(gen.path, bake)
+    done = (revert or _default_revert)(bake, why)
+    bake.revert = done
+    bake.state = "reverted" if done.get("outcome") == "reverted" else "revert_failed"
+    save(gen.path, bake)
+    return bake
+
+
+def _default_revert(bake: Bake, why: Verdict) -> dict[str, Any]:
+    # imported when a revert is decided: the deployer's typed config is most of a sample's
+    # CPU time otherwise (the sampler's timer runs a sample a minute)
+    from launcher.watch import revert
+
+    assert bake.previous is not None
+    return revert.revert(bake.generation, bake.previous, bake.settings, bake.policy.drain, why)
+
+
+# -- carrying it to its end -----------------------------------------------------------------
+
+
+def carry(
+    st: store.Store,
+    generation: int,
+    sample_once: Callable[[], object],
+    sleep: Callable[[float], None] = time.sleep,
+) -> Bake | None:
+    """Sample every ``bake_interval`` while ``generation``'s bake runs and it is live (what
+    the sampler's service and ``deploy --wait`` do); returns its bake as it ended."""
+
+    def bake_of() -> Bake | None:
+        try:
+            return load(st.get(generation).path)
+        except StoreError:
+            return None
+
+    first = bake_of()
+    if first is None or not first.running:
+        return first
+
+    def again() -> bool:
+        sample_once()
+        now = bake_of()
+        return now is not None and now.running and st.live_number() == generation
+
+    waits.every_while(first.policy.interval, sleep)(again)
+    return bake_of()
+
+
+def say(b: Bake) -> str:
+    """The bake's verdict in one line (the journal's, a deploy's)."""
+    v = b.verdict
+    head = f"bake of generation {b.generation}"
+    if v is None:
+        return f"{head}: {b.state}"
+    kind = "hard" if v.hard else "soft"
+    if b.state == "reverted":
+        now = (b.revert or {}).get("generation")
+        return (
+            f"{head}: reverted ({kind}: {v.reason}); generation {b.previous}'s config serves "
+            f"again as generation {now}"
+        )
+    if b.state == "revert_failed":
+        return (
+            f"{head}: the revert ({kind}: {v.reason}) failed: "
+            f"{(b.revert or {}).get('message', '?')}"
+        )
+    return f"{head}: {b.state}: {v.reason}"
+
+
+def status_of(st: store.Store, now: float | None = None) -> dict[str, Any] | None:
+    """``status``'s bake: the live generation's (state, time left, verdict, its figures
+    against the baseline's); when the live generation is a revert, the bake it ended."""
+    found = live_bake(st)
+    if found is not None:
+        gen, b = found
+        rec = record.load(gen.path, gen.number)
+        window = verdict.Window.of(rec)
+        summary = rec.summary()
+        return {
+            **b.view(now),
+            "figures": {
+                "completions": window.completions,
+                "requests": window.requests,
+                "failed": window.failed,
+                "decode_tps_median": summary.decode_tps_median,
+                "memory_slope": summary.memory_slope,
+                "baseline_decode_by_busy": b.baseline.decode_by_busy if b.baseline else None,
+                "baseline_memory_slope": b.baseline.memory_slope if b.baseline else None,
+            },
+        }
+    live = st.live()
+    source = live.meta.get("reverted_from") if live else None
+    if isinstance(source, int):
+        with contextlib.suppress(StoreError):
+            ended = load(st.get(source).path)
+            if ended is not None:
+                return {"reverted": ended.view(now), "line": say(ended)}
+    return None
+
+
+def status_lines(data: dict[str, Any] | None) -> list[str]:
+    """``status``'s text of ``status_of``."""
+    if not data:
+        return []
+    if "reverted" in data:
+        return [f"  bake: {data['line']}"]
+    head = f"  bake of generation {data['generation']}: {data['state']}"
+    if data.get("seconds_left") is not None:
+        head += f", {data['seconds_left']:.0f}s left"
+    base = data.get("baseline")
+    head += (
+        f" (against generation {base})" if base is not None else " (no baseline: hard signals only)"
+    )
+    lines = [head]
+    f = data.get("figures") or {}
+    tps = f.get("decode_tps_median")
+    lines.append(
+        f"    {f.get('completions', 0)} completions, {f.get('failed', 0)} failed of "
+        f"{f.get('requests', 0)} requests; decode {'?' if tps is None else f'{tps:.1f}'} tok/s"
+        + (
+            f" (baseline by busy slots: {f['baseline_decode_by_busy']})"
+            if f.get("baseline_decode_by_busy")
+            else ""
+        )
+    )
+    if data.get("verdict"):
+        lines.append(f"    verdict: {data['verdict']['state']}: {data['verdict']['reason']}")
+    return lines

@@ -1,0 +1,177 @@
+"""The bake record and its steps (launcher/watch/bake.py) over a real store in tmp_path; the
+revert is passed in (its real run: tests/test_bake_server.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from launcher import config
+from launcher.deploy import store
+from launcher.host.systemd import UnitState
+from launcher.watch import bake, record, verdict
+from launcher.watch.bake import Bake
+from launcher.watch.verdict import Verdict
+
+T0 = 1_000_000.0
+RUNNING = UnitState("active", "running", "success", 0, 0, 4242, None, "x", "loaded")
+
+
+class Reverts:
+    """A revert that records what it was asked (the real one restarts a unit)."""
+
+    def __init__(self, outcome: str = "reverted") -> None:
+        self.calls: list[Verdict] = []
+        self.outcome = outcome
+
+    def __call__(self, b: Bake, why: Verdict) -> dict[str, Any]:
+        self.calls.append(why)
+        return {"outcome": self.outcome, "generation": 3, "message": "done"}
+
+
+def two_generations(tmp_path: Path, baseline_rows: int = 3) -> store.Store:
+    st = store.Store(tmp_path)
+    old = st.new("A=1\n", {"time": T0 - 3600, "timings": {"total": 1}})
+    new = st.new("A=2\n", {"time": T0, "timings": {"total": 2}, "previous": 1})
+    rec = record.Record(old.number)
+    for i in range(baseline_rows):
+        counts = {"requests": 5, "completions": 5, "decode_tokens": 400, "decode_seconds": 10}
+        rec.add(record.Delta(T0 - 3000 + 60 * i, record.Now(busy=4), counts))
+    record.save(old.path, rec, lambda p, d, m: store.atomic_write(p, d, m))
+    st.set_live(new.number)
+    return st
+
+
+def settings(**kw: Any) -> config.ToolSettings:
+    return config.load_settings(bake="10m", **kw)
+
+
+def step(st: store.Store, t: float, revert: Reverts, **counts: float) -> Bake | None:
+    gen = st.get(2)
+    rec = record.Record(2, totals={"requests": 50, "completions": 50})
+
+    def seen(b: Bake) -> verdict.Seen:
+        return bake.seen_of(b, t, counts, 4, RUNNING, {})
+
+    return bake.step(gen, rec, seen, revert)
+
+
+def test_a_bake_begins_with_the_previous_generations_figures_as_its_baseline(
+    tmp_path: Path,
+) -> None:
+    st = two_generations(tmp_path)
+    b = bake.begin(settings(), st, 2, 1)
+    assert b.baseline is not None and b.baseline.decode_by_busy == {4: 40.0}
+    on_disk = json.loads((st.get(2).path / "bake.json").read_text())
+    assert on_disk["state"] == "baking" and on_disk["deadline"] == T0 + 2 + 600
+
+
+def test_a_previous_generation_that_recorded_nothing_gives_no_baseline(tmp_path: Path) -> None:
+    st = two_generations(tmp_path, baseline_rows=0)
+    assert bake.begin(settings(), st, 2, 1).baseline is None
+
+
+def test_the_deadline_of_the_running_bake_is_readable_by_others(tmp_path: Path) -> None:
+    st = two_generations(tmp_path)
+    assert bake.deadline(tmp_path) is None
+    bake.begin(settings(), st, 2, 1)
+    assert bake.deadline(tmp_path) == T0 + 2 + 600
+
+
+def test_a_hard_failure_reverts_once_and_the_record_says_why(tmp_path: Path) -> None:
+    st = two_generations(tmp_path)
+    bake.begin(settings(), st, 2, 1)
+    reverts = Reverts()
+    b = step(st, T0 + 30, reverts, context_exceeded=4, failures=4)
+    assert b is not None and b.state == "reverted" and len(reverts.calls) == 1
+    assert reverts.calls[0].hard and reverts.calls[0].signal == "context_exceeded"
+    assert step(st, T0 + 45, reverts, context_exceeded=4, failures=4) is None
+    assert len(reverts.calls) == 1  # at most one revert: the bake has ended
+    assert "reverted (hard: 4 request(s) failed" in bake.say(bake.load(st.get(2).path))  # type: ignore[arg-type]
+
+
+def test_a_revert_whose_rollback_fails_ends_revert_failed(tmp_path: Path) -> None:
+    st = two_generations(tmp_path)
+    bake.begin(settings(), st, 2, 1)
+    b = step(st, T0 + 30, Reverts("rollback_failed"), restarts=1)
+    assert b is not None and b.state == "revert_failed"
+
+
+def test_a_quiet_unit_past_the_deadline_ends_inconclusive_and_reverts_nothing(
+    tmp_path: Path,
+) -> None:
+    st = two_generations(tmp_path)
+    bake.begin(settings(), st, 2, 1)
+    reverts = Reverts()
+    gen = st.get(2)
+    quiet = record.Record(2, totals={"requests": 1, "completions": 1})
+    b = bake.step(gen, quiet, lambda b: bake.seen_of(b, T0 + 700, {}, 0, RUNNING, {}), reverts)
+    assert b is not None and b.state == "inconclusive" and reverts.calls == []
+
+
+def test_a_hard_failure_with_nothing_before_to_put_back_is_inconclusive(tmp_path: Path) -> None:
+    st = two_generations(tmp_path)
+    bake.begin(settings(), st, 2, None)
+    reverts = Reverts()
+    b = step(st, T0 + 30, reverts, restarts=1)
+    assert b is not None and b.state == "inconclusive" and reverts.calls == []
+
+
+def test_a_later_deploy_ends_a_running_bake_and_says_so(tmp_path: Path) -> None:
+    st = two_generations(tmp_path)
+    bake.begin(settings(), st, 2, 1)
+    ended = bake.end(st, 2, "generation 3 was deployed over it")
+    assert ended is not None and ended["state"] == "ended"
+    assert ended["verdict"]["reason"] == "generation 3 was deployed over it"
+    assert bake.end(st, 2, "again") is None
+
+
+def test_a_restart_seen_after_a_reboot_is_not_counted_and_the_bake_resumes(
+    tmp_path: Path,
+) -> None:
+    st = two_generations(tmp_path)
+    b = bake.begin(settings(), st, 2, 1)
+    b.boot_id = "a boot before this one"
+    b.progress.last = T0 + 30
+    bake.save(st.get(2).path, b)
+    reverts = Reverts()
+    after = step(st, T0 + 200, reverts, restarts=1)
+    assert after is not None and after.state == "baking" and reverts.calls == []
+    assert "the host rebooted for 170s; the bake resumed" in after.progress.notes[0]
+    assert after.boot_id == bake.boot_id()
+
+
+def test_carry_samples_until_the_verdict(tmp_path: Path) -> None:
+    st = two_generations(tmp_path)
+    bake.begin(settings(), st, 2, 1)
+    clock = [T0 + 560.0]
+    reverts = Reverts()
+
+    def sample_once() -> None:
+        clock[0] += 15
+        step(st, clock[0], reverts)
+
+    slept: list[float] = []
+    b = bake.carry(st, 2, sample_once, slept.append)
+    assert b is not None and b.state == "passed" and clock[0] == T0 + 605
+    assert slept == [15.0, 15.0]
+
+
+@pytest.mark.parametrize("state", ["passed", "ended"])
+def test_carry_of_a_bake_that_ended_samples_nothing(tmp_path: Path, state: str) -> None:
+    st = two_generations(tmp_path)
+    b = bake.begin(settings(), st, 2, 1)
+    b.state = state
+    bake.save(st.get(2).path, b)
+    calls: list[int] = []
+    assert bake.carry(st, 2, lambda: calls.append(1), lambda s: None) is not None
+    assert calls == []
+
+
+def test_an_unreadable_bake_record_is_no_bake(tmp_path: Path) -> None:
+    st = two_generations(tmp_path)
+    (st.get(2).path / "bake.json").write_text("{not json")
+    assert bake.load(st.get(2).path) is None and bake.deadline(tmp_path) is None
