@@ -133,9 +133,7 @@ def overflow(
     return run
 
 
-def too_long(
-    model: Path, log: Path, extra: Sequence[str] = (), binary: str | None = None
-) -> Run:
+def too_long(model: Path, log: Path, extra: Sequence[str] = (), binary: str | None = None) -> Run:
     """One 400-token prompt against 256-cell split slots: refused with HTTP 400."""
     return scenario(model, log, TOO_LONG_ARGS, (400,), extra=extra, binary=binary)
 

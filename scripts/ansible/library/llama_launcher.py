@@ -108,6 +108,13 @@ options:
         (C(--force-memory)). The gate still checks the server that starts.
     type: bool
     default: false
+  bake:
+    description:
+      - Watch the deployed config this long (V(30m), V(2h), seconds) against the previous
+        one, and put the previous one back when it is worse under load (C(--bake DURATION
+        --wait)). The task blocks until the verdict; a revert fails it (exit 6) with the
+        verdict in its message and in RV(bake). V(0) or left out, no bake.
+    type: str
   unified_memory:
     description:
       - Whether the devices' memory is the host's, so the guard counts it once
@@ -371,6 +378,8 @@ EXIT_MEANING = {
     3: "the deploy failed its gate; the previous config was restored and serves again",
     4: "the deploy failed and restoring the previous config failed too; nothing was deleted",
     5: "another deploy holds the lock of this unit",
+    6: "the new config passed its gate but its bake found it worse under load; the "
+    "previous config was put back and serves again",
 }
 
 #: Result keys handed back to Ansible as they are.
@@ -390,6 +399,7 @@ PASSTHROUGH = (
     "recovered",
     "error",
     "step",
+    "bake",
 )
 
 
@@ -400,6 +410,7 @@ def argument_spec() -> dict[str, dict[str, Any]]:
         "executable": {"type": "str", "default": "llama-launcher"},
         "settings_file": {"type": "path"},
         "force_memory": {"type": "bool", "default": False},
+        "bake": {"type": "str"},
         "unified_memory": {"type": "str", "choices": ["auto", "yes", "no"]},
     }
     spec.update(SETTINGS_SPEC)
@@ -591,6 +602,9 @@ def deploy(module: AnsibleModule, launcher: Launcher) -> None:
             args.append("--check")
         if module.params["force_memory"]:
             args.append("--force-memory")
+        if module.params["bake"] not in (None, "", "0") and not module.check_mode:
+            # a canary bakes before the play moves on: the task waits for the verdict
+            args += ["--bake", module.params["bake"], "--wait"]
         rc, result = launcher.json_verb(*args)
         ret = result_for_ansible(rc, result)
         after_argv = before_argv

@@ -1,0 +1,176 @@
+"""The bake on the real llama-server under the sandboxed systemd: seed 000's mistake made
+live and reverted at the first sample that sees 'Context size has been exceeded', a quiet
+unit that ends inconclusive and keeps its config, and a later deploy ending a bake.
+
+One unit for the module; the tests run in file order, each leaving the unit serving.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from conftest import Host, Sandbox
+
+from launcher.deploy import store
+from launcher.watch import bake, record
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+import repro
+
+#: The good config: four slots capped at 1,024 in a pool sized for all of them.
+CAP = 1024
+GOOD = ("-np", "4", "-kvu", "--kv-unified-per-slot", str(CAP), "-c", str(4 * CAP), "-t", "1")
+#: Seed 000's mistake in small: four slots promised 1,024 each of one pool of 1,024.
+OVERCOMMITTED = ("-np", "4", "-kvu", "-c", str(CAP), "-t", "1", "--allow-overcommit")
+BAKE_ENV = {"LLAMA_LAUNCHER_BAKE_INTERVAL": "2", "LLAMA_LAUNCHER_BAKE_WARMUP": "0"}
+
+
+@pytest.fixture(scope="module")
+def baked(
+    sandbox: Sandbox,
+    tmp_path_factory: pytest.TempPathFactory,
+    tiny_model: Path,
+    llama_server_bin: str,
+) -> Iterator[Host]:
+    root = tmp_path_factory.mktemp("bake")
+    model = root / "model.gguf"
+    shutil.copy(tiny_model, model)
+    h = Host(sandbox, root, "ll-bake", model, llama_server_bin)
+    h.env["LLAMA_LAUNCHER_SAMPLE_INTERVAL"] = "3600"  # the tests (and --wait) take the samples
+    h.env.update(BAKE_ENV)
+    rc, out = h.install(*GOOD)
+    assert (rc, out["outcome"]) == (0, "deployed"), out
+    yield h
+    h.remove()
+
+
+def deploy(h: Host, *flags: str) -> tuple[int, dict[str, Any]]:
+    return h.cli_json("deploy", *h.base_flags(), *flags)
+
+
+def live(h: Host) -> store.Generation:
+    gen = store.Store(h.state_dir).live()
+    assert gen is not None
+    return gen
+
+
+class Agents:
+    """Four agents whose histories grow every turn, until stopped; each counts its turns
+    that failed and that were answered."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.stop = url, threading.Event()
+        self.ok = [0] * 4
+        self.failed = [0] * 4
+
+    def turn(self, i: int, history: list[dict[str, str]]) -> bool:
+        body = {"messages": history, "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+        try:
+            r = httpx.post(self.url + "/v1/chat/completions", json=body, timeout=120)
+        except httpx.HTTPError:
+            return False  # the restart of a deploy or a revert: tried again
+        if r.status_code != 200:
+            return False
+        history.append(
+            {"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]}
+        )
+        return True
+
+    def agent(self, i: int) -> None:
+        history = [{"role": "user", "content": repro.prompt(20, 90 + i)}]
+        while not self.stop.is_set():
+            if self.turn(i, history):
+                self.ok[i] += 1
+            else:
+                self.failed[i] += 1
+                time.sleep(0.2)
+            history.append({"role": "user", "content": repro.prompt(20, 100 + i + len(history))})
+            if len(history) > 40:  # beyond any slot's cap: begin a new session
+                history[:] = history[:1]
+
+
+def test_a_deploy_without_allow_overcommit_said_nothing_and_with_it_warns(baked: Host) -> None:
+    rc, out = deploy(baked, *OVERCOMMITTED, "--check")
+    assert rc == 0, out
+    assert any("allow_overcommit: the shared KV pool holds" in w for w in out["warnings"])
+
+
+def test_seed_000_made_live_is_reverted_at_the_first_sample_that_sees_the_pool_overflow(
+    baked: Host,
+) -> None:
+    """The good config serves four agents and records a baseline; the over-committed one
+    is deployed with a bake while they go on; the first sample that finds 'Context size
+    has been exceeded' reverts it, and the old config serves all four again."""
+    good = live(baked)
+    agents = Agents(baked.url)
+    with ThreadPoolExecutor(4) as pool:
+        for i in range(4):
+            pool.submit(agents.agent, i)
+        time.sleep(5)
+        assert sum(agents.ok) >= 4, (agents.ok, agents.failed)
+        sample = baked.cli_json("sample")[1]  # the baseline's figures, with their load
+        assert sample["generation"] == good.number, sample
+        rc, out = _deploy_waiting(baked)
+        agents.stop.set()
+    assert (rc, out["outcome"]) == (6, "reverted"), json.dumps(out)[-3000:]
+    verdict = out["bake"]["verdict"]["verdict"]
+    assert (verdict["signal"], verdict["hard"]) == ("context_exceeded", True), verdict
+    now = live(baked)
+    assert now.meta["reverted_from"] == out["bake"]["started"]["generation"]
+    assert now.env_text == good.env_text
+    # the revert came in the sample that first saw the overflow: every failure the baked
+    # generation's record has was found by one sample
+    gone = store.Store(baked.state_dir).get(now.meta["reverted_from"])
+    rec = record.load(gone.path, gone.number)
+    seen_by = {f["sampled_before"] for f in rec.failures if f["kind"] == "context_exceeded"}
+    assert len(seen_by) == 1, rec.failures
+    assert bake.load(gone.path).state == "reverted"  # type: ignore[union-attr]
+    # and the previous config serves them all again, four at once
+    again = Agents(baked.url)
+    histories = [[{"role": "user", "content": repro.prompt(20, 200 + i)}] for i in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(again.turn, range(4), histories))
+
+
+def _deploy_waiting(h: Host) -> tuple[int, dict[str, Any]]:
+    p = subprocess.run(
+        [sys.executable, "-m", "launcher", "deploy", *h.base_flags(), *OVERCOMMITTED,
+         "--drain-timeout", "5", "--bake", "10m", "--wait", "--json"],
+        capture_output=True, text=True, env=h.env, timeout=900,
+    )  # fmt: skip
+    try:
+        return p.returncode, json.loads(p.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        raise AssertionError(f"rc={p.returncode}\n{p.stdout}\n{p.stderr}") from None
+
+
+def test_a_quiet_unit_ends_inconclusive_and_keeps_the_new_config(baked: Host) -> None:
+    rc, out = deploy(baked, *GOOD[:-1], "2", "--bake", "8s", "--wait")
+    assert (rc, out["outcome"]) == (0, "deployed"), out
+    verdict = out["bake"]["verdict"]
+    assert verdict["state"] == "inconclusive", verdict
+    assert verdict["verdict"]["signal"] == "too_little_traffic"
+    assert live(baked).number == out["generation"]
+
+
+def test_a_later_deploy_ends_a_running_bake_and_both_say_so(baked: Host) -> None:
+    rc, first = deploy(baked, *GOOD, "--bake", "10m")
+    assert (rc, first["bake"]["started"]["state"]) == (0, "baking"), first
+    assert bake.deadline(baked.state_dir) == first["bake"]["started"]["deadline"]
+    rc, second = deploy(baked, *GOOD[:-1], "2")
+    assert rc == 0, second
+    assert second["bake"]["ended"]["generation"] == first["generation"]
+    ended = bake.load(store.Store(baked.state_dir).get(first["generation"]).path)
+    assert ended is not None and ended.state == "ended"
+    assert bake.deadline(baked.state_dir) is None
