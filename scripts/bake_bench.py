@@ -1,0 +1,152 @@
+"""Benchmark (bake): seed 000's mistake deployed with a bake while four agents' histories
+grow, and how long the pool's overflow lasted before the old config served again. Run
+through ``scripts/bench-bake`` (a private sandboxed systemd); prints figures from one run,
+not a test: nothing here asserts.
+
+The good config (``-np 4 -kvu --kv-unified-per-slot 1024 -c 4096``) serves four agents and
+records a baseline; the over-committed one (``-np 4 -kvu -c 1024 --allow-overcommit``) is
+deployed with ``--bake 10m --wait`` while they go on. Printed: the bake's sample interval;
+the first 'Context size has been exceeded' (the server's journal time, from the baked
+generation's live record), the verdict, and the old config serving again (the revert's
+generation's gate passed), each after the first failure; and the agents' requests that
+failed from the first failure until the old config served (lost), and after it.
+``BENCH_FRONT=haproxy`` installs the HAProxy front (the agents talk to it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "scripts"))
+
+import realserver  # noqa: E402
+import repro  # noqa: E402
+import tinymodel  # noqa: E402
+
+from launcher.deploy import store  # noqa: E402
+from launcher.watch import bake, record  # noqa: E402
+
+UNIT = "bench-bake.service"
+CAP = 1024
+GOOD = ["-np", "4", "-kvu", "--kv-unified-per-slot", str(CAP), "-c", str(4 * CAP), "-t", "1"]
+BAD = ["-np", "4", "-kvu", "-c", str(CAP), "-t", "1", "--allow-overcommit"]
+INTERVAL = os.environ.get("BENCH_BAKE_INTERVAL", "15")
+FRONT = os.environ.get("BENCH_FRONT", "none")
+
+
+def cli(env: dict[str, str], *args: str) -> tuple[int, dict[str, Any]]:
+    p = subprocess.run(
+        [sys.executable, "-m", "launcher", *args, "--json"], env=env, capture_output=True, text=True
+    )
+    try:
+        return p.returncode, json.loads(p.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        raise SystemExit(f"{args[0]}: rc={p.returncode}\n{p.stdout}\n{p.stderr}") from None
+
+
+class Agents:
+    """Four agents whose histories grow; every request's end and whether it was answered."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.stop = url, threading.Event()
+        self.done: list[tuple[float, bool]] = []
+
+    def agent(self, i: int) -> None:
+        history = [{"role": "user", "content": repro.prompt(20, 90 + i)}]
+        while not self.stop.is_set():
+            body = {"messages": history, "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+            try:
+                r = httpx.post(self.url + "/v1/chat/completions", json=body, timeout=120)
+                ok = r.status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            self.done.append((time.time(), ok))
+            if ok:
+                reply = r.json()["choices"][0]["message"]["content"]
+                history.append({"role": "assistant", "content": reply})
+            else:
+                time.sleep(0.2)
+            history.append({"role": "user", "content": repro.prompt(20, 100 + i + len(history))})
+            if len(history) > 40:
+                history[:] = history[:1]
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        model = tinymodel.write(tmp / "model.gguf")
+        port = realserver.free_port()
+        url = f"http://127.0.0.1:{port}"
+        env = dict(
+            os.environ,
+            LLAMA_LAUNCHER_UNIT=UNIT,
+            LLAMA_LAUNCHER_ENV_FILE=str(tmp / "bench.env"),
+            LLAMA_LAUNCHER_STATE_DIR=str(tmp / "state"),
+            LLAMA_LAUNCHER_SAMPLE_INTERVAL="3600",
+            LLAMA_LAUNCHER_BAKE_INTERVAL=INTERVAL,
+        )
+        where = [
+            "-m",
+            str(model),
+            "--port",
+            str(port),
+            "--llama-server",
+            realserver.server_binary(),
+        ]
+        rc, out = cli(env, "install", *where, *GOOD, "--front", FRONT)
+        if rc != 0:
+            raise SystemExit(f"install failed: {out}")
+        try:
+            run(env, url, where, tmp / "state")
+        finally:
+            cli(env, "uninstall", "--purge")
+
+
+def run(env: dict[str, str], url: str, where: list[str], state: Path) -> None:
+    agents = Agents(url)
+    threads = [threading.Thread(target=agents.agent, args=(i,), daemon=True) for i in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(10)
+    cli(env, "sample")  # the baseline, with its load
+    rc, out = cli(env, "deploy", *where, *BAD, "--drain-timeout", "5", "--bake", "10m", "--wait")
+    time.sleep(5)
+    agents.stop.set()
+    for t in threads:
+        t.join(timeout=130)
+    st = store.Store(state)
+    live = st.live()
+    baked = (out.get("bake") or {}).get("started", {}).get("generation")
+    if rc != 6 or live is None or baked is None:
+        print(f"no revert: rc {rc}, outcome {out.get('outcome')}: {out.get('message')}")
+        return
+    gone = st.get(baked)
+    rec = record.load(gone.path, baked)
+    first = min(f["t"] for f in rec.failures if f["kind"] == "context_exceeded")
+    ended = (bake.load(gone.path) or bake.Bake(0, 0, bake.Policy(0))).ended or first
+    serving = bake.served_from(live)
+    lost = sum(1 for t, ok in agents.done if not ok and first <= t <= serving)
+    after = sum(1 for t, ok in agents.done if not ok and t > serving)
+    answered = sum(1 for t, ok in agents.done if ok and t > serving)
+    print(time.strftime("%Y-%m-%d", time.localtime()), f"front {FRONT}, bake_interval {INTERVAL} s")
+    print(f"first 'Context size has been exceeded' -> verdict: {ended - first:.1f} s")
+    print(f"verdict -> the old config serving (generation {live.number}): {serving - ended:.1f} s")
+    print(f"first failure -> the old config serving: {serving - first:.1f} s")
+    print(f"requests lost in between: {lost}; failed after: {after}; answered after: {answered}")
+    print(f"verdict: {out['bake']['verdict']['verdict']['reason']}")
+
+
+if __name__ == "__main__":
+    main()
