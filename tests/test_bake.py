@@ -175,3 +175,67 @@ def test_an_unreadable_bake_record_is_no_bake(tmp_path: Path) -> None:
     st = two_generations(tmp_path)
     (st.get(2).path / "bake.json").write_text("{not json")
     assert bake.load(st.get(2).path) is None and bake.deadline(tmp_path) is None
+
+
+# -- a reboot and the sampler's count of restarts ----------------------------------------------
+
+
+def _unit(pid: int, n_restarts: int = 0, active: str = "active") -> UnitState:
+    return UnitState(active, "running", "success", n_restarts, 0, pid, None, "x", "loaded")
+
+
+def test_the_first_process_of_a_new_boot_is_no_restart() -> None:
+    from launcher.watch import sample
+
+    state = sample.State(generation=2, pid=4242, n_restarts=3, boot="the boot before")
+    assert sample._restarts(_unit(77), state, 2) == 0
+    assert (state.pid, state.n_restarts, state.boot) == (77, 0, bake.boot_id())
+
+
+def test_a_new_boot_seen_while_the_unit_comes_up_is_counted_from_its_process() -> None:
+    """A sample taken after the boot but before the unit runs (no MainPID yet) keeps the
+    boot unseen: the next sample's new process is the boot's, not a restart."""
+    from launcher.watch import sample
+
+    state = sample.State(generation=2, pid=4242, n_restarts=0, boot="the boot before")
+    assert sample._restarts(_unit(0, active="activating"), state, 2) == 0
+    assert sample._restarts(_unit(77), state, 2) == 0
+
+
+def test_a_new_process_in_the_same_boot_is_a_restart() -> None:
+    from launcher.watch import sample
+
+    state = sample.State(generation=2, pid=4242, n_restarts=0, boot=bake.boot_id())
+    assert sample._restarts(_unit(77, n_restarts=1), state, 2) == 1
+
+
+
+def _proc(root: Path, btime: int, pid1_start: int) -> Path:
+    (root / "1").mkdir(parents=True, exist_ok=True)
+    (root / "stat").write_text(f"cpu  1 2 3\nbtime {btime}\nprocesses 9\n")
+    fields = ["S", *(["0"] * 18), str(pid1_start), "0"]  # field 22: the start, in ticks
+    (root / "1" / "stat").write_text(f"1 (systemd (x)) {' '.join(fields)}\n")
+    return root
+
+
+def test_a_boot_is_the_kernels_boot_time_and_pid_1s_start(tmp_path: Path) -> None:
+    from launcher.host import procfs
+
+    assert procfs.boot(_proc(tmp_path, 1796160993, 25)) == "1796160993:25"
+
+
+def test_a_containers_reboot_is_another_boot_though_the_kernel_is_the_same(
+    tmp_path: Path,
+) -> None:
+    """systemd-nspawn's reboot: the host's kernel (its boot time) stays, PID 1 is new."""
+    from launcher.host import procfs
+
+    before = procfs.boot(_proc(tmp_path, 1796160993, 25))
+    assert procfs.boot(_proc(tmp_path, 1796160993, 1447240)) != before
+
+
+def test_an_unreadable_boot_is_none(tmp_path: Path) -> None:
+    from launcher.host import procfs
+
+    assert procfs.boot(tmp_path) is None
+

@@ -72,6 +72,23 @@ def test_a_restart_across_a_reboot_is_not_the_configs() -> None:
     assert judged(s) is None
 
 
+def test_a_reboot_the_bake_resumes_after_says_so_in_its_notes() -> None:
+    p = Progress()
+    assert judged(Seen(T0 + 200, {"restarts": 1}, busy=0, rebooted=True, gap=5), p=p) is None
+    assert any("the host rebooted; the bake resumed" in n for n in p.notes), p.notes
+
+
+def test_the_unit_coming_up_after_a_reboot_is_not_a_failing_unit() -> None:
+    s = Seen(T0 + 200, {}, busy=None, active="activating", sub="start", rebooted=True, gap=5)
+    assert judged(s) is None
+
+
+def test_a_unit_failed_after_a_reboot_still_reverts() -> None:
+    s = Seen(T0 + 200, {}, busy=None, active="failed", sub="failed", rebooted=True, gap=5)
+    v = judged(s)
+    assert v is not None and (v.state, v.signal) == ("revert", "down")
+
+
 def test_an_oom_kill_reverts() -> None:
     s = Seen(T0 + 200, {}, active="activating", sub="auto-restart", result="oom-kill")
     v = judged(s)

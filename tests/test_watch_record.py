@@ -263,6 +263,51 @@ def test_the_system_sampler_writes_only_its_own_folders() -> None:
     assert "ProtectSystem" not in user and "--scope user" in user
 
 
+def test_the_system_sampler_can_write_what_a_bakes_revert_writes(tmp_path: Path) -> None:
+    """The revert runs in the sample that carries the bake: the env file's folder, the
+    client window's (the state folder's parent) and the lock's are writable, nothing else."""
+    from launcher import config
+    from launcher.deploy import install
+    from launcher.host import timer
+
+    env_file = tmp_path / "etc" / "llama-server.env"
+    state = tmp_path / "ll" / "llama-server"
+    settings = config.ToolSettings(scope="system", env_file=env_file, state_dir=state)
+    paths = install.revert_paths(settings, env_file)
+    assert paths == (str(env_file.parent), str(state.parent), "-/run/lock/llama-launcher")
+    text = timer.render_service(_sampler(revert_paths=paths))  # type: ignore[arg-type]
+    rw = next(line for line in text.splitlines() if line.startswith("ReadWritePaths="))
+    assert rw.split("=", 1)[1].split() == ["/var/lib/llama-launcher/llama-server", *paths]
+
+
+def test_the_sample_service_is_ready_after_its_first_sample_not_at_its_end() -> None:
+    """Type=notify: a sample that carries a bake runs on with its start job done."""
+    from launcher.host import timer
+
+    for scope in ("system", "user"):
+        text = timer.render_service(_sampler(scope=scope))  # type: ignore[arg-type]
+        assert "\nType=notify\n" in text and "Type=oneshot" not in text
+
+
+def test_ready_tells_the_notify_socket(tmp_path: Path) -> None:
+    import socket
+
+    from launcher.host import notify
+
+    path = tmp_path / "notify"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        s.bind(str(path))
+        assert notify.ready({"NOTIFY_SOCKET": str(path)}) is True
+        assert s.recv(100) == b"READY=1"
+
+
+def test_ready_outside_a_notify_unit_does_nothing(tmp_path: Path) -> None:
+    from launcher.host import notify
+
+    assert notify.ready({}) is False
+    assert notify.ready({"NOTIFY_SOCKET": str(tmp_path / "gone")}) is False
+
+
 def test_every_calls_its_step_again_at_the_interval_until_the_step_raises() -> None:
     from launcher import waits
 

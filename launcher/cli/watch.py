@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from launcher.cli import emit
 from launcher.cli.deploy import _parser, _settings_options, settings_from
+from launcher.host import notify
 
 if TYPE_CHECKING:
     from launcher.watch.sample import Outcome
@@ -101,11 +102,14 @@ def _through_bake(target: Any, systemd: Any, as_json: bool) -> int:
     st = store.Store(target.state_dir)
     found = bake.live_bake(st)
     if found is None or not found[1].running:
-        return _report(sample.sample(target, systemd), as_json)
+        code = _report(sample.sample(target, systemd), as_json)
+        notify.ready()  # the sampler's service (Type=notify): one sample done
+        return code
     worst = [0]
 
     def once() -> None:
         worst[0] = max(worst[0], _report(sample.sample(target, systemd), as_json))
+        notify.ready()  # after the first sample; systemd ignores the ones after
 
     bake.carry(st, found[0].number, once)
     return worst[0]

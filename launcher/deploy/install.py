@@ -593,6 +593,19 @@ def _uninstall_front(settings: config.ToolSettings, systemd: Systemd) -> dict[st
     return {"removed_front": [str(f) for f in files]}
 
 
+def revert_paths(settings: config.ToolSettings, env_file: Path) -> tuple[str, ...]:
+    """The folders a bake's revert writes, which the sample service that runs it must be
+    able to write in system scope (``launcher.host.timer``): the env file's, the client
+    window file's (the state folder's parent: the generations and the front's files are
+    under it), and the unit's lock folder (``-``: under /run, missing until the unit's
+    first start of a boot makes it)."""
+    return (
+        str(env_file.parent),
+        str(client_window_path(settings).parent),
+        f"-{units.SYSTEM_LOCK_DIR}",
+    )
+
+
 def install_sampler(
     settings: config.ToolSettings, env_file: Path, template: bool, systemd: Systemd
 ) -> list[str]:
@@ -612,6 +625,7 @@ def install_sampler(
         interval=settings.sample_interval,
         textfile_dir=str(textfile_dir) if textfile_dir else None,
         base_url=settings.base_url,
+        revert_paths=revert_paths(settings, env_file),
     )
     unit_dir = settings.resolved_unit_dir()
     unit_dir.mkdir(parents=True, exist_ok=True)

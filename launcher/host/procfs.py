@@ -1,4 +1,5 @@
-"""A process's memory as the kernel counts it, from ``/proc/PID/status``.
+"""A process's memory as the kernel counts it, from ``/proc/PID/status``; and which boot
+this is (``boot``).
 
 Growth shows as ``RssAnon + VmSwap``, not as RSS: RSS also counts the mapped model file's
 pages (``RssFile``), which the page cache brings and takes away, and misses what was swapped
@@ -58,3 +59,20 @@ def memory(pid: int, proc: Path = Path("/proc")) -> Memory:
         # a kernel thread, or a kernel older than 4.5 (RssAnon came with it)
         raise Unreadable("proc", f"{path} has no RssAnon: not a user process, or a kernel < 4.5")
     return Memory(values["RssAnon"], values.get("VmSwap", 0), values.get("VmRSS", 0))
+
+
+def boot(proc: Path = Path("/proc")) -> str | None:
+    """This boot, as every process of the host sees it alike: the kernel's boot time
+    (``btime`` of ``/proc/stat``) and PID 1's start (field 22 of ``/proc/1/stat``, clock
+    ticks after it), ``"BTIME:TICKS"``. Not the kernel's ``boot_id``: a container's manager
+    (systemd-nspawn) puts a boot id of its own over ``/proc/sys/kernel/random/boot_id``,
+    which a unit with ``ProtectKernelTunables=`` does not see (it reads the host's, which
+    a reboot of the container keeps); a container's reboot starts a new PID 1, a host's
+    has a new boot time. None: not readable."""
+    try:
+        stat = (proc / "stat").read_text()
+        btime = next(line.split()[1] for line in stat.splitlines() if line.startswith("btime "))
+        started = (proc / "1" / "stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, StopIteration, IndexError):
+        return None
+    return f"{btime}:{started}"

@@ -1,4 +1,4 @@
-"""The sampler's units: a timer and the oneshot service it starts (``llama-launcher sample``).
+"""The sampler's units: a timer and the service it starts (``llama-launcher sample``).
 
 ``install`` writes them beside the server's unit and enables the timer; ``uninstall``
 removes them. For ``llama-server.service`` they are ``llama-server-sample.timer`` and
@@ -55,6 +55,9 @@ class Sampler:
     interval: float
     textfile_dir: str | None = None
     base_url: str | None = None
+    #: the folders a bake's revert writes besides the state folder, in system scope (the
+    #: env file's, the client window's, the lock's: ``launcher.deploy.install`` names them)
+    revert_paths: tuple[str, ...] = ()
 
 
 _SERVICE = """\
@@ -64,12 +67,14 @@ Description=One live sample of {unit} (llama-launcher sample)
 After={unit}
 
 [Service]
-Type=oneshot
+# ready after its first sample (launcher.host.notify): a sample that carries a bake runs on
+# as a service, its start job done (a oneshot's would keep a boot unfinished for the bake)
+Type=notify
 Environment=PYTHONPATH={package_dir}
 ExecStart={python} -m launcher sample --unit {unit} --scope {scope} --state-dir {state_dir} \
 --env-file {env_file}{textfile}{base_url}
-# no limit: a sample that finds a bake running samples through it (up to 24 h) and may
-# revert (a deploy's gate); each read has its own timeout (HTTP 10 s, the journal's)
+# no limit on the first sample: it may revert (a deploy's budget); each read has its own
+# timeout (HTTP 10 s, the journal's). One that carries a bake runs up to 24 h after it
 TimeoutStartSec=infinity
 # llama-server comes first: the sampler's CPU time and I/O are what it leaves over
 Nice=10
@@ -77,11 +82,20 @@ IOSchedulingClass=idle
 NoNewPrivileges=yes
 {hardening}"""
 
-# the sample runs as root (the state folder is root's, the server's /proc entry is another
-# user's): everything but its own files read-only
+# The sample runs as root (the state folder is root's, the server's /proc entry is another
+# user's), with everything read-only but what it writes. That is its own files, and what a
+# bake's revert writes: the revert is a rollback (launcher.watch.revert) that the sample
+# carrying the bake runs itself, so the verdict, the rollback and the bake's record of it
+# are one process and one journal (journalctl -u NAME-sample.service), as they are under
+# `deploy --wait`; a oneshot unit of its own would add a second process whose death between
+# the two leaves the bake half-told, for no path fewer: the rollback writes the env file's
+# folder (the env file, its backup, its home record), the state folder's parent (the
+# generations, the front's config, the client window file beside the state folder) and the
+# unit's lock folder (under /run: made again by the unit's prestart step at every boot, so
+# it may be missing before that: "-"). /etc, /usr and /home stay read-only otherwise.
 _SYSTEM_HARDENING = """\
 ProtectSystem=strict
-ReadWritePaths={state_dir}{textfile_rw}
+ReadWritePaths={state_dir}{revert_rw}{textfile_rw}
 ProtectHome=read-only
 PrivateTmp=yes
 PrivateDevices=yes
@@ -113,7 +127,9 @@ def render_service(s: Sampler) -> str:
     hardening = ""
     if s.scope == "system":
         hardening = _SYSTEM_HARDENING.format(
-            state_dir=s.state_dir, textfile_rw=f" -{s.textfile_dir}" if s.textfile_dir else ""
+            state_dir=s.state_dir,
+            revert_rw="".join(f" {p}" for p in s.revert_paths),
+            textfile_rw=f" -{s.textfile_dir}" if s.textfile_dir else "",
         )
     return _SERVICE.format(
         unit=s.unit,

@@ -18,7 +18,7 @@ the front can take its place), ``passed``, ``inconclusive`` (the new config stay
 
 A sampler killed or a host rebooted mid-bake: the next sample resumes it (the record says
 when and why); when the deadline passed meanwhile it ends ``inconclusive``. A restart seen
-across a reboot (another boot id) is not counted against the config.
+across a reboot (another boot: ``launcher.host.procfs.boot``) is not counted against the config.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from launcher import waits
 from launcher.deploy import store
 from launcher.errors import StoreError
+from launcher.host import procfs
 from launcher.watch import record, verdict
 from launcher.watch.verdict import Baseline, Policy, Progress, Verdict
 
@@ -43,7 +44,6 @@ if TYPE_CHECKING:
 
 VERSION = 1
 NAME = "bake.json"
-BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 #: The states of a bake: one running, the rest final.
 RUNNING = "baking"
 FINAL = ("passed", "inconclusive", "reverted", "revert_failed", "ended")
@@ -164,10 +164,8 @@ def save(generation_dir: Path, bake: Bake) -> None:
 
 
 def boot_id() -> str | None:
-    try:
-        return BOOT_ID.read_text().strip() or None
-    except OSError:
-        return None
+    """This boot (``launcher.host.procfs.boot``): a bake records the one it began in."""
+    return procfs.boot()
 
 
 def served_from(gen: store.Generation) -> float:

@@ -126,6 +126,8 @@ class State:
     counters: dict[str, float] = field(default_factory=dict)
     cursor: str | None = None
     n_restarts: int | None = None
+    #: the boot the pid and NRestarts were read in (``bake.boot_id``)
+    boot: str | None = None
     #: what was warned about and has not fallen under CLEAR_AT since ("pool", "slot 2")
     warned: list[str] = field(default_factory=list)
     decode_tps: float | None = None
@@ -293,8 +295,8 @@ def _sample(
     # the state first: a record written without it would be counted twice by the next sample
     if _save_state(target, state, write, out) and changed:
         _save(gen.path, rec, write, out, "live record")
-    _publish(target, page, write, out)
     _judge(gen, rec, delta, reads, out, revert)
+    _publish(target, page, write, out)
 
 
 def _judge(
@@ -498,6 +500,15 @@ def _counter_deltas(reads: Reads, state: State, out: Outcome) -> dict[str, float
 def _restarts(unit: UnitState, state: State, generation: int) -> int:
     """Processes replaced within the generation since the last sample (systemd's NRestarts,
     or a new MainPID that no deploy explains)."""
+    boot = bake.boot_id()
+    if state.boot != boot:
+        # a new boot (or the first sample that knows boots): its process is the boot's, not
+        # a restart. Counted from the sample that sees it run: one taken while the unit was
+        # still coming up would see the boot's process as new at the next sample
+        if unit.main_pid:
+            state.boot, state.generation = boot, generation
+            state.pid, state.n_restarts = unit.main_pid, unit.n_restarts
+        return 0
     n = 0
     if state.generation == generation and unit.main_pid and state.pid:
         grew = unit.n_restarts - state.n_restarts if state.n_restarts is not None else 0

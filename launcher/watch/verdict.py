@@ -273,6 +273,11 @@ def judge(
                 figures={"gap_seconds": round(seen.gap or 0, 1)},
             )
         progress.notes.append(f"{what} for {seen.gap:.0f}s; the bake resumed at {seen.t:.0f}")
+    if seen.rebooted:
+        progress.notes.append(
+            f"the host rebooted; the bake resumed at {seen.t:.0f} (the boot's restart of the "
+            "unit is not held against the config)"
+        )
     if (hard := hard_failure(policy, baseline, seen, window)) is not None:
         return hard
     if seen.active == "inactive":
@@ -339,7 +344,9 @@ def hard_failure(
         return _hard("oom", "the kernel's OOM killer ended the server (Result=oom-kill)", {})
     if restarts and not seen.rebooted:
         return _hard("restart", f"the unit restarted {restarts} time(s) since the last sample", {})
-    if seen.active in ("failed", "activating") or seen.sub == "auto-restart":
+    # the unit coming up again after a reboot is the boot's doing; one failing is not
+    coming_up = seen.rebooted and seen.active == "activating"
+    if not coming_up and (seen.active in ("failed", "activating") or seen.sub == "auto-restart"):
         return _hard("down", f"the unit is {seen.active}/{seen.sub} (Result={seen.result})", {})
     for kind in POOL_FAILURES:
         n = int(seen.counts.get(kind, 0))
