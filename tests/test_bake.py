@@ -209,6 +209,49 @@ def test_a_new_process_in_the_same_boot_is_a_restart() -> None:
     assert sample._restarts(_unit(77, n_restarts=1), state, 2) == 1
 
 
+# -- the metrics file --------------------------------------------------------------------------
+
+
+def bake_series(st: store.Store) -> dict[str, float]:
+    from launcher.watch import sample, textfile
+
+    page = textfile.Page("llama-server.service")
+    sample._bake_lines(st, page)
+    return {
+        name + (f"{{{lab['state']}}}" if "state" in lab else ""): v
+        for name, lab, v in textfile.parse(page.render())
+    }
+
+
+def test_the_metrics_file_says_a_bake_runs_and_when_it_ends(tmp_path: Path) -> None:
+    st = two_generations(tmp_path)
+    b = bake.begin(settings(), st, 2, 1)
+    got = bake_series(st)
+    assert got["llama_launcher_bake_state{baking}"] == 1
+    assert sum(v for k, v in got.items() if k.startswith("llama_launcher_bake_state")) == 1
+    assert set(bake.STATES) == {
+        k.split("{")[1].rstrip("}") for k in got if k.startswith("llama_launcher_bake_state")
+    }
+    assert got["llama_launcher_bake_generation"] == 2
+    assert got["llama_launcher_bake_deadline_timestamp_seconds"] == pytest.approx(b.deadline)
+
+
+def test_the_metrics_file_says_the_bake_the_live_revert_ended(tmp_path: Path) -> None:
+    st = two_generations(tmp_path)
+    bake.begin(settings(), st, 2, 1)
+    step(st, T0 + 100, Reverts(), restarts=1)  # reverted
+    revert = st.new("A=1\n", {"time": T0 + 101, "reverted_from": 2})
+    st.set_live(revert.number)
+    got = bake_series(st)
+    assert got["llama_launcher_bake_state{reverted}"] == 1
+    assert got["llama_launcher_bake_state{baking}"] == 0
+    assert got["llama_launcher_bake_generation"] == 2
+
+
+def test_a_unit_that_never_baked_has_no_bake_series(tmp_path: Path) -> None:
+    st = two_generations(tmp_path)
+    assert not any(k.startswith("llama_launcher_bake") for k in bake_series(st))
+
 
 def _proc(root: Path, btime: int, pid1_start: int) -> Path:
     (root / "1").mkdir(parents=True, exist_ok=True)

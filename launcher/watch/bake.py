@@ -47,6 +47,9 @@ NAME = "bake.json"
 #: The states of a bake: one running, the rest final.
 RUNNING = "baking"
 FINAL = ("passed", "inconclusive", "reverted", "revert_failed", "ended")
+#: Every state, in the metrics' order: ``reverting`` is the revert under way (a sampler
+#: killed during it leaves it so until the next sample or ``recover`` settles it).
+STATES = (RUNNING, "reverting", *FINAL)
 
 #: The revert: given the bake and its verdict, puts the previous generation back and says
 #: how it went (``launcher.watch.revert.revert``'s result as a dict: outcome, ...).
@@ -215,6 +218,23 @@ def live_bake(st: store.Store) -> tuple[store.Generation, Bake] | None:
         if bake is not None:
             return gen, bake
     return None
+
+
+def reverted_by_live(st: store.Store) -> Bake | None:
+    """When the live generation is a bake's revert: the bake it ended."""
+    live = st.live()
+    source = live.meta.get("reverted_from") if live else None
+    if isinstance(source, int):
+        with contextlib.suppress(StoreError):
+            return load(st.get(source).path)
+    return None
+
+
+def newest(st: store.Store) -> Bake | None:
+    """The bake a reader of the unit cares about now: the live generation's, else the one
+    the live generation's revert ended (the metrics file's ``llama_launcher_bake_*``)."""
+    found = live_bake(st)
+    return found[1] if found is not None else reverted_by_live(st)
 
 
 def deadline(state_dir: Path) -> float | None:
@@ -403,13 +423,9 @@ def status_of(st: store.Store, now: float | None = None) -> dict[str, Any] | Non
                 "baseline_memory_slope": b.baseline.memory_slope if b.baseline else None,
             },
         }
-    live = st.live()
-    source = live.meta.get("reverted_from") if live else None
-    if isinstance(source, int):
-        with contextlib.suppress(StoreError):
-            ended = load(st.get(source).path)
-            if ended is not None:
-                return {"reverted": ended.view(now), "line": say(ended)}
+    ended = reverted_by_live(st)
+    if ended is not None:
+        return {"reverted": ended.view(now), "line": say(ended)}
     return None
 
 

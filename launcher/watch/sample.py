@@ -296,6 +296,7 @@ def _sample(
     if _save_state(target, state, write, out) and changed:
         _save(gen.path, rec, write, out, "live record")
     _judge(gen, rec, delta, reads, out, revert)
+    _bake_lines(st, page)  # after the judge: the file says this sample's verdict
     _publish(target, page, write, out)
 
 
@@ -674,6 +675,18 @@ def _page(
         for source in SOURCES:
             page.add("llama_launcher_sample_source_up", source not in reads.unread, source=source)
     return page
+
+
+def _bake_lines(st: store.Store, page: textfile.Page) -> None:
+    """The newest bake's state (one series per state, 1 for its own), generation and
+    deadline; none when the unit never baked."""
+    b = bake.newest(st)
+    if b is None:
+        return
+    for state in bake.STATES:
+        page.add("llama_launcher_bake_state", b.state == state, state=state)
+    page.add("llama_launcher_bake_generation", b.generation)
+    page.add("llama_launcher_bake_deadline_timestamp_seconds", round(b.deadline, 3))
 
 
 def _deploys(st: store.Store, state: State, page: textfile.Page) -> None:

@@ -65,6 +65,17 @@ METRICS = {
         "RssAnon + VmSwap of the server process (what a leak grows).",
     ),
     "llama_launcher_unit_restarts_total": ("counter", "systemd's NRestarts of the unit."),
+    "llama_launcher_bake_state": (
+        "gauge",
+        "1 for the state of the unit's newest bake (the live generation's, or the one its "
+        "revert ended), 0 for the others: baking, reverting, passed, inconclusive, reverted, "
+        "revert_failed, ended.",
+    ),
+    "llama_launcher_bake_generation": ("gauge", "The generation the newest bake watches."),
+    "llama_launcher_bake_deadline_timestamp_seconds": (
+        "gauge",
+        "When the newest bake's window ends (Unix time).",
+    ),
     "llama_launcher_sample_source_up": (
         "gauge",
         "1 when the last sample could read the source (slots, metrics, proc, journal).",
