@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
+import tinymodel
 from conftest import Host, Sandbox
 
 from launcher.deploy import store
@@ -117,7 +118,7 @@ def test_seed_000_made_live_is_reverted_at_the_first_sample_that_sees_the_pool_o
         assert sum(agents.ok) >= 4, (agents.ok, agents.failed)
         sample = baked.cli_json("sample")[1]  # the baseline's figures, with their load
         assert sample["generation"] == good.number, sample
-        rc, out = _deploy_waiting(baked)
+        rc, out = _deploy_waiting(baked, *OVERCOMMITTED)
         agents.stop.set()
     assert (rc, out["outcome"]) == (6, "reverted"), json.dumps(out)[-3000:]
     verdict = out["bake"]["verdict"]["verdict"]
@@ -139,9 +140,9 @@ def test_seed_000_made_live_is_reverted_at_the_first_sample_that_sees_the_pool_o
         assert all(pool.map(again.turn, range(4), histories))
 
 
-def _deploy_waiting(h: Host) -> tuple[int, dict[str, Any]]:
+def _deploy_waiting(h: Host, *flags: str) -> tuple[int, dict[str, Any]]:
     p = subprocess.run(
-        [sys.executable, "-m", "launcher", "deploy", *h.base_flags(), *OVERCOMMITTED,
+        [sys.executable, "-m", "launcher", "deploy", *h.base_flags(), *flags,
          "--drain-timeout", "5", "--bake", "10m", "--wait", "--json"],
         capture_output=True, text=True, env=h.env, timeout=900,
     )  # fmt: skip
@@ -170,3 +171,61 @@ def test_a_later_deploy_ends_a_running_bake_and_both_say_so(baked: Host) -> None
     ended = bake.load(store.Store(baked.state_dir).get(first["generation"]).path)
     assert ended is not None and ended.state == "ended"
     assert bake.deadline(baked.state_dir) is None
+
+
+class Agent:
+    """One agent asking short questions one after another (one busy slot), until stopped."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.stop, self.ok = url, threading.Event(), 0
+
+    def run(self) -> None:
+        body = {
+            "messages": [{"role": "user", "content": "hello river pool"}],
+            "max_tokens": 48,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        while not self.stop.is_set():
+            try:
+                r = httpx.post(self.url + "/v1/chat/completions", json=body, timeout=120)
+                self.ok += r.status_code == 200
+            except httpx.HTTPError:
+                time.sleep(0.2)  # the restart of a deploy or a revert: asked again
+
+
+def test_a_config_that_decodes_several_times_slower_is_reverted_as_soft(
+    baked: Host, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The same config on a model eight times deeper (16 layers for 2: several times the
+    decode work per token, whatever else the CPU runs, where -t 1 against -t 2 on a busy
+    2-core box goes either way): its decode tok/s, from the server's own /metrics
+    counters at one busy slot, stays under 0.8x the baseline's for three samples in a row
+    with 20 completions in the window, and the bake reverts it as soft."""
+    deep = tinymodel.write(
+        tmp_path_factory.mktemp("deep") / "deep.gguf", tinymodel.Shape(layers=16)
+    )
+    rc, out = deploy(baked, *GOOD)  # the baseline: the good config at -t 1
+    assert rc == 0, out
+    good = live(baked)
+    agent = Agent(baked.url)
+    worker = threading.Thread(target=agent.run)
+    worker.start()
+    try:
+        for _ in range(3):  # the baseline's figures, measured at one busy slot
+            time.sleep(2)
+            assert baked.cli_json("sample")[1]["generation"] == good.number
+        assert agent.ok >= 3, agent.ok
+        flags = [*GOOD, "-m", str(deep), "--drain-timeout", "5", "--bake", "10m", "--wait"]
+        rc, out = _deploy_waiting(baked, *flags)
+    finally:
+        agent.stop.set()
+        worker.join()
+    assert (rc, out["outcome"]) == (6, "reverted"), json.dumps(out)[-3000:]
+    verdict = out["bake"]["verdict"]["verdict"]
+    assert (verdict["signal"], verdict["hard"]) == ("decode_speed", False), verdict
+    assert "3 bad samples in a row" in verdict["reason"], verdict
+    assert verdict["figures"]["completions"] >= 20, verdict
+    now = live(baked)
+    assert now.env_text == good.env_text
+    assert now.meta["reverted_from"] == out["bake"]["started"]["generation"]
