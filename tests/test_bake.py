@@ -282,3 +282,82 @@ def test_an_unreadable_boot_is_none(tmp_path: Path) -> None:
 
     assert procfs.boot(tmp_path) is None
 
+
+# -- a sampler killed during its revert ----------------------------------------------------------
+
+
+def cut_revert(tmp_path: Path) -> store.Store:
+    """Generation 2's bake decided a revert and its sampler died during it (``reverting``)."""
+    st = two_generations(tmp_path)
+    b = bake.begin(settings(), st, 2, 1)
+    why = Verdict("revert", "restart", "the unit restarted 1 time(s) since the last sample", True)
+    b.finish("reverting", why, T0 + 100)
+    bake.save(st.get(2).path, b)
+    return st
+
+
+def test_a_revert_cut_after_it_was_recorded_is_settled_reverted(tmp_path: Path) -> None:
+    st = cut_revert(tmp_path)
+    revert = st.new("A=1\n", {"time": T0 + 101, "outcome": "deployed", "reverted_from": 2})
+    st.set_live(revert.number)
+    b = bake.settle(st)
+    assert b is not None and b.state == "reverted"
+    assert (b.revert or {})["generation"] == revert.number
+    assert bake.load(st.get(2).path).state == "reverted"  # type: ignore[union-attr]
+
+
+def test_a_revert_cut_after_its_commit_is_told_by_the_config_that_serves(tmp_path: Path) -> None:
+    """The rollback committed (generation 1's config live as generation 3), the sampler died
+    before it tagged it: the generations say it was the revert, and it is tagged now."""
+    st = cut_revert(tmp_path)
+    rollback = st.new("A=1\n", {"time": T0 + 101, "outcome": "deployed"})
+    st.set_live(rollback.number)
+    b = bake.settle(st)
+    assert b is not None and b.state == "reverted"
+    assert st.get(rollback.number).meta["reverted_from"] == 2
+    assert bake.newest(st) is not None and bake.newest(st).state == "reverted"  # type: ignore[union-attr]
+
+
+def test_a_revert_the_recovery_undid_is_settled_revert_failed_naming_the_fix(
+    tmp_path: Path,
+) -> None:
+    st = cut_revert(tmp_path)  # the baked generation 2 is live again
+    b = bake.settle(st)
+    assert b is not None and b.state == "revert_failed"
+    assert "llama-launcher rollback --to 1" in (b.revert or {})["message"]
+    assert "revert_failed" in bake.say(b) or "failed" in bake.say(b)
+
+
+def test_a_cut_revert_whose_transaction_is_pending_waits_for_the_recovery(tmp_path: Path) -> None:
+    st = cut_revert(tmp_path)
+    st.begin({"phase": "swapped", "from": 2, "to": 3})
+    b = bake.settle(st)
+    assert b is not None and b.state == "reverting"
+    assert bake.load(st.get(2).path).state == "reverting"  # type: ignore[union-attr]
+
+
+def test_nothing_reverting_settles_nothing(tmp_path: Path) -> None:
+    st = two_generations(tmp_path)
+    bake.begin(settings(), st, 2, 1)
+    assert bake.settle(st) is None
+
+
+def test_a_sample_names_recover_while_a_cut_revert_waits_for_it(tmp_path: Path) -> None:
+    from launcher.watch import sample
+
+    st = cut_revert(tmp_path)
+    st.begin({"phase": "swapped", "from": 2, "to": 3})
+    out = sample.Outcome("llama-server.service")
+    sample._settle(sample.Target("llama-server.service", tmp_path), st, out)
+    assert out.bake is not None and out.bake["state"] == "reverting"
+    assert any("llama-launcher recover --unit llama-server.service" in w for w in out.warnings)
+
+
+def test_a_sample_settles_a_cut_revert_once_its_transaction_is_gone(tmp_path: Path) -> None:
+    from launcher.watch import sample
+
+    st = cut_revert(tmp_path)
+    out = sample.Outcome("llama-server.service")
+    sample._settle(sample.Target("llama-server.service", tmp_path), st, out)
+    assert out.bake is not None and out.bake["state"] == "revert_failed"
+    assert any("the revert" in w and "failed" in w for w in out.warnings), out.warnings

@@ -547,12 +547,21 @@ def cmd_rollback(ns: argparse.Namespace) -> int:
 
 
 def cmd_recover(ns: argparse.Namespace) -> int:
-    report = deployer_for(ns).recover_only()
-    emit(
-        {"ok": True, "recovered": report},
-        ns.json,
-        lambda: f"recovered: {report}" if report else "nothing to recover",
-    )
+    from launcher.watch import bake
+
+    d = deployer_for(ns)
+    report = d.recover_only()
+    # a bake whose revert was cut with its sampler: settled from what the generations say
+    settled = bake.settle(d.store)
+    data: dict[str, Any] = {"ok": True, "recovered": report}
+    if settled is not None:
+        data["bake"] = settled.view()
+
+    def text() -> str:
+        line = f"recovered: {report}" if report else "nothing to recover"
+        return f"{line}\n{bake.say(settled)}" if settled is not None else line
+
+    emit(data, ns.json, text)
     return 0
 
 

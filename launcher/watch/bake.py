@@ -49,7 +49,8 @@ RUNNING = "baking"
 FINAL = ("passed", "inconclusive", "reverted", "revert_failed", "ended")
 #: Every state, in the metrics' order: ``reverting`` is the revert under way (a sampler
 #: killed during it leaves it so until the next sample or ``recover`` settles it).
-STATES = (RUNNING, "reverting", *FINAL)
+REVERTING = "reverting"
+STATES = (RUNNING, REVERTING, *FINAL)
 
 #: The revert: given the bake and its verdict, puts the previous generation back and says
 #: how it went (``launcher.watch.revert.revert``'s result as a dict: outcome, ...).
@@ -332,7 +333,7 @@ def step(
         save(gen.path, bake)
         return bake
     # the verdict first: a sampler killed mid-revert leaves a bake that says what it did
-    bake.finish("reverting", why, seen.t)
+    bake.finish(REVERTING, why, seen.t)
     save(gen.path, bake)
     done = (revert or _default_revert)(bake, why)
     bake.revert = done
@@ -348,6 +349,79 @@ def _default_revert(bake: Bake, why: Verdict) -> dict[str, Any]:
 
     assert bake.previous is not None
     return revert.revert(bake.generation, bake.previous, bake.settings, bake.policy.drain, why)
+
+
+# -- a revert its sampler did not live to record -------------------------------------------
+
+
+def settle(st: store.Store) -> Bake | None:
+    """A sampler killed during a revert leaves the bake ``reverting``. The deploy's recovery
+    handles the revert's transaction (``recover``, the next deploy, the front's release
+    watcher, the unit's prestart at its next start); once none is pending, the generations
+    say how the revert ended: a live generation newer than the baked one with the config of
+    the one before it is the revert (``reverted``, and tagged ``reverted_from`` when the
+    sampler died before it did that); anything else means it was undone (``revert_failed``,
+    naming the fix). Returns the reverting bake (still ``reverting`` while a transaction is
+    pending), or None when no bake is reverting."""
+    found = _reverting(st)
+    if found is None:
+        return None
+    gen, b = found
+    if st.txn():
+        return b
+    live = st.live()
+    if live is not None and live.number > b.generation and _is_revert(st, live, b):
+        if live.meta.get("reverted_from") != b.generation:
+            st.update(
+                live,
+                origin=f"revert of {b.generation} after its bake (settled)",
+                reverted_from=b.generation,
+                bake_verdict=b.verdict.to_dict() if b.verdict else None,
+            )
+        b.state = "reverted"
+        b.revert = {
+            "outcome": "reverted",
+            "generation": live.number,
+            "previous_generation": b.generation,
+            "message": f"the sampler was killed during the revert, after its commit: "
+            f"generation {b.previous}'s config serves as generation {live.number}",
+        }
+    else:
+        now = live.number if live is not None else None
+        serves = "the baked config" if now == b.generation else "deployed since"
+        b.state = "revert_failed"
+        b.revert = {
+            "outcome": "revert_failed",
+            "generation": now,
+            "message": f"the sampler was killed during the revert and the recovery undid it: "
+            f"generation {now} serves ({serves}); put the old config back with "
+            f"llama-launcher rollback --to {b.previous}",
+        }
+    save(gen.path, b)
+    return b
+
+
+def _reverting(st: store.Store) -> tuple[store.Generation, Bake] | None:
+    """The newest generations' bake that is ``reverting`` (a revert makes one generation
+    after the baked one, a deploy since then another)."""
+    for n in reversed(st.numbers()[-3:]):
+        with contextlib.suppress(StoreError):
+            gen = st.get(n)
+            b = load(gen.path)
+            if b is not None and b.state == REVERTING:
+                return gen, b
+    return None
+
+
+def _is_revert(st: store.Store, live: store.Generation, b: Bake) -> bool:
+    if live.meta.get("reverted_from") == b.generation:
+        return True
+    if b.previous is None:
+        return False
+    try:
+        return live.env_text == st.get(b.previous).env_text
+    except StoreError:
+        return False
 
 
 # -- carrying it to its end -----------------------------------------------------------------

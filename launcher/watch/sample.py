@@ -296,6 +296,7 @@ def _sample(
     if _save_state(target, state, write, out) and changed:
         _save(gen.path, rec, write, out, "live record")
     _judge(gen, rec, delta, reads, out, revert)
+    _settle(target, st, out)
     _bake_lines(st, page)  # after the judge: the file says this sample's verdict
     _publish(target, page, write, out)
 
@@ -328,6 +329,27 @@ def _judge(
     out.bake = judged.view(delta.t)
     if judged.verdict is not None:
         out.warnings.append(bake.say(judged))
+
+
+def _settle(target: Target, st: store.Store, out: Outcome) -> None:
+    """A revert whose sampler was killed during it: its bake settled once the deploy's
+    recovery handled the transaction (``launcher.watch.bake.settle``), a warning till then."""
+    try:
+        b = bake.settle(st)
+    except (OSError, StoreError) as e:
+        out.errors.append(f"the bake record was not updated (it stays as it was): {e}")
+        return
+    if b is None:
+        return
+    out.bake = b.view()
+    if b.state == bake.REVERTING:
+        out.warnings.append(
+            f"bake of generation {b.generation}: its revert was cut (the sampler was killed "
+            f"during it); its transaction waits for the recovery: llama-launcher recover "
+            f"--unit {target.unit}"
+        )
+    else:
+        out.warnings.append(bake.say(b))
 
 
 def read_server(
