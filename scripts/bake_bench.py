@@ -9,7 +9,11 @@ deployed with ``--bake 10m --wait`` while they go on. Printed: the bake's sample
 the first 'Context size has been exceeded' (the server's journal time, from the baked
 generation's live record), the verdict, and the old config serving again (the revert's
 generation's gate passed), each after the first failure; and the agents' requests that
-failed from the first failure until the old config served (lost), and after it.
+failed from the first failure until the old config served (lost), and after it, each
+split by kind: ``context_exceeded`` (the baked config's shared pool ran out: "Context size
+has been exceeded", in the stream or the body), ``too_long`` (a history longer than the good
+config's 1,024-token slots: "exceeds the available context size"), ``cut`` (no answer: the
+connection cut by the switch, or the front's own 5xx), ``other``.
 ``BENCH_FRONT=haproxy`` installs the HAProxy front (the agents talk to it).
 """
 
@@ -56,12 +60,25 @@ def cli(env: dict[str, str], *args: str) -> tuple[int, dict[str, Any]]:
         raise SystemExit(f"{args[0]}: rc={p.returncode}\n{p.stdout}\n{p.stderr}") from None
 
 
+def kind_of(status: int | None, body: str) -> str:
+    """Why a request failed (the module docstring's kinds)."""
+    if "Context size has been exceeded" in body:
+        return "context_exceeded"
+    if "exceeds the available context" in body:
+        return "too_long"
+    if status is None or status in (502, 503, 504):
+        return "cut"
+    return "other"
+
+
 class Agents:
-    """Four agents whose histories grow; every request's end and whether it was answered."""
+    """Four agents whose histories grow; every request's end, whether it was answered, and
+    why not (``kind_of``)."""
 
     def __init__(self, url: str) -> None:
         self.url, self.stop = url, threading.Event()
         self.done: list[tuple[float, bool]] = []
+        self.why: list[tuple[float, str]] = []
 
     def agent(self, i: int) -> None:
         history = [{"role": "user", "content": repro.prompt(20, 90 + i)}]
@@ -69,10 +86,14 @@ class Agents:
             body = {"messages": history, "max_tokens": 48, "temperature": 0, "ignore_eos": True}
             try:
                 r = httpx.post(self.url + "/v1/chat/completions", json=body, timeout=120)
-                ok = r.status_code == 200
+                ok = r.status_code == 200 and "choices" in r.text
+                why = None if ok else kind_of(r.status_code, r.text)
             except httpx.HTTPError:
-                ok = False
-            self.done.append((time.time(), ok))
+                ok, why = False, "cut"
+            now = time.time()
+            self.done.append((now, ok))
+            if why is not None:
+                self.why.append((now, why))
             if ok:
                 reply = r.json()["choices"][0]["message"]["content"]
                 history.append({"role": "assistant", "content": reply})
@@ -145,7 +166,15 @@ def run(env: dict[str, str], url: str, where: list[str], state: Path) -> None:
     print(f"verdict -> the old config serving (generation {live.number}): {serving - ended:.1f} s")
     print(f"first failure -> the old config serving: {serving - first:.1f} s")
     print(f"requests lost in between: {lost}; failed after: {after}; answered after: {answered}")
+    print(f"lost in between, by kind: {split(agents.why, first, serving)}")
+    print(f"failed after, by kind: {split(agents.why, serving, float('inf'))}")
     print(f"verdict: {out['bake']['verdict']['verdict']['reason']}")
+
+
+def split(why: list[tuple[float, str]], start: float, end: float) -> str:
+    kinds = ("context_exceeded", "too_long", "cut", "other")
+    n = {k: sum(1 for t, w in why if w == k and start <= t <= end) for k in kinds}
+    return ", ".join(f"{k} {v}" for k, v in n.items())
 
 
 if __name__ == "__main__":

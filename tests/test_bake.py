@@ -361,3 +361,36 @@ def test_a_sample_settles_a_cut_revert_once_its_transaction_is_gone(tmp_path: Pa
     sample._settle(sample.Target("llama-server.service", tmp_path), st, out)
     assert out.bake is not None and out.bake["state"] == "revert_failed"
     assert any("the revert" in w and "failed" in w for w in out.warnings), out.warnings
+
+
+# -- the front's own failures --------------------------------------------------------------------
+
+
+def _front_reads(identity: str, sent: int, server: int) -> Any:
+    from launcher.watch import sample
+
+    return sample.Reads(RUNNING, front=(identity, sent, server))
+
+
+def test_the_fronts_own_5xx_are_failed_requests() -> None:
+    """The 5xx clients got beyond those llama-server sent (the journal counts those)."""
+    from launcher.watch import sample
+
+    state = sample.State()
+    assert sample._front_failures(_front_reads("9:100", 2, 1), state) == 0  # the first read
+    assert sample._front_failures(_front_reads("9:100", 9, 3), state) == 5
+
+
+def test_a_restarted_front_counts_from_zero_again() -> None:
+    from launcher.watch import sample
+
+    state = sample.State()
+    sample._front_failures(_front_reads("9:100", 40, 0), state)
+    assert sample._front_failures(_front_reads("12:200", 3, 0), state) == 0
+    assert sample._front_failures(_front_reads("12:200", 4, 0), state) == 1
+
+
+def test_a_unit_without_a_front_has_no_front_failures() -> None:
+    from launcher.watch import sample
+
+    assert sample._front_failures(sample.Reads(RUNNING), sample.State()) == 0

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from launcher.deploy import home, keys, store
+from launcher.deploy import front, home, keys, store
 from launcher.errors import LauncherError, StoreError, Unreadable
 from launcher.host import journalread, procfs
 from launcher.host.systemd import Systemd, UnitState
@@ -128,6 +128,8 @@ class State:
     n_restarts: int | None = None
     #: the boot the pid and NRestarts were read in (``bake.boot_id``)
     boot: str | None = None
+    #: the front's HAProxy as last read: [its identity, 5xx it sent, 5xx the server sent]
+    front: list[Any] | None = None
     #: what was warned about and has not fallen under CLEAR_AT since ("pool", "slot 2")
     warned: list[str] = field(default_factory=list)
     decode_tps: float | None = None
@@ -223,6 +225,9 @@ class Reads:
     memory: procfs.Memory | None = None
     journal: journalread.Read = field(default_factory=journalread.Read)
     unread: dict[str, str] = field(default_factory=dict)
+    #: the front's HAProxy, when the unit has one: (identity, 5xx sent to clients, 5xx the
+    #: server sent it), from ``show stat``
+    front: tuple[str, int, int] | None = None
 
 
 def sample(
@@ -404,7 +409,38 @@ def _read(
         reads.journal = journalread.since(target.unit, state.cursor, since, systemd.run)
     except LauncherError as e:
         reads.unread["journal"] = str(e)
+    the_front = front.Front(target.state_dir, target.unit, systemd.scope)
+    if the_front.spec() is not None:
+        try:
+            reads.front = front_5xx(the_front)
+        except LauncherError as e:
+            reads.unread["front"] = str(e)
     return reads
+
+
+def front_5xx(the_front: front.Front) -> tuple[str, int, int]:
+    """The front's HAProxy (its identity: a restart sets its counters back) and its
+    ``hrsp_5xx`` counters: the frontend's (every 5xx a client got) and the server's (the
+    ones llama-server sent, which its journal already counts as failed requests)."""
+    identity = the_front.identity()
+    rows = the_front.stats()
+    sent = rows.get((front.FRONTEND, "FRONTEND"), {}).get("hrsp_5xx") or 0
+    server = rows.get((front.BACKEND, front.SERVER), {}).get("hrsp_5xx") or 0
+    return identity, int(sent), int(server)
+
+
+def _front_failures(reads: Reads, state: State) -> int:
+    """Requests the front failed itself since the last sample (a 502 when the server cut
+    the connection, a 503 with no server, a 504): the 5xx clients got beyond those the
+    server sent. From zero for an HAProxy not seen before (a restart sets them back)."""
+    if reads.front is None:
+        return 0
+    identity, sent, server = reads.front
+    prev = state.front if state.front and state.front[0] == identity else None
+    state.front = [identity, sent, server]
+    if prev is None:
+        return 0
+    return max(0, (sent - int(prev[1])) - (server - int(prev[2])))
 
 
 def _try(reads: Reads, source: str, fn: Callable[[], Any]) -> Any:
@@ -477,6 +513,8 @@ def _delta(
         lines = [x for x in lines if x.pid == reads.unit.main_pid]
     counts = _tally(lines)
     counts.update(_counter_deltas(reads, state, out))
+    # the front's own failures are failed requests the journal never saw
+    counts["failures"] = counts.get("failures", 0) + _front_failures(reads, state)
     counts["restarts"] = _restarts(reads.unit, state, gen.number)
     state.cursor = reads.journal.cursor or state.cursor
     if reads.journal.lost and not reads.journal.cursor:
