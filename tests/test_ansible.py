@@ -14,6 +14,8 @@ import os
 import re
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -106,8 +108,10 @@ class Fleet:
         folder.mkdir(exist_ok=True)
         (folder / f"{name}.yml").write_text(json.dumps(values) + "\n")  # JSON is YAML
 
-    def playbook(self, name: str, *args: str) -> subprocess.CompletedProcess[str]:
-        env = ansible_env(self.root)
+    def playbook(
+        self, name: str, *args: str, env_update: Mapping[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        env = {**ansible_env(self.root), **(env_update or {})}
         for key in ("UNIT", "ENV_FILE", "STATE_DIR"):  # settings come from the inventory only
             env.pop(f"LLAMA_LAUNCHER_{key}", None)
         command = [str(VENV_BIN / "ansible-playbook"), "-i", str(self.inventory)]
@@ -208,6 +212,60 @@ def test_failing_host_stops_the_rollout_and_is_back_on_its_old_config(fleet: Fle
     # c: untouched
     assert (c.env_file.read_text(), c.pid()) == (old_c, pid_c)
     assert c.live()["live_generation"] == 1
+
+
+def crash_once_baking(h: Instance, generation: int, done: threading.Event) -> None:
+    """SIGKILL ``h``'s server once ``generation`` bakes (a config that crashes under load:
+    Restart=on-failure starts it again, a hard signal for the bake)."""
+    path = h.state_dir / "generations" / f"{generation:04d}" / "bake.json"
+    deadline = time.monotonic() + 240
+    while not done.is_set() and time.monotonic() < deadline:
+        try:
+            if json.loads(path.read_text())["state"] == "baking":
+                h.sandbox.systemctl("kill", "--signal=SIGKILL", h.unit)
+                return
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.1)
+
+
+def test_a_canary_whose_bake_reverts_stops_the_play_and_the_others_keep_theirs(
+    fleet: Fleet,
+) -> None:
+    a = fleet.hosts["a"]
+    old_a = a.env_file.read_text()
+    others = {n: (h.env_file.read_text(), h.pid()) for n, h in fleet.hosts.items() if n != "a"}
+    done = threading.Event()
+    crash = threading.Thread(target=crash_once_baking, args=(a, 2, done))
+    crash.start()
+    try:
+        p = fleet.playbook(
+            "rollout.yml",
+            "-e",
+            "llama_ctx_size=8192",
+            "-e",
+            "llama_canary_bake=10m",
+            env_update={"LLAMA_LAUNCHER_BAKE_INTERVAL": "2"},
+        )
+    finally:
+        done.set()
+        crash.join()
+    assert p.returncode == 2  # the canary failed
+    r = recap(p.stdout)
+    assert r["a"]["failed"] == 1
+    assert "b" not in r and "c" not in r  # the play stopped before their batches
+    assert "fatal: [a]: FAILED!" in p.stdout
+    assert "its bake found it worse under load" in p.stdout
+    assert "bake of generation 2: reverted (hard" in p.stdout
+    # a: its old config again, as a revert (generation 3), serving
+    assert a.env_file.read_text() == old_a
+    live = a.live()
+    assert live["live_generation"] == 3
+    assert a.chat()["usage"]["completion_tokens"] > 0
+    # b and c: untouched
+    assert {n: (h.env_file.read_text(), h.pid()) for n, h in fleet.hosts.items() if n != "a"} == (
+        others
+    )
 
 
 def test_check_mode_shows_the_argv_diff_and_changes_nothing(fleet: Fleet) -> None:
