@@ -129,15 +129,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         model = tinymodel.write(tmp / "model.gguf", SHAPE)
-        port = realserver.free_port()
-        url = f"http://127.0.0.1:{port}"
-        env = dict(
-            os.environ,
-            LLAMA_LAUNCHER_UNIT=UNIT,
-            LLAMA_LAUNCHER_ENV_FILE=str(tmp / "bench.env"),
-            LLAMA_LAUNCHER_STATE_DIR=str(tmp / "state"),
-            LLAMA_LAUNCHER_METRICS_TEXTFILE_DIR=str(tmp / "prom"),
-            LLAMA_LAUNCHER_SAMPLE_INTERVAL="1",
+        port, url, env = realserver.bench_unit(
+            tmp, UNIT, metrics_textfile_dir=str(tmp / "prom"), sample_interval="1"
         )
         server = realserver.server_binary()
         p = cli(env, "install", "-m", str(model), "--port", str(port), "--llama-server", server,

@@ -81,6 +81,21 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def bench_unit(tmp: Path, unit: str, **settings: str) -> tuple[int, str, dict[str, str]]:
+    """A benchmark's throwaway unit (scripts/*_bench.py): a free port, its URL, and the
+    environment that points llama-launcher at it (its env file and state folder under
+    ``tmp``; each of ``settings`` as ``LLAMA_LAUNCHER_<NAME>``)."""
+    port = free_port()
+    env = dict(
+        os.environ,
+        LLAMA_LAUNCHER_UNIT=unit,
+        LLAMA_LAUNCHER_ENV_FILE=str(tmp / "bench.env"),
+        LLAMA_LAUNCHER_STATE_DIR=str(tmp / "state"),
+        **{f"LLAMA_LAUNCHER_{k.upper()}": v for k, v in settings.items()},
+    )
+    return port, f"http://127.0.0.1:{port}", env
+
+
 @dataclass
 class Server:
     proc: subprocess.Popen[bytes]

@@ -13,7 +13,6 @@ note and the boot's restart is not held against the config.
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,7 +20,7 @@ from typing import Any
 
 import pytest
 import sysbed
-from test_watch import ran_once
+import test_watch_system
 
 UNIT = "llama-server.service"
 SERVICE, TIMER = "llama-server-sample.service", "llama-server-sample.timer"
@@ -45,12 +44,11 @@ AWAY = 12
 FINAL = ("passed", "inconclusive", "reverted", "revert_failed", "ended")
 
 
-class System:
-    def __init__(self, bed: sysbed.Bed, server: str, model: str) -> None:
-        self.bed, self.server, self.model = bed, server, model
+class System(test_watch_system.System):
+    """The bed of test_watch_system, with this module's settings and the bake's helpers."""
 
-    def cli_json(self, *args: str) -> tuple[int, dict[str, Any]]:
-        return self.bed.cli_json(*args, env=ENV)
+    def __init__(self, bed: sysbed.Bed, server: str, model: str) -> None:
+        super().__init__(bed, server, model, ENV)
 
     def bake(self, generation: int) -> dict[str, Any] | None:
         try:
@@ -62,11 +60,15 @@ class System:
         return int(self.bed.read(f"{STATE}/live").strip())
 
     def baking(self, *flags: str) -> int:
-        """``set FLAGS --bake ...`` (no --wait); the new generation, baking."""
+        """``set FLAGS --bake ...`` (no --wait), and the timer's sample carrying the bake
+        once it sampled it: the new generation."""
         rc, out = self.cli_json("set", *flags)
         assert (rc, out.get("outcome")) == (0, "deployed"), out
         assert out["bake"]["started"]["state"] == "baking", out
-        return int(out["generation"])
+        baked = int(out["generation"])
+        self.timer_runs_a_sample()
+        until(lambda: (self.bake(baked) or {}).get("progress", {}).get("samples"), "a sample")
+        return baked
 
     def timer_runs_a_sample(self) -> None:
         """The timer started again: its OnActiveSec=1s starts the sample service, as every
@@ -86,9 +88,6 @@ class System:
         assert p.returncode == 0, p.stderr
         until(lambda: not self.sampler_running(), "the killed sampler to end")
 
-    def journal(self, unit: str) -> str:
-        return self.bed.journal(unit)
-
 
 def until(ok: Callable[[], Any], what: str, timeout: float = 300) -> Any:
     """``ok()`` once it is true; bounded generously (a saturated CPU), never a measurement."""
@@ -103,13 +102,10 @@ def until(ok: Callable[[], Any], what: str, timeout: float = 300) -> Any:
 def system(
     tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, llama_server_bin: str
 ) -> Iterator[System]:
-    name = f"llb-{os.getpid()}"
-    with sysbed.bed(sysbed.state_folder(tmp_path_factory, name), name) as bed:
-        s = System(bed, llama_server_bin, sysbed.share_model(bed, tiny_model))
-        flags = ["-m", s.model, "--port", str(PORT), "--llama-server", s.server]
-        rc, out = s.cli_json("install", *flags, "-np", "2", "-c", "2048", "-t", "1")
-        assert (rc, out.get("outcome")) == (0, "deployed"), out
-        ran_once(s.bed.show, SERVICE)
+    flags = ("-np", "2", "-c", "2048", "-t", "1")
+    with test_watch_system.installed(
+        System, tmp_path_factory, tiny_model, llama_server_bin, "llb", *flags
+    ) as s:
         yield s
 
 
@@ -120,8 +116,6 @@ def test_a_hard_failure_is_reverted_by_the_timers_own_sampler(system: System) ->
     good_env = system.bed.read(ENV_FILE)
     baked = system.baking("-t", "2", "--bake", "10m")
     assert system.bed.read(ENV_FILE) != good_env
-    system.timer_runs_a_sample()
-    until(lambda: (system.bake(baked) or {}).get("progress", {}).get("samples"), "a sample")
     p = system.bed.systemctl("kill", "--signal=SIGKILL", UNIT)
     assert p.returncode == 0, p.stderr
     ended = until(
@@ -138,7 +132,7 @@ def test_a_hard_failure_is_reverted_by_the_timers_own_sampler(system: System) ->
     # what the revert wrote outside the state folder: the env file, the client window
     assert system.bed.read(ENV_FILE) == good_env
     assert json.loads(system.bed.read(WINDOW))["generation"] == now
-    assert f"bake of generation {baked}: reverted" in system.journal(SERVICE)
+    assert f"bake of generation {baked}: reverted" in system.bed.journal(SERVICE)
     until(lambda: system.bed.chat(PORT)[0] == 200, "the old config serving")
     assert before != now  # a new generation, the old config's
 
@@ -147,8 +141,6 @@ def test_a_sampler_killed_mid_bake_is_resumed_by_the_next_timer_run_which_says_s
     system: System,
 ) -> None:
     baked = system.baking("-t", "2", "--bake", "10m")
-    system.timer_runs_a_sample()
-    until(lambda: (system.bake(baked) or {}).get("progress", {}).get("samples"), "a sample")
     system.kill_sampler()
     time.sleep(AWAY)  # away for longer than the bake allows without a note
     system.timer_runs_a_sample()
@@ -168,8 +160,6 @@ def test_a_sampler_killed_and_away_past_the_deadline_ends_inconclusive_and_says_
     system: System,
 ) -> None:
     baked = system.baking("-t", "1", "--bake", "60s")
-    system.timer_runs_a_sample()
-    until(lambda: (system.bake(baked) or {}).get("progress", {}).get("samples"), "a sample")
     system.kill_sampler()
     first = system.bake(baked)
     assert first is not None and first["state"] == "baking", first
@@ -186,8 +176,6 @@ def test_a_reboot_mid_bake_resumes_the_bake_with_a_note_and_does_not_hold_it_aga
     system: System,
 ) -> None:
     baked = system.baking("-t", "2", "--bake", "10m")
-    system.timer_runs_a_sample()
-    until(lambda: (system.bake(baked) or {}).get("progress", {}).get("samples"), "a sample")
     boot = system.bake(baked)["boot_id"]  # type: ignore[index]
     system.bed.reboot()
     # the enabled timer's first run after the boot carries the bake on

@@ -13,6 +13,7 @@ import json
 import os
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -65,11 +66,14 @@ print(urllib.request.urlopen(sys.argv[1], timeout=30).read().decode())
 
 
 class System:
-    def __init__(self, bed: sysbed.Bed, server: str, model: str) -> None:
+    def __init__(
+        self, bed: sysbed.Bed, server: str, model: str, env: dict[str, str] | None = None
+    ) -> None:
         self.bed, self.server, self.model = bed, server, model
+        self.env = ENV if env is None else env
 
     def cli_json(self, *args: str, **env: str) -> tuple[int, dict[str, Any]]:
-        return self.bed.cli_json(*args, env={**ENV, **env})
+        return self.bed.cli_json(*args, env={**self.env, **env})
 
     def python(self, code: str, *args: str) -> str:
         p = self.bed.run(str(sysbed.VENV_BIN / "python"), "-c", code, *args)
@@ -87,18 +91,33 @@ class System:
         return self.bed.run("journalctl", "--no-pager", "-o", "cat", *args, "-u", unit).stdout
 
 
+@contextmanager
+def installed(
+    system: type[System],
+    tmp_path_factory: pytest.TempPathFactory,
+    tiny_model: Path,
+    server: str,
+    prefix: str,
+    *flags: str,
+) -> Iterator[Any]:
+    """A fresh bed with the unit installed with ``flags`` on the tiny model, its sampler's
+    timer run once; ``system``: the test module's System."""
+    name = f"{prefix}-{os.getpid()}"
+    with sysbed.bed(sysbed.state_folder(tmp_path_factory, name), name) as bed:
+        s = system(bed, server, sysbed.share_model(bed, tiny_model))
+        where = ["-m", s.model, "--port", str(PORT), "--llama-server", s.server]
+        rc, out = s.cli_json("install", *where, *flags)
+        assert (rc, out.get("outcome")) == (0, "deployed"), out
+        ran_once(s.bed.show, SERVICE)
+        yield s
+
+
 @pytest.fixture(scope="module")
 def system(
     tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, llama_server_bin: str
 ) -> Iterator[System]:
-    name = f"llw-{os.getpid()}"
-    with sysbed.bed(sysbed.state_folder(tmp_path_factory, name), name) as bed:
-        s = System(bed, llama_server_bin, sysbed.share_model(bed, tiny_model))
-        flags = ["-m", s.model, "--port", str(PORT), "--llama-server", s.server]
-        rc, out = s.cli_json("install", *flags, "-np", "4", "-kvu", "--kv-unified-per-slot",
-                             str(CAP), "-t", "1")  # fmt: skip
-        assert (rc, out.get("outcome")) == (0, "deployed"), out
-        ran_once(s.bed.show, SERVICE)
+    caps = ["-np", "4", "-kvu", "--kv-unified-per-slot", str(CAP), "-t", "1"]
+    with installed(System, tmp_path_factory, tiny_model, llama_server_bin, "llw", *caps) as s:
         yield s
 
 
