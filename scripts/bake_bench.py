@@ -12,7 +12,8 @@ generation's gate passed), each after the first failure; and the agents' request
 failed from the first failure until the old config served (lost), and after it, each
 split by kind: ``context_exceeded`` (the baked config's shared pool ran out: "Context size
 has been exceeded", in the stream or the body), ``too_long`` (a history longer than the good
-config's 1,024-token slots: "exceeds the available context size"), ``cut`` (no answer: the
+config's 1,024-token slots: "exceeds the available context size"; the agent then begins a
+new session, as one that compacts its history does), ``cut`` (no answer: the
 connection cut by the switch, or the front's own 5xx), ``other``.
 ``BENCH_FRONT=haproxy`` installs the HAProxy front (the agents talk to it).
 """
@@ -100,7 +101,8 @@ class Agents:
             else:
                 time.sleep(0.2)
             history.append({"role": "user", "content": repro.prompt(20, 100 + i + len(history))})
-            if len(history) > 40:
+            if why == "too_long" or len(history) > 40:
+                # past its slot's window: the agent compacts, as real ones do (a new session)
                 history[:] = history[:1]
 
 
@@ -108,15 +110,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         model = tinymodel.write(tmp / "model.gguf")
-        port = realserver.free_port()
-        url = f"http://127.0.0.1:{port}"
-        env = dict(
-            os.environ,
-            LLAMA_LAUNCHER_UNIT=UNIT,
-            LLAMA_LAUNCHER_ENV_FILE=str(tmp / "bench.env"),
-            LLAMA_LAUNCHER_STATE_DIR=str(tmp / "state"),
-            LLAMA_LAUNCHER_SAMPLE_INTERVAL="3600",
-            LLAMA_LAUNCHER_BAKE_INTERVAL=INTERVAL,
+        port, url, env = realserver.bench_unit(
+            tmp, UNIT, sample_interval="3600", bake_interval=INTERVAL
         )
         where = [
             "-m",
@@ -142,6 +137,10 @@ def run(env: dict[str, str], url: str, where: list[str], state: Path) -> None:
         t.start()
     time.sleep(10)
     cli(env, "sample")  # the baseline, with its load
+    spec = state / "front" / "front.json"
+    if spec.exists():  # behind the front, a config's port is the server's private one
+        private = json.loads(spec.read_text())["private_port"]
+        where = [str(private) if w == where[where.index("--port") + 1] else w for w in where]
     rc, out = cli(env, "deploy", *where, *BAD, "--drain-timeout", "5", "--bake", "10m", "--wait")
     time.sleep(5)
     agents.stop.set()
