@@ -229,3 +229,49 @@ def test_a_config_that_decodes_several_times_slower_is_reverted_as_soft(
     now = live(baked)
     assert now.env_text == good.env_text
     assert now.meta["reverted_from"] == out["bake"]["started"]["generation"]
+
+
+def test_a_sampler_killed_during_its_revert_leaves_it_to_recover_which_settles_the_bake(
+    baked: Host,
+) -> None:
+    """The sample carrying the bake finds the crash and begins the revert; killed during
+    it, it leaves the bake ``reverting``; ``recover`` handles the revert's transaction and
+    settles the bake from what the generations say."""
+    rc, out = deploy(baked, *GOOD)  # the config before the bake
+    assert rc == 0, out
+    rc, out = deploy(baked, *GOOD[:-1], "2", "--bake", "10m")
+    assert (rc, out["bake"]["started"]["state"]) == (0, "baking"), out
+    gen = store.Store(baked.state_dir).get(out["generation"])
+    sampler = subprocess.Popen(
+        [sys.executable, "-m", "launcher", "sample", "--json"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=baked.env,
+    )  # carries the bake, every 2 s
+    try:
+        baked.sandbox.systemctl("kill", "--signal=SIGKILL", baked.unit)  # a crash
+        deadline = time.monotonic() + 300
+        while (b := bake.load(gen.path)) is None or b.state != bake.REVERTING:
+            assert b is None or b.state == bake.RUNNING, b.to_json() if b else None
+            assert sampler.poll() is None and time.monotonic() < deadline, "no revert began"
+            time.sleep(0.005)
+        sampler.kill()  # during the revert
+    finally:
+        sampler.kill()
+        sampler.wait()
+    assert bake.load(gen.path).state == bake.REVERTING  # type: ignore[union-attr]
+    rc, out = baked.cli_json("recover")
+    assert rc == 0, out
+    settled = out["bake"]
+    assert settled["state"] in ("reverted", "revert_failed"), settled
+    assert bake.load(gen.path).state == settled["state"]  # type: ignore[union-attr]
+    now = live(baked)
+    if settled["state"] == "reverted":  # the revert had committed: the old config serves
+        assert now.meta["reverted_from"] == gen.number
+    else:  # the recovery undid it: the baked config serves, and the fix is named
+        assert "llama-launcher rollback --to" in settled["revert"]["message"]
+    answered = Agents(baked.url)  # and a config serves again
+    deadline = time.monotonic() + 120
+    while not answered.turn(0, [{"role": "user", "content": "hi"}]):
+        assert time.monotonic() < deadline, ("nothing serves after the recovery", out)
+        time.sleep(0.5)
