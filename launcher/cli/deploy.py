@@ -229,7 +229,8 @@ def register(sub: Any) -> None:
         sub,
         "recover",
         "revert a deploy that was killed half-way (deploy, check, set, unset, rollback and "
-        "install do this first, too); exit 4 if the restored config fails its gate",
+        "install do this first, too), then settle a bake whose revert was cut with its "
+        "sampler (reverted or revert_failed); exit 4 if the restored config fails its gate",
     )
     _settings_options(p)
     p.set_defaults(func=cmd_recover)
