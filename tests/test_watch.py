@@ -70,7 +70,7 @@ def first_timer_sample(h: Host) -> None:
 
 
 def ran_once(show: Callable[..., dict[str, str]], service: str) -> None:
-    """Wait until ``service`` (a oneshot) has run to its end once (``show``: systemctl show)."""
+    """Wait until ``service`` (the sampler's) has run to its end once (``show``: systemctl show)."""
     deadline = time.monotonic() + 60
     while show(service, "ExecMainExitTimestampMonotonic").get(
         "ExecMainExitTimestampMonotonic", "0"
@@ -212,7 +212,7 @@ def test_four_agents_past_90_percent_of_the_shared_pool_warn_in_the_journal(
                 break
     assert total >= 0.9 * POOL, f"four agents held only {total} of {POOL} cells"
     service = timer.names(watched.unit)[0]
-    watched.sandbox.systemctl("start", service)  # a oneshot: returns when the sample is done
+    watched.sandbox.systemctl("start", service)  # ready after its sample: returns then
     want = f"warning: KV pool of {watched.unit}: pool {round(100 * total / POOL)}%"
     # the whole journal of the sample service (a fresh name in a fresh sandbox): journalctl
     # 252's --after-cursor with a cursor of another unit skips the unit's first entry
