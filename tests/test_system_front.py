@@ -6,6 +6,7 @@ front's release watcher, which recovers its transaction (nothing else runs meanw
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 import time
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_bake_system import FINAL, until
 from test_system_scope import (  # noqa: F401 (the fixtures placed, `system`, tool, wheelhouse)
     EXPOSURE_LIMIT,
     PORT,
@@ -135,3 +137,32 @@ def test_a_start_after_a_killed_deploy_holds_until_the_watcher_has_recovered(
     assert now == started, "the watcher restarted the start prestart had reverted"
     watcher = system.bed.journal("llama-server-front-release.service")
     assert "gated the start that runs it" in watcher, watcher[-3000:]
+
+
+def test_a_bakes_hard_failure_is_reverted_through_the_front_by_the_timers_sampler(
+    system: System, fronted: dict[str, Any]
+) -> None:
+    """The sample service, hardened, reverts through the front: the front's config and its
+    hold (state folder), the runtime API (HAProxy's /run folder), the env file (/etc)."""
+    before = system.bed.read(ENV_FILE)
+    bake = {"LLAMA_LAUNCHER_BAKE_INTERVAL": "2", "LLAMA_LAUNCHER_BAKE_WARMUP": "0"}
+    rc, out = system.cli_json("set", "-t", "1", "--bake", "10m", **bake)
+    assert (rc, out["bake"]["started"]["state"]) == (0, "baking"), out
+    baked = out["generation"]
+    path = f"/var/lib/llama-launcher/llama-server/generations/{baked:04d}/bake.json"
+
+    def bake_now() -> dict[str, Any]:
+        try:
+            return json.loads(system.bed.read(path))  # type: ignore[no-any-return]
+        except (FileNotFoundError, ValueError):
+            return {}
+
+    system.bed.systemctl("stop", "llama-server-sample.service")
+    assert system.bed.systemctl("restart", "llama-server-sample.timer").returncode == 0
+    until(lambda: bake_now().get("progress", {}).get("samples"), "the timer's sample")
+    assert system.bed.systemctl("kill", "--signal=SIGKILL", "llama-server.service").returncode == 0
+    ended = until(lambda: (b := bake_now()).get("state") in FINAL and b, "the bake's verdict")
+    assert (ended["state"], ended["revert"]["outcome"]) == ("reverted", "reverted"), ended
+    assert system.bed.read(ENV_FILE) == before
+    recovered(system)  # no transaction left, the front open
+    assert system.bed.chat(PORT)[0] == 200
