@@ -13,8 +13,10 @@ a sample that finds a bake running keeps sampling every ``bake_interval`` until 
 ``reverted`` (the revert, ``launcher.watch.revert``: one function, so a later switch in
 the front can take its place), ``passed``, ``inconclusive`` (the new config stays), and
 ``ended`` (a later deploy or rollback replaced the generation). A revert that fails is
-``revert_failed``. At most one revert per deploy: a bake ends once; a revert's generation
-(a rollback) has no bake.
+``revert_failed``; a sampler killed during its revert leaves ``reverting``, which the next
+sample or ``recover`` settles from the generations once the deploy's recovery handled the
+revert's transaction (``settle``). At most one revert per deploy: a bake ends once; a
+revert's generation (a rollback) has no bake.
 
 A sampler killed or a host rebooted mid-bake: the next sample resumes it (the record says
 when and why); when the deadline passed meanwhile it ends ``inconclusive``. A restart seen
