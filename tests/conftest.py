@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -179,6 +180,15 @@ class Host:
         return self.sandbox.show(
             self.unit, "ActiveState", "SubState", "MainPID", "NRestarts", "ExecMainStatus", "Result"
         )
+
+    def settled(self, timeout: float = 120) -> dict[str, str]:
+        """The unit's state once systemd has no job queued or running for it (a restart a
+        killed deploy asked for with --no-block runs on without the deploy)."""
+        deadline = time.monotonic() + timeout
+        while self.unit in self.sandbox.systemctl("list-jobs", "--no-legend").stdout:
+            assert time.monotonic() < deadline, f"{self.unit} still has a job after {timeout}s"
+            time.sleep(0.1)
+        return self.state()
 
     def chat(self) -> dict[str, Any]:
         import httpx

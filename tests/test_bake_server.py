@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -114,7 +114,7 @@ def test_seed_000_made_live_is_reverted_at_the_first_sample_that_sees_the_pool_o
     with ThreadPoolExecutor(4) as pool:
         for i in range(4):
             pool.submit(agents.agent, i)
-        time.sleep(5)
+        until(lambda: sum(agents.ok) >= 4)  # turns answered by the good config
         assert sum(agents.ok) >= 4, (agents.ok, agents.failed)
         sample = baked.cli_json("sample")[1]  # the baseline's figures, with their load
         assert sample["generation"] == good.number, sample
@@ -173,6 +173,13 @@ def test_a_later_deploy_ends_a_running_bake_and_both_say_so(baked: Host) -> None
     assert bake.deadline(baked.state_dir) is None
 
 
+def until(done: Callable[[], bool], timeout: float = 300) -> None:
+    """Wait for ``done`` (the agents' own progress, however slow this machine is)."""
+    deadline = time.monotonic() + timeout
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 class Agent:
     """One agent asking short questions one after another (one busy slot), until stopped."""
 
@@ -213,7 +220,9 @@ def test_a_config_that_decodes_several_times_slower_is_reverted_as_soft(
     worker.start()
     try:
         for _ in range(3):  # the baseline's figures, measured at one busy slot
+            answered = agent.ok
             time.sleep(2)
+            until(lambda n=answered + 2: agent.ok >= n)  # completions between two samples
             assert baked.cli_json("sample")[1]["generation"] == good.number
         assert agent.ok >= 3, agent.ok
         flags = [*GOOD, "-m", str(deep), "--drain-timeout", "5", "--bake", "10m", "--wait"]

@@ -485,7 +485,7 @@ def test_check_mode_leaves_an_interrupted_deploy_for_a_real_run(host: Host) -> N
     installed(host)
     p = _popen(host, "set", "-c", "8192", fault="gate:kill")
     p.communicate(timeout=60)
-    live, pid = host.env_file.read_text(), host.state()["MainPID"]
+    live, pid = host.env_file.read_text(), host.settled()["MainPID"]
     rc, out = host.cli_json("set", "--check", "-c", "4096")
     assert (rc, out["outcome"], out["changed"], out["recovered"]) == (0, "checked", True, None)
     assert any("a deploy was interrupted" in w for w in out["warnings"])

@@ -322,3 +322,11 @@ def test_every_calls_its_step_again_at_the_interval_until_the_step_raises() -> N
     with pytest.raises(KeyboardInterrupt):
         waits.every(2.5, sleep=pauses.append)(step)
     assert len(calls) == 3 and pauses == [2.5, 2.5]
+
+
+def test_the_system_sampler_sees_a_launcher_package_under_its_private_tmp() -> None:
+    from launcher.host import timer
+
+    text = timer.render_service(_sampler(package_dir="/var/tmp/checkout"))  # type: ignore[arg-type]
+    assert "PrivateTmp=yes" in text and "BindReadOnlyPaths=/var/tmp/checkout\n" in text
+    assert "BindReadOnlyPaths" not in timer.render_service(_sampler())  # type: ignore[arg-type]

@@ -216,7 +216,8 @@ def register(sub: Any) -> None:
         sub,
         "status",
         "unit state, live generation, startup values, the guaranteed "
-        "per-slot window and process memory",
+        "per-slot window, process memory, the front's hold and the live pool (the slots "
+        "now, the last hour's peaks, the sampler's last run)",
     )
     _settings_options(p)
     p.set_defaults(func=cmd_status)
@@ -248,8 +249,9 @@ def register(sub: Any) -> None:
     p = _parser(
         sub,
         "install",
-        "first deployment on a host: install the unit, create the "
-        "env and state folders, enable it and deploy through the gate." + flags_note,
+        "first deployment on a host: validate first (a refusal changes nothing), then "
+        "install the unit, its sampler timer (and the front's units with --front), create "
+        "the env and state folders, enable it and deploy through the gate." + flags_note,
         True,
     )
     _config_options(p)
@@ -290,7 +292,8 @@ def register(sub: Any) -> None:
     p = _parser(
         sub,
         "uninstall",
-        "stop, disable and remove the unit and env file (generations are kept unless --purge)",
+        "stop, disable and remove the unit, its sampler and front units and the env file "
+        "(generations are kept unless --purge)",
     )
     p.add_argument("--unit-dir", type=Path, help="where the unit file is")
     p.add_argument(

@@ -164,8 +164,7 @@ def _write_pending(pending: dict[Path, str | None], force: bool) -> None:
 def _with_package(site: units.Site, package_dir: str) -> units.Site:
     """A launcher package under /tmp or /var/tmp (a checkout there) is hidden from the
     service by its private /tmp: bind it in read-only, as --read-only-path would."""
-    hidden = any(Path(package_dir).is_relative_to(d) for d in ("/tmp", "/var/tmp"))
-    if not hidden or package_dir in site.read_only_paths:
+    if not units.hidden_by_private_tmp(package_dir) or package_dir in site.read_only_paths:
         return site
     return dataclasses.replace(site, read_only_paths=(*site.read_only_paths, package_dir))
 

@@ -21,13 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from launcher.errors import CommandError, ValidationFailed
-from launcher.host import proc
+from launcher.host import proc, units
 
 #: A uid the dynamic user range (61184-65519) never hands out, owning nothing: the service's
 #: stand-in for the kernel's permission check.
 PROBE_UID = 61183
 #: Folders the unit's sandbox replaces with the service's own (PrivateTmp=yes).
-PRIVATE = ("/tmp", "/var/tmp")
+PRIVATE = units.PRIVATE_TMP
 
 
 @dataclass(frozen=True)

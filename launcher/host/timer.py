@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from launcher.host import units
 from launcher.host.systemd import Systemd
 
 WriteFile = Callable[[Path, bytes, int], None]
@@ -96,7 +97,7 @@ NoNewPrivileges=yes
 _SYSTEM_HARDENING = """\
 ProtectSystem=strict
 ReadWritePaths={state_dir}{revert_rw}{textfile_rw}
-ProtectHome=read-only
+{package_bind}ProtectHome=read-only
 PrivateTmp=yes
 PrivateDevices=yes
 ProtectKernelTunables=yes
@@ -126,10 +127,14 @@ def render_service(s: Sampler) -> str:
     base_url = f" --base-url {s.base_url}" if s.base_url else ""
     hardening = ""
     if s.scope == "system":
+        # a launcher package under /tmp or /var/tmp (a checkout there) is bound in, as the
+        # server's unit binds it (install's _with_package)
+        hidden = units.hidden_by_private_tmp(s.package_dir)
         hardening = _SYSTEM_HARDENING.format(
             state_dir=s.state_dir,
             revert_rw="".join(f" {p}" for p in s.revert_paths),
             textfile_rw=f" -{s.textfile_dir}" if s.textfile_dir else "",
+            package_bind=f"BindReadOnlyPaths={s.package_dir}\n" if hidden else "",
         )
     return _SERVICE.format(
         unit=s.unit,

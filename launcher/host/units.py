@@ -44,6 +44,15 @@ GPU_DEVICES = (
 GPU_GROUPS = ("render", "video")
 
 
+#: the folders a unit's PrivateTmp=yes replaces with the service's own, empty ones
+PRIVATE_TMP = ("/tmp", "/var/tmp")
+
+
+def hidden_by_private_tmp(path: str) -> bool:
+    """Whether ``path`` lies under a folder PrivateTmp=yes hides from the service."""
+    return any(Path(path).is_relative_to(d) for d in PRIVATE_TMP)
+
+
 @dataclass(frozen=True)
 class Site:
     """Site-specific settings of the hardened unit (system scope), rendered into it.
