@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 from conftest import Host
 
+from launcher.host import timer
+
 
 def installed(host: Host, *flags: str) -> dict:  # type: ignore[type-arg]
     rc, out = host.install("-c", "4096", "-np", "2", *flags)
@@ -198,6 +200,8 @@ def test_a_file_beside_the_model_that_fails_to_load_is_classified_from_its_log_l
 
 def test_temporary_files_of_a_killed_deployer_are_removed_by_the_next_run(host: Host) -> None:
     installed(host)
+    # the sampler's timer sweeps the live generation's folder too: recover is the next run
+    host.sandbox.systemctl("stop", *reversed(timer.names(host.unit)))
     # the names store.atomic_write gives its files, left by a writer that is gone (a real
     # process that exited) and by one that still runs (this one: it may still be writing)
     gone = subprocess.Popen(["true"])

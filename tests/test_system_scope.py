@@ -680,7 +680,8 @@ def test_killed_deploy_then_reboot_comes_up_on_the_known_good_generation(serving
         sys.executable, faults, "gate:kill", "set", "-c", "2048", "--json", env=TIMEOUTS
     )
     assert p.returncode == -9 or p.returncode == 137, p.stdout + p.stderr
-    assert serving.bed.read(env) != good
+    # the new env file, unless the restart's prestart step, slower than the kill on a busy
+    # machine, already found the deployer dead and put the good one back (as at boot)
     serving.bed.reboot()
     assert serving.bed.read(env) == good
     assert "-c 2048" not in " ".join(serving.cmdline(serving.main_pid()))
