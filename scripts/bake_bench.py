@@ -5,12 +5,14 @@ not a test: nothing here asserts.
 
 The good config (``-np 4 -kvu --kv-unified-per-slot 1024 -c 4096``) serves four agents and
 records a baseline; the over-committed one (``-np 4 -kvu -c 1024 --allow-overcommit``) is
-deployed with ``--bake 10m --wait`` while they go on. Printed: the bake's sample interval;
-the first 'Context size has been exceeded' (the server's journal time, from the baked
-generation's live record), the verdict, and the old config serving again (the revert's
-generation's gate passed), each after the first failure; and the agents' requests that
-failed from the first failure until the old config served (lost), and after it, each
-split by kind: ``context_exceeded`` (the baked config's shared pool ran out: "Context size
+deployed with ``--bake 10m --wait`` while they go on. Printed: the bake's sample interval
+and its pool watch (``bake_pool_limit``, ``bake_pool_poll``: set them in the environment,
+``LLAMA_LAUNCHER_BAKE_POOL_LIMIT=0`` for none); the verdict, the first 'Context size has
+been exceeded' (the server's journal time, from the baked generation's live record) if one
+came, and the old config serving again (the revert's generation's gate passed); the
+agents' requests that failed from the first hard signal (the first overflow, else the
+verdict) until the old config served (lost), from the baked config's gate on, and after,
+each split by kind: ``context_exceeded`` (the baked config's shared pool ran out: "Context size
 has been exceeded", in the stream or the body), ``too_long`` (a history longer than the good
 config's 1,024-token slots: "exceeds the available context size"; the agent then begins a
 new session, as one that compacts its history does), ``cut`` (no answer: the
@@ -154,20 +156,44 @@ def run(env: dict[str, str], url: str, where: list[str], state: Path) -> None:
         return
     gone = st.get(baked)
     rec = record.load(gone.path, baked)
-    first = min(f["t"] for f in rec.failures if f["kind"] == "context_exceeded")
-    ended = (bake.load(gone.path) or bake.Bake(0, 0, bake.Policy(0))).ended or first
+    the_bake = bake.load(gone.path)
+    assert the_bake is not None and the_bake.ended is not None
+    policy, ended = the_bake.policy, the_bake.ended
+    overflows = [f["t"] for f in rec.failures if f["kind"] == "context_exceeded"]
+    # the first hard signal: the first overflow (before the sample that saw it), else the
+    # verdict itself (the pool watch's look: the overflow had not come)
+    first = min([*overflows, ended])
+    gated = bake.served_from(gone)
     serving = bake.served_from(live)
+    watch = (
+        f"pool watch {policy.pool_limit:.0%} every {policy.pool_poll:g} s"
+        if policy.pool_limit
+        else "pool watch off"
+    )
+    why = out["bake"]["verdict"]["verdict"]
+    print(
+        time.strftime("%Y-%m-%d", time.localtime()),
+        f"front {FRONT}, bake_interval {INTERVAL} s, {watch}",
+    )
+    kind = "hard" if why["hard"] else "soft"
+    print(f"verdict: {why['signal']} ({kind}), {ended - gated:.1f} s after the gate")
+    if overflows:
+        print(f"first 'Context size has been exceeded' -> verdict: {ended - min(overflows):.1f} s")
+    else:
+        print("'Context size has been exceeded': none (the verdict came first)")
+    print(f"verdict -> the old config serving (generation {live.number}): {serving - ended:.1f} s")
+    print(f"first hard signal -> the old config serving: {serving - first:.1f} s")
     lost = sum(1 for t, ok in agents.done if not ok and first <= t <= serving)
+    since = sum(1 for t, ok in agents.done if not ok and gated <= t <= serving)
     after = sum(1 for t, ok in agents.done if not ok and t > serving)
     answered = sum(1 for t, ok in agents.done if ok and t > serving)
-    print(time.strftime("%Y-%m-%d", time.localtime()), f"front {FRONT}, bake_interval {INTERVAL} s")
-    print(f"first 'Context size has been exceeded' -> verdict: {ended - first:.1f} s")
-    print(f"verdict -> the old config serving (generation {live.number}): {serving - ended:.1f} s")
-    print(f"first failure -> the old config serving: {serving - first:.1f} s")
-    print(f"requests lost in between: {lost}; failed after: {after}; answered after: {answered}")
+    print(f"requests lost from the first hard signal to the old config serving: {lost}")
     print(f"lost in between, by kind: {split(agents.why, first, serving)}")
+    print(f"lost from the baked config's gate to the old config serving: {since}")
+    print(f"lost from the gate on, by kind: {split(agents.why, gated, serving)}")
+    print(f"failed after: {after}; answered after: {answered}")
     print(f"failed after, by kind: {split(agents.why, serving, float('inf'))}")
-    print(f"verdict: {out['bake']['verdict']['verdict']['reason']}")
+    print(f"verdict: {why['reason']}")
 
 
 def split(why: list[tuple[float, str]], start: float, end: float) -> str:

@@ -150,7 +150,8 @@ def test_carry_samples_until_the_verdict(tmp_path: Path) -> None:
     clock = [T0 + 560.0]
     reverts = Reverts()
 
-    def sample_once() -> None:
+    def sample_once(peak: object) -> None:
+        assert peak is None  # the pool is not watched: no look
         clock[0] += 15
         step(st, clock[0], reverts)
 
@@ -167,7 +168,7 @@ def test_carry_of_a_bake_that_ended_samples_nothing(tmp_path: Path, state: str) 
     b.state = state
     bake.save(st.get(2).path, b)
     calls: list[int] = []
-    assert bake.carry(st, 2, lambda: calls.append(1), lambda s: None) is not None
+    assert bake.carry(st, 2, lambda p: calls.append(1), lambda s: None) is not None
     assert calls == []
 
 

@@ -1,6 +1,8 @@
 """The bake on the real llama-server under the sandboxed systemd: seed 000's mistake made
-live and reverted at the first sample that sees 'Context size has been exceeded', a quiet
-unit that ends inconclusive and keeps its config, and a later deploy ending a bake.
+live and reverted at the first sample that sees 'Context size has been exceeded' (the pool
+watch off), busy slots near the whole over-committed pool reverted before it overflows (the
+watch on), a quiet unit that ends inconclusive and keeps its config, and a later deploy
+ending a bake.
 
 One unit for the module; the tests run in file order, each leaving the unit serving.
 """
@@ -107,7 +109,8 @@ def test_seed_000_made_live_is_reverted_at_the_first_sample_that_sees_the_pool_o
     baked: Host,
 ) -> None:
     """The good config serves four agents and records a baseline; the over-committed one
-    is deployed with a bake while they go on; the first sample that finds 'Context size
+    is deployed with a bake while they go on, its pool watch off (``bake_pool_limit`` 0:
+    the overflow itself is the signal here); the first sample that finds 'Context size
     has been exceeded' reverts it, and the old config serves all four again."""
     good = live(baked)
     agents = Agents(baked.url)
@@ -118,7 +121,7 @@ def test_seed_000_made_live_is_reverted_at_the_first_sample_that_sees_the_pool_o
         assert sum(agents.ok) >= 4, (agents.ok, agents.failed)
         sample = baked.cli_json("sample")[1]  # the baseline's figures, with their load
         assert sample["generation"] == good.number, sample
-        rc, out = _deploy_waiting(baked, *OVERCOMMITTED)
+        rc, out = _deploy_waiting(baked, *OVERCOMMITTED, LLAMA_LAUNCHER_BAKE_POOL_LIMIT="0")
         agents.stop.set()
     assert (rc, out["outcome"]) == (6, "reverted"), json.dumps(out)[-3000:]
     verdict = out["bake"]["verdict"]["verdict"]
@@ -140,11 +143,50 @@ def test_seed_000_made_live_is_reverted_at_the_first_sample_that_sees_the_pool_o
         assert all(pool.map(again.turn, range(4), histories))
 
 
-def _deploy_waiting(h: Host, *flags: str) -> tuple[int, dict[str, Any]]:
+def test_busy_slots_near_the_whole_over_committed_pool_revert_it_before_it_overflows(
+    baked: Host,
+) -> None:
+    """One agent repeats a request that needs 97 % of the pool while it runs (a prompt of
+    about 950 tokens and 40 to generate, in one slot of a pool of 1,024 cells: nothing can
+    overflow), and the over-committed config is deployed with the pool watch at its
+    default (90 %): the bake reverts it on the look that finds the busy slot there, as
+    hard, before any request failed for want of room."""
+    good = live(baked)
+    text, n = repro.sized_prompt(baked.url, 950, 7)
+    assert 930 <= n <= 970, n  # with the 40 tokens it generates: under 1,024
+    stop, answered = threading.Event(), [0]
+
+    def agent() -> None:
+        body = {"prompt": text, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+        while not stop.is_set():
+            try:
+                r = httpx.post(baked.url + "/v1/completions", json=body, timeout=60)
+                answered[0] += r.status_code == 200
+            except httpx.HTTPError:
+                time.sleep(0.1)  # the revert's restart: tried again
+
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(agent)
+        until(lambda: answered[0] >= 2)
+        rc, out = _deploy_waiting(baked, *OVERCOMMITTED)
+        stop.set()
+    assert (rc, out["outcome"]) == (6, "reverted"), json.dumps(out)[-3000:]
+    verdict = out["bake"]["verdict"]["verdict"]
+    assert (verdict["signal"], verdict["hard"]) == ("pool", True), verdict
+    assert verdict["figures"]["pool_busy"] >= 0.9, verdict
+    now = live(baked)
+    assert now.env_text == good.env_text
+    gone = store.Store(baked.state_dir).get(now.meta["reverted_from"])
+    # no request failed (the previous test's agents' too-long histories, logged by the
+    # revert's process before this deploy, are not this generation's)
+    assert not record.load(gone.path, gone.number).failures
+
+
+def _deploy_waiting(h: Host, *flags: str, **env: str) -> tuple[int, dict[str, Any]]:
     p = subprocess.run(
         [sys.executable, "-m", "launcher", "deploy", *h.base_flags(), *flags,
          "--drain-timeout", "5", "--bake", "10m", "--wait", "--json"],
-        capture_output=True, text=True, env=h.env, timeout=900,
+        capture_output=True, text=True, env={**h.env, **env}, timeout=900,
     )  # fmt: skip
     try:
         return p.returncode, json.loads(p.stdout.strip().splitlines()[-1])

@@ -475,7 +475,13 @@ def _wait(d: Deployer, result: Result, data: dict[str, Any]) -> Result:
 
     assert result.generation is not None
     target = sample.target_for(d.settings)
-    final = bake.carry(d.store, result.generation, lambda: sample.sample(target, d.systemd))
+    gen = d.store.get(result.generation)
+    final = bake.carry(
+        d.store,
+        gen.number,
+        lambda peak: sample.sample(target, d.systemd, peak=peak),
+        look=lambda: sample.look(target, gen),
+    )
     if final is not None:
         data["verdict"] = final.view()
         if final.state in ("reverted", "revert_failed"):

@@ -107,11 +107,12 @@ def _through_bake(target: Any, systemd: Any, as_json: bool) -> int:
         return code
     worst = [0]
 
-    def once() -> None:
-        worst[0] = max(worst[0], _report(sample.sample(target, systemd), as_json))
+    def once(peak: Any) -> None:
+        worst[0] = max(worst[0], _report(sample.sample(target, systemd, peak=peak), as_json))
         notify.ready()  # after the first sample; systemd ignores the ones after
 
-    bake.carry(st, found[0].number, once)
+    gen = found[0]
+    bake.carry(st, gen.number, once, look=lambda: sample.look(target, gen))
     return worst[0]
 
 

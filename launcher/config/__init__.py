@@ -668,6 +668,20 @@ class ToolSettings(BaseSettings):
     bake_memory_floor: float = Field(
         256.0, ge=0, description="MiB per hour of memory growth that is never bad"
     )
+    bake_pool_limit: float = Field(
+        0.9,
+        ge=0,
+        le=1,
+        description="an over-committed shared pool whose busy slots need this share of it "
+        "(held and still to generate) reverts before it overflows (when the previous config "
+        "guaranteed every slot); 0: off",
+    )
+    bake_pool_poll: float = Field(
+        0.25,
+        ge=0,
+        description="seconds between two looks at /slots between the bake's samples of an "
+        "over-committed pool; 0: only the samples look",
+    )
     bake_unread_limit: int = Field(
         4, ge=1, description="samples in a row that cannot read the signals: inconclusive"
     )

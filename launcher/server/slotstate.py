@@ -4,8 +4,9 @@ Read from b9093, b10405 and b11434 (``server_slot::to_json`` in
 tools/server/server-context.cpp) and confirmed against each real server by the tests. Every
 build gives each slot ``id``, ``n_ctx`` (the slot's cap: after ``--kv-unified-per-slot``),
 ``is_processing``, and, once the slot has had a task, ``id_task``, ``params`` and
-``next_token`` (``n_decoded``: the tokens generated for its task; a list of one object on
-b11434, one object or a list before). The tokens a slot holds, prompt plus generated
+``next_token`` (``n_decoded``: the tokens generated for its task; ``n_remain``: the tokens
+its task may still generate, -1 without a limit; a list of one object on b11434, one object
+or a list before). The tokens a slot holds, prompt plus generated
 (``prompt.tokens.size()``), are ``n_prompt_tokens`` from b10405 on; **b9093 has no such
 field**, so its pool use cannot be read from ``/slots`` (the reader says so).
 
@@ -42,6 +43,8 @@ class Slot:
     busy: bool
     tokens: int | None
     decoded: int | None
+    #: the tokens its task may still generate (``n_remain``); None: no limit, or not said
+    remain: int | None = None
 
     @property
     def fill(self) -> float | None:
@@ -72,6 +75,7 @@ def _slot(item: Any) -> Slot:
     nxt = item.get("next_token")
     first = nxt[0] if isinstance(nxt, list) and nxt else nxt
     decoded = first.get("n_decoded") if isinstance(first, dict) else None
+    remain = first.get("n_remain") if isinstance(first, dict) else None
     return Slot(
         id=int(item["id"]),
         n_ctx=int(item["n_ctx"]),
@@ -79,6 +83,7 @@ def _slot(item: Any) -> Slot:
         # a slot that never had a task holds nothing; on b9093 no slot says what it holds
         tokens=int(tokens) if tokens is not None else (0 if "id_task" not in item else None),
         decoded=int(decoded) if decoded is not None else None,
+        remain=int(remain) if remain is not None and int(remain) >= 0 else None,
     )
 
 
@@ -133,6 +138,19 @@ class Pressure:
         if held is None or not self.pool_cells:
             return None
         return held / self.pool_cells
+
+    @property
+    def busy_need(self) -> float | None:
+        """The share of the pool the busy slots need by the end of their tasks: what they
+        hold plus what each may still generate (``n_remain``; a task without a limit counts
+        what it holds). A batch cannot purge a busy slot's cells to make room (the idle
+        slots' go first), so a shared pool overflows once this passes 1 and the tasks run
+        on."""
+        held = self.held(True)
+        if held is None or not self.pool_cells:
+            return None
+        more = sum(s.remain or 0 for s in self.slots if s.busy)
+        return (held + more) / self.pool_cells
 
     @property
     def max_fill(self) -> float | None:

@@ -26,7 +26,9 @@ across a reboot (another boot: ``launcher.host.procfs.boot``) is not counted aga
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,8 +37,9 @@ from typing import TYPE_CHECKING, Any
 
 from launcher import waits
 from launcher.deploy import store
-from launcher.errors import StoreError
+from launcher.errors import LauncherError, StoreError
 from launcher.host import procfs
+from launcher.server import slotstate
 from launcher.watch import record, verdict
 from launcher.watch.verdict import Baseline, Policy, Progress, Verdict
 
@@ -140,6 +143,8 @@ class Bake:
             "samples": self.progress.samples,
             "bad_samples_in_a_row": self.progress.soft_bad,
             "notes": self.progress.notes[-5:],
+            # the busy share of an over-committed pool that reverts (None: not watched)
+            "pool_limit": self.policy.pool_limit or None,
             "verdict": self.verdict.to_dict() if self.verdict else None,
         }
         if self.revert is not None:
@@ -188,19 +193,27 @@ def served_from(gen: store.Generation) -> float:
 
 def begin(settings: ToolSettings, st: store.Store, generation: int, previous: int | None) -> Bake:
     """Start the bake of ``generation`` (just deployed over ``previous``) with the policy of
-    ``settings``; the baseline is ``previous``'s live record, when it recorded anything."""
+    ``settings``; the baseline is ``previous``'s live record, when it recorded anything.
+    The pool is watched (``bake_pool_limit``) only when ``generation``'s shared pool is
+    over-committed and ``previous``'s was not: a revert to a pool that may overflow too is
+    no cure for one that is about to."""
     gen = st.get(generation)
     baseline = None
+    old_overcommitted = True
     if previous is not None:
         with contextlib.suppress(StoreError):
             old = st.get(previous)
+            old_overcommitted = _overcommitted(old)
             rec = record.load(old.path, previous)
             if rec.totals.get("samples"):
                 baseline = verdict.baseline_of(rec)
+    policy = Policy.from_settings(settings)
+    if not _overcommitted(gen) or old_overcommitted:
+        policy = dataclasses.replace(policy, pool_limit=0.0, pool_poll=0.0)
     bake = Bake(
         generation=generation,
         started=served_from(gen),
-        policy=Policy.from_settings(settings),
+        policy=policy,
         baseline=baseline,
         previous=previous,
         settings=settings.model_dump(mode="json"),
@@ -208,6 +221,10 @@ def begin(settings: ToolSettings, st: store.Store, generation: int, previous: in
     )
     save(gen.path, bake)
     return bake
+
+
+def _overcommitted(gen: store.Generation) -> bool:
+    return bool((gen.meta.get("planned") or {}).get("overcommitted"))
 
 
 def live_bake(st: store.Store) -> tuple[store.Generation, Bake] | None:
@@ -274,8 +291,13 @@ def seen_of(
     busy: int | None,
     unit: UnitState,
     unread: dict[str, str],
+    pool: slotstate.Pressure | None = None,
+    peak: slotstate.Pressure | None = None,
 ) -> verdict.Seen:
-    """One sample as the judge reads it."""
+    """One sample as the judge reads it; ``pool``: the sample's own look at the slots,
+    ``peak``: the fullest look at them since the sample before (``carry``'s polls)."""
+    looks = [p for p in (pool, peak) if p is not None and p.busy_need is not None]
+    fullest = max(looks, key=lambda p: p.busy_need or 0.0) if looks else None
     now_boot = boot_id()
     rebooted = bool(bake.boot_id and now_boot and now_boot != bake.boot_id)
     last = bake.progress.last
@@ -291,6 +313,8 @@ def seen_of(
         else (),
         gap=t - last if last is not None else None,
         rebooted=rebooted,
+        pool_busy=fullest.busy_need if fullest else None,
+        pool_line=fullest.describe() if fullest else None,
     )
 
 
@@ -432,11 +456,19 @@ def _is_revert(st: store.Store, live: store.Generation, b: Bake) -> bool:
 def carry(
     st: store.Store,
     generation: int,
-    sample_once: Callable[[], object],
+    sample_once: Callable[[slotstate.Pressure | None], object],
     sleep: Callable[[float], None] = time.sleep,
+    look: Callable[[], slotstate.Pressure | None] | None = None,
 ) -> Bake | None:
     """Sample every ``bake_interval`` while ``generation``'s bake runs and it is live (what
-    the sampler's service and ``deploy --wait`` do); returns its bake as it ended."""
+    the sampler's service and ``deploy --wait`` do); returns its bake as it ended.
+
+    A bake that watches its pool (``Policy.pool_limit``) also looks at the slots every
+    ``pool_poll`` seconds between samples (``look``: ``GET /slots`` alone, a few
+    milliseconds): a sample's interval is longer than a pool takes to fill when the agents'
+    turns are short. A look that finds the busy slots at the limit samples at once, and
+    ``sample_once`` gets it (the judge's ``pool_busy``: the server may have freed the cells
+    by the time the sample reads them)."""
 
     def bake_of() -> Bake | None:
         try:
@@ -447,13 +479,27 @@ def carry(
     first = bake_of()
     if first is None or not first.running:
         return first
+    policy = first.policy
+    peak: list[slotstate.Pressure] = []
+
+    def wait(seconds: float) -> None:
+        if look is None or not policy.pool_limit or not policy.pool_poll:
+            sleep(seconds)
+            return
+        for _ in range(max(1, math.ceil(seconds / policy.pool_poll))):
+            sleep(min(policy.pool_poll, seconds))
+            with contextlib.suppress(LauncherError, OSError):
+                now = look()
+                if now is not None and (now.busy_need or 0.0) >= policy.pool_limit:
+                    peak.append(now)
+                    return
 
     def again() -> bool:
-        sample_once()
+        sample_once(peak.pop() if peak else None)
         now = bake_of()
         return now is not None and now.running and st.live_number() == generation
 
-    waits.every_while(first.policy.interval, sleep)(again)
+    waits.every_while(policy.interval, wait)(again)
     return bake_of()
 
 
@@ -530,6 +576,11 @@ def status_lines(data: dict[str, Any] | None) -> list[str]:
             else ""
         )
     )
+    if data.get("pool_limit"):
+        lines.append(
+            f"    the over-committed pool is watched: a revert when the busy slots hold "
+            f"{data['pool_limit']:.0%} of it"
+        )
     if data.get("verdict"):
         lines.append(f"    verdict: {data['verdict']['state']}: {data['verdict']['reason']}")
     return lines

@@ -64,7 +64,8 @@ def revert(
             reverted_from=generation,
             bake_verdict=why.to_dict(),
         )
-    return {**kept(result), "handover": result.handover}
+    # the revert did what it was for: ok (Result.ok is a deploy's "deployed")
+    return {**kept(result), "ok": True, "handover": result.handover}
 
 
 def kept(result: Result) -> dict[str, Any]:

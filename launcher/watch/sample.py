@@ -237,9 +237,11 @@ def sample(
     write: record.Writer = default_writer,
     transport: httpx.BaseTransport | None = None,
     revert: bake.Revert | None = None,
+    peak: slotstate.Pressure | None = None,
 ) -> Outcome:
     """Take one sample of ``target`` (see the module docstring); a running bake of the live
-    generation is judged on it (``launcher.watch.bake.step``; ``revert``: the revert)."""
+    generation is judged on it (``launcher.watch.bake.step``; ``revert``: the revert;
+    ``peak``: the fullest look at the slots since the sample before, ``bake.carry``'s)."""
     t0 = time.monotonic()
     out = Outcome(target.unit)
     try:
@@ -248,7 +250,7 @@ def sample(
             if not mine:
                 out.skipped = f"another sample of {target.unit} is running"
             else:
-                _sample(target, systemd, clock, write, transport, out, revert)
+                _sample(target, systemd, clock, write, transport, out, revert, peak)
     except OSError as e:
         out.errors.append(store.write_failed(e, target.folder, "--state-dir"))
     out.seconds = round(time.monotonic() - t0, 4)
@@ -263,6 +265,7 @@ def _sample(
     transport: httpx.BaseTransport | None,
     out: Outcome,
     revert: bake.Revert | None = None,
+    peak: slotstate.Pressure | None = None,
 ) -> None:
     st = store.Store(target.state_dir)
     state, before = load_state(target)
@@ -300,7 +303,7 @@ def _sample(
     # the state first: a record written without it would be counted twice by the next sample
     if _save_state(target, state, write, out) and changed:
         _save(gen.path, rec, write, out, "live record")
-    _judge(gen, rec, delta, reads, out, revert)
+    _judge(gen, rec, delta, reads, out, revert, pressure, peak)
     _settle(target, st, out)
     _bake_lines(st, page)  # after the judge: the file says this sample's verdict
     _publish(target, page, write, out)
@@ -313,6 +316,8 @@ def _judge(
     reads: Reads,
     out: Outcome,
     revert: bake.Revert | None,
+    pressure: slotstate.Pressure | None,
+    peak: slotstate.Pressure | None,
 ) -> None:
     """The bake's step on this sample (after it is recorded: the judge reads the record)."""
     row = rec.minutes[-1] if rec.minutes else None
@@ -322,7 +327,9 @@ def _judge(
         busy = int(row[record.COL["busy_peak"]] or 0)
 
     def seen(b: bake.Bake) -> verdict.Seen:
-        return bake.seen_of(b, delta.t, delta.counts, busy, reads.unit, reads.unread)
+        return bake.seen_of(
+            b, delta.t, delta.counts, busy, reads.unit, reads.unread, pressure, peak
+        )
 
     try:
         judged = bake.step(gen, rec, seen, revert)
@@ -367,14 +374,12 @@ def read_server(
     memory: each source on its own (``Reads.unread`` says which could not be read, why)."""
     reads = Reads(systemd.state())
     if reads.unit.running:
-        url = target.base_url or url_from_argv(list(gen.meta.get("argv") or []))
         try:
             key = keys.key_of_env(gen.env_text, str(gen.path / "env"))
         except LauncherError as e:  # the key file went away: read without, and say why
             key = None
             reads.unread["key"] = str(e)
-        client = httpclient.client(httpx.Client, url, key, HTTP_TIMEOUT, transport, False)
-        with client:
+        with _client(target, gen, key, transport) as client:
             reads.slots = _try(reads, "slots", lambda: slotstate.read(client))
             reads.metrics = _try(reads, "metrics", lambda: metrics.read(client))
         if reads.slots and any(s.tokens is None for s in reads.slots):
@@ -387,6 +392,26 @@ def read_server(
         why = f"{target.unit} is {reads.unit.active}/{reads.unit.sub}: the server is down"
         reads.unread.update({"slots": why, "metrics": why, "proc": why})
     return reads
+
+
+def _client(
+    target: Target, gen: store.Generation, key: str | None, transport: httpx.BaseTransport | None
+) -> httpx.Client:
+    url = target.base_url or url_from_argv(list(gen.meta.get("argv") or []))
+    return httpclient.client(httpx.Client, url, key, HTTP_TIMEOUT, transport, False)
+
+
+def look(
+    target: Target, gen: store.Generation, transport: httpx.BaseTransport | None = None
+) -> slotstate.Pressure:
+    """The slots alone, now (``GET /slots``: no journal, no unit, no record): the bake's
+    looks at an over-committed pool between its samples (``launcher.watch.bake.carry``).
+    Raises ``LauncherError`` when they cannot be read."""
+    key = keys.key_of_env(gen.env_text, str(gen.path / "env"))
+    with _client(target, gen, key, transport) as client:
+        return slotstate.Pressure(
+            slotstate.read(client), (gen.meta.get("planned") or {}).get("pool_cells")
+        )
 
 
 def pressure_of(gen: store.Generation, reads: Reads) -> slotstate.Pressure | None:
@@ -507,10 +532,9 @@ def _delta(
     previous: set[int],
     out: Outcome,
 ) -> tuple[record.Delta, slotstate.Pressure | None]:
-    lines = [x for x in reads.journal.lines if x.pid not in previous]
-    if state.generation is None and reads.unit.main_pid:
-        # the first sample ever read from the deploy on: the replaced process logged too
-        lines = [x for x in lines if x.pid == reads.unit.main_pid]
+    lines = own_lines(
+        reads.journal.lines, previous, deployed_at(gen), reads.unit.main_pid, state.generation
+    )
     counts = _tally(lines)
     counts.update(_counter_deltas(reads, state, out))
     # the front's own failures are failed requests the journal never saw
@@ -530,6 +554,26 @@ def _delta(
     )
     out.counts = {k: v for k, v in counts.items() if v}
     return record.Delta(now, seen, counts, _failures(lines, rec, state)), pressure
+
+
+def own_lines(
+    lines: list[journalread.Line],
+    previous: set[int],
+    deployed: float,
+    main_pid: int | None,
+    sampled: int | None,
+) -> list[journalread.Line]:
+    """The lines the live generation's processes logged: not those of the generation the
+    sample before saw (``previous``, its pids), nor of any process that logged before the
+    live generation's deploy (``deployed``) other than its main one: a generation that
+    served between two samples (a revert, then a deploy before the next sample) logged
+    them. ``sampled`` None: the first sample ever, read from the deploy on, where only the
+    main process is the generation's (the replaced one logged too)."""
+    older = {x.pid for x in lines if x.time < deployed} - {main_pid}
+    mine = [x for x in lines if x.pid not in previous and x.pid not in older]
+    if sampled is None and main_pid:
+        mine = [x for x in mine if x.pid == main_pid]
+    return mine
 
 
 def _counter_deltas(reads: Reads, state: State, out: Outcome) -> dict[str, float]:

@@ -1,0 +1,195 @@
+"""The bake's watch of an over-committed shared pool (launcher/watch/verdict.py's ``pool``
+signal, launcher/watch/bake.py's begin and carry): the overflow reverted before it comes.
+Pure, over a real store in tmp_path; its real run: tests/test_bake_server.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from launcher import config
+from launcher.deploy import store
+from launcher.errors import Unreadable
+from launcher.host import journalread
+from launcher.host.systemd import UnitState
+from launcher.server import slotstate
+from launcher.server.slotstate import Pressure, Slot
+from launcher.watch import bake, record, sample, verdict
+from launcher.watch.verdict import Policy, Progress, Seen, Window
+
+T0 = 1_000_000.0
+RUNNING = UnitState("active", "running", "success", 0, 0, 4242, None, "x", "loaded")
+WATCHED = Policy(duration=600, interval=15, pool_limit=0.9, pool_poll=0.25)
+OVER = {"overcommitted": True, "pool_cells": 1024}
+GUARANTEED = {"overcommitted": False, "pool_cells": 4096}
+
+
+def pool(*held: tuple[int, bool], cells: int = 1024) -> Pressure:
+    """Slots holding (tokens, busy) of a pool of ``cells``."""
+    return Pressure([Slot(i, cells, b, n, 0) for i, (n, b) in enumerate(held)], cells)
+
+
+def judged(s: Seen, p: Policy = WATCHED) -> verdict.Verdict | None:
+    return verdict.judge(p, None, s, Window(requests=40, completions=40), Progress(), T0)
+
+
+def generations(tmp_path: Path, old: dict[str, Any], new: dict[str, Any]) -> store.Store:
+    st = store.Store(tmp_path)
+    st.new("A=1\n", {"time": T0 - 3600, "timings": {"total": 1}, "planned": old})
+    st.new("A=2\n", {"time": T0, "timings": {"total": 2}, "previous": 1, "planned": new})
+    st.set_live(2)
+    return st
+
+
+def test_the_busy_need_counts_only_the_busy_slots() -> None:
+    # idle slots' cells are purged first when a batch finds no room: they are not the risk
+    assert pool((512, True), (400, False)).busy_need == 0.5
+
+
+def test_the_busy_need_counts_what_each_busy_request_may_still_generate() -> None:
+    slots = [Slot(0, 1024, True, 400, 8, 100), Slot(1, 1024, True, 300, 0, None)]
+    assert Pressure(slots, 1024).busy_need == (400 + 100 + 300) / 1024
+
+
+def test_a_slot_without_a_limit_says_no_remain() -> None:
+    raw = {"id": 0, "n_ctx": 1024, "is_processing": True, "id_task": 3,
+           "n_prompt_tokens": 10, "next_token": [{"n_decoded": 2, "n_remain": -1}]}  # fmt: skip
+    assert slotstate.parse([raw])[0].remain is None
+    raw["next_token"] = [{"n_decoded": 2, "n_remain": 46}]
+    assert slotstate.parse([raw])[0].remain == 46
+
+
+def test_busy_slots_at_the_limit_of_a_watched_pool_revert_as_hard() -> None:
+    v = judged(Seen(T0 + 30, {}, busy=2, pool_busy=0.93, pool_line="pool 952 of 1,024"))
+    assert v is not None and (v.state, v.signal, v.hard) == ("revert", "pool", True)
+    assert "need 93%" in v.reason and "pool 952 of 1,024" in v.reason
+
+
+def test_the_pool_counts_in_the_warm_up_as_every_hard_signal() -> None:
+    p = Policy(duration=600, warmup=600, pool_limit=0.9, pool_poll=0.25)
+    v = judged(Seen(T0 + 5, {}, busy=2, pool_busy=0.95), p)
+    assert v is not None and v.signal == "pool"
+
+
+def test_busy_slots_under_the_limit_do_not_revert() -> None:
+    assert judged(Seen(T0 + 30, {}, busy=2, pool_busy=0.89)) is None
+
+
+def test_a_pool_that_is_not_watched_never_reverts_however_full() -> None:
+    assert judged(Seen(T0 + 30, {}, busy=4, pool_busy=1.0), Policy(duration=600)) is None
+
+
+def test_an_overflow_already_counted_is_named_as_the_overflow_not_the_pool() -> None:
+    v = judged(Seen(T0 + 30, {"context_exceeded": 2}, busy=4, pool_busy=0.97))
+    assert v is not None and v.signal == "context_exceeded"
+
+
+def test_the_pool_is_watched_when_an_over_committed_pool_replaces_a_guaranteed_one(
+    tmp_path: Path,
+) -> None:
+    st = generations(tmp_path, GUARANTEED, OVER)
+    b = bake.begin(config.load_settings(bake="10m"), st, 2, 1)
+    assert (b.policy.pool_limit, b.policy.pool_poll) == (0.9, 0.25)
+    assert b.view()["pool_limit"] == 0.9
+    assert any("busy slots hold 90% of it" in x for x in bake.status_lines(bake.status_of(st)))
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [(GUARANTEED, GUARANTEED), (OVER, OVER)],
+    ids=["guaranteed-over-guaranteed", "over-committed-over-over-committed"],
+)
+def test_the_pool_is_not_watched_when_a_revert_would_not_guarantee_more(
+    tmp_path: Path, old: dict[str, Any], new: dict[str, Any]
+) -> None:
+    st = generations(tmp_path, old, new)
+    b = bake.begin(config.load_settings(bake="10m"), st, 2, 1)
+    assert b.policy.pool_limit == 0.0 and b.view()["pool_limit"] is None
+
+
+def test_a_bake_limit_of_zero_turns_the_watch_off(tmp_path: Path) -> None:
+    st = generations(tmp_path, GUARANTEED, OVER)
+    b = bake.begin(config.load_settings(bake="10m", bake_pool_limit=0), st, 2, 1)
+    assert b.policy.pool_limit == 0.0
+
+
+def test_the_judge_gets_the_fullest_of_the_samples_look_and_the_polls(tmp_path: Path) -> None:
+    st = generations(tmp_path, GUARANTEED, OVER)
+    b = bake.begin(config.load_settings(bake="10m"), st, 2, 1)
+    now, peak = pool((300, True)), pool((500, True), (460, True))
+    s = bake.seen_of(b, T0 + 30, {}, 2, RUNNING, {}, now, peak)
+    assert s.pool_busy == pytest.approx(960 / 1024) and s.pool_line == peak.describe()
+
+
+def test_a_look_at_the_limit_between_samples_samples_at_once_with_it(tmp_path: Path) -> None:
+    st = generations(tmp_path, GUARANTEED, OVER)
+    bake.begin(config.load_settings(bake="10m"), st, 2, 1)
+    looks = iter([pool((100, True)), pool((300, True)), pool((950, True))])
+    got: list[Pressure | None] = []
+    slept: list[float] = []
+
+    def sample_once(peak: Pressure | None) -> None:
+        got.append(peak)
+        if len(got) == 2:  # the second sample ends the bake
+            b = bake.load(st.get(2).path)
+            assert b is not None
+            b.finish("passed", verdict.Verdict("passed", "window_ended", "done"), T0)
+            bake.save(st.get(2).path, b)
+
+    bake.carry(st, 2, sample_once, slept.append, lambda: next(looks))
+    assert got[0] is None and got[1] is not None and got[1].busy_need == 950 / 1024
+    assert slept == [0.25, 0.25, 0.25]  # the third look found it: no wait for the interval
+
+
+def test_a_look_that_cannot_read_the_slots_waits_on_for_the_sample(tmp_path: Path) -> None:
+    st = generations(tmp_path, GUARANTEED, OVER)
+    bake.begin(config.load_settings(bake="10m", bake_interval=1), st, 2, 1)
+    calls: list[Pressure | None] = []
+
+    def unreadable() -> Pressure:
+        raise Unreadable("slots", "the server does not answer")
+
+    def sample_once(peak: Pressure | None) -> None:
+        calls.append(peak)
+        if len(calls) == 2:
+            b = bake.load(st.get(2).path)
+            assert b is not None
+            b.finish("passed", verdict.Verdict("passed", "window_ended", "done"), T0)
+            bake.save(st.get(2).path, b)
+
+    slept: list[float] = []
+    bake.carry(st, 2, sample_once, slept.append, unreadable)
+    assert calls == [None, None] and slept == [0.25] * 4
+
+
+def test_a_watched_bake_reverts_on_the_look_through_the_step(tmp_path: Path) -> None:
+    st = generations(tmp_path, GUARANTEED, OVER)
+    bake.begin(config.load_settings(bake="10m"), st, 2, 1)
+    asked: list[verdict.Verdict] = []
+
+    def revert(b: bake.Bake, why: verdict.Verdict) -> dict[str, Any]:
+        asked.append(why)
+        return {"outcome": "reverted", "generation": 3, "message": "done"}
+
+    peak = pool((600, True), (380, True))
+    rec = record.Record(2, totals={"requests": 40, "completions": 40})
+    b = bake.step(
+        st.get(2), rec, lambda b: bake.seen_of(b, T0 + 30, {}, 2, RUNNING, {}, None, peak), revert
+    )
+    assert b is not None and b.state == "reverted" and asked[0].signal == "pool"
+
+
+def test_a_sample_counts_no_line_of_a_process_that_logged_before_its_generations_deploy() -> None:
+    # a revert's process served between two samples, then a deploy: its lines, before and
+    # after that deploy (its drain), are not the new generation's; the new process's are
+    line = journalread.Line
+    lines = [line(T0 - 5, 11, "a"), line(T0 + 1, 11, "b"), line(T0 + 2, 12, "c")]
+    assert [x.text for x in sample.own_lines(lines, {10}, T0, 12, 1)] == ["c"]
+
+
+def test_a_sample_counts_the_main_process_even_when_it_logged_before_the_deploy() -> None:
+    # an adopted hand edit: the generation is younger than the process that serves it
+    lines = [journalread.Line(T0 - 5, 12, "a"), journalread.Line(T0 + 2, 12, "b")]
+    assert [x.text for x in sample.own_lines(lines, set(), T0, 12, 1)] == ["a", "b"]
