@@ -18,6 +18,12 @@ config's 1,024-token slots: "exceeds the available context size"; the agent then
 new session, as one that compacts its history does), ``cut`` (no answer: the
 connection cut by the switch, or the front's own 5xx), ``other``.
 ``BENCH_FRONT=haproxy`` installs the HAProxy front (the agents talk to it).
+
+``BENCH_SESSIONS``: ``fresh`` (the default: seed 000's case, a change made at one time and
+the pool filled later) has each agent begin a new session at the deploy, so the histories
+grow into the new pool during the bake; ``carried`` keeps them, so the histories the good
+config held (up to 1,024 tokens each) arrive at once at a pool of 1,024 and overflow it at
+the first batch after the gate: no watch sees that coming.
 """
 
 from __future__ import annotations
@@ -46,11 +52,15 @@ from launcher.deploy import store  # noqa: E402
 from launcher.watch import bake, record  # noqa: E402
 
 UNIT = "bench-bake.service"
-CAP = 1024
+#: the good config's per-slot cap and the bad one's whole pool (BENCH_CAP)
+CAP = int(os.environ.get("BENCH_CAP", "1024"))
 GOOD = ["-np", "4", "-kvu", "--kv-unified-per-slot", str(CAP), "-c", str(4 * CAP), "-t", "1"]
 BAD = ["-np", "4", "-kvu", "-c", str(CAP), "-t", "1", "--allow-overcommit"]
 INTERVAL = os.environ.get("BENCH_BAKE_INTERVAL", "15")
 FRONT = os.environ.get("BENCH_FRONT", "none")
+SESSIONS = os.environ.get("BENCH_SESSIONS", "fresh")
+#: seconds an agent spends between two turns (its tools), BENCH_THINK
+THINK = float(os.environ.get("BENCH_THINK", "0"))
 
 
 def cli(env: dict[str, str], *args: str) -> tuple[int, dict[str, Any]]:
@@ -80,12 +90,17 @@ class Agents:
 
     def __init__(self, url: str) -> None:
         self.url, self.stop = url, threading.Event()
+        #: set at the deploy: each agent's next turn begins a new session (SESSIONS=fresh)
+        self.begin_again: set[int] = set()
         self.done: list[tuple[float, bool]] = []
         self.why: list[tuple[float, str]] = []
 
     def agent(self, i: int) -> None:
         history = [{"role": "user", "content": repro.prompt(20, 90 + i)}]
         while not self.stop.is_set():
+            if i in self.begin_again:
+                self.begin_again.discard(i)
+                history[:] = [{"role": "user", "content": repro.prompt(20, 300 + i)}]
             body = {"messages": history, "max_tokens": 48, "temperature": 0, "ignore_eos": True}
             try:
                 r = httpx.post(self.url + "/v1/chat/completions", json=body, timeout=120)
@@ -100,10 +115,11 @@ class Agents:
             if ok:
                 reply = r.json()["choices"][0]["message"]["content"]
                 history.append({"role": "assistant", "content": reply})
+                time.sleep(THINK)
             else:
                 time.sleep(0.2)
             history.append({"role": "user", "content": repro.prompt(20, 100 + i + len(history))})
-            if why == "too_long" or len(history) > 40:
+            if why == "too_long" or len(history) > 40 * CAP // 1024:
                 # past its slot's window: the agent compacts, as real ones do (a new session)
                 history[:] = history[:1]
 
@@ -143,6 +159,8 @@ def run(env: dict[str, str], url: str, where: list[str], state: Path) -> None:
     if spec.exists():  # behind the front, a config's port is the server's private one
         private = json.loads(spec.read_text())["private_port"]
         where = [str(private) if w == where[where.index("--port") + 1] else w for w in where]
+    if SESSIONS == "fresh":
+        agents.begin_again.update(range(4))
     rc, out = cli(env, "deploy", *where, *BAD, "--drain-timeout", "5", "--bake", "10m", "--wait")
     time.sleep(5)
     agents.stop.set()
@@ -173,7 +191,8 @@ def run(env: dict[str, str], url: str, where: list[str], state: Path) -> None:
     why = out["bake"]["verdict"]["verdict"]
     print(
         time.strftime("%Y-%m-%d", time.localtime()),
-        f"front {FRONT}, bake_interval {INTERVAL} s, {watch}",
+        f"front {FRONT}, bake_interval {INTERVAL} s, {watch},",
+        f"sessions {SESSIONS}, cap {CAP}, think {THINK:g} s",
     )
     kind = "hard" if why["hard"] else "soft"
     print(f"verdict: {why['signal']} ({kind}), {ended - gated:.1f} s after the gate")

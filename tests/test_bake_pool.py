@@ -43,14 +43,14 @@ def generations(tmp_path: Path, old: dict[str, Any], new: dict[str, Any]) -> sto
     return st
 
 
-def test_the_busy_need_counts_only_the_busy_slots() -> None:
-    # idle slots' cells are purged first when a batch finds no room: they are not the risk
-    assert pool((512, True), (400, False)).busy_need == 0.5
+def test_the_need_counts_the_idle_slots_sessions_too() -> None:
+    # an idle slot's cells go first when a batch finds no room, but its session comes back
+    assert pool((512, True), (400, False)).need == 912 / 1024
 
 
-def test_the_busy_need_counts_what_each_busy_request_may_still_generate() -> None:
-    slots = [Slot(0, 1024, True, 400, 8, 100), Slot(1, 1024, True, 300, 0, None)]
-    assert Pressure(slots, 1024).busy_need == (400 + 100 + 300) / 1024
+def test_the_need_counts_what_each_busy_request_may_still_generate() -> None:
+    slots = [Slot(0, 1024, True, 400, 8, 100), Slot(1, 1024, False, 300, 0, 20)]
+    assert Pressure(slots, 1024).need == (400 + 100 + 300) / 1024
 
 
 def test_a_slot_without_a_limit_says_no_remain() -> None:
@@ -61,28 +61,28 @@ def test_a_slot_without_a_limit_says_no_remain() -> None:
     assert slotstate.parse([raw])[0].remain == 46
 
 
-def test_busy_slots_at_the_limit_of_a_watched_pool_revert_as_hard() -> None:
-    v = judged(Seen(T0 + 30, {}, busy=2, pool_busy=0.93, pool_line="pool 952 of 1,024"))
+def test_sessions_at_the_limit_of_a_watched_pool_revert_as_hard() -> None:
+    v = judged(Seen(T0 + 30, {}, busy=2, pool_need=0.93, pool_line="pool 952 of 1,024"))
     assert v is not None and (v.state, v.signal, v.hard) == ("revert", "pool", True)
     assert "need 93%" in v.reason and "pool 952 of 1,024" in v.reason
 
 
 def test_the_pool_counts_in_the_warm_up_as_every_hard_signal() -> None:
     p = Policy(duration=600, warmup=600, pool_limit=0.9, pool_poll=0.25)
-    v = judged(Seen(T0 + 5, {}, busy=2, pool_busy=0.95), p)
+    v = judged(Seen(T0 + 5, {}, busy=2, pool_need=0.95), p)
     assert v is not None and v.signal == "pool"
 
 
-def test_busy_slots_under_the_limit_do_not_revert() -> None:
-    assert judged(Seen(T0 + 30, {}, busy=2, pool_busy=0.89)) is None
+def test_sessions_under_the_limit_do_not_revert() -> None:
+    assert judged(Seen(T0 + 30, {}, busy=2, pool_need=0.89)) is None
 
 
 def test_a_pool_that_is_not_watched_never_reverts_however_full() -> None:
-    assert judged(Seen(T0 + 30, {}, busy=4, pool_busy=1.0), Policy(duration=600)) is None
+    assert judged(Seen(T0 + 30, {}, busy=4, pool_need=1.0), Policy(duration=600)) is None
 
 
 def test_an_overflow_already_counted_is_named_as_the_overflow_not_the_pool() -> None:
-    v = judged(Seen(T0 + 30, {"context_exceeded": 2}, busy=4, pool_busy=0.97))
+    v = judged(Seen(T0 + 30, {"context_exceeded": 2}, busy=4, pool_need=0.97))
     assert v is not None and v.signal == "context_exceeded"
 
 
@@ -93,7 +93,7 @@ def test_the_pool_is_watched_when_an_over_committed_pool_replaces_a_guaranteed_o
     b = bake.begin(config.load_settings(bake="10m"), st, 2, 1)
     assert (b.policy.pool_limit, b.policy.pool_poll) == (0.9, 0.25)
     assert b.view()["pool_limit"] == 0.9
-    assert any("busy slots hold 90% of it" in x for x in bake.status_lines(bake.status_of(st)))
+    assert any("sessions need 90% of it" in x for x in bake.status_lines(bake.status_of(st)))
 
 
 @pytest.mark.parametrize(
@@ -120,7 +120,7 @@ def test_the_judge_gets_the_fullest_of_the_samples_look_and_the_polls(tmp_path: 
     b = bake.begin(config.load_settings(bake="10m"), st, 2, 1)
     now, peak = pool((300, True)), pool((500, True), (460, True))
     s = bake.seen_of(b, T0 + 30, {}, 2, RUNNING, {}, now, peak)
-    assert s.pool_busy == pytest.approx(960 / 1024) and s.pool_line == peak.describe()
+    assert s.pool_need == pytest.approx(960 / 1024) and s.pool_line == peak.describe()
 
 
 def test_a_look_at_the_limit_between_samples_samples_at_once_with_it(tmp_path: Path) -> None:
@@ -139,7 +139,7 @@ def test_a_look_at_the_limit_between_samples_samples_at_once_with_it(tmp_path: P
             bake.save(st.get(2).path, b)
 
     bake.carry(st, 2, sample_once, slept.append, lambda: next(looks))
-    assert got[0] is None and got[1] is not None and got[1].busy_need == 950 / 1024
+    assert got[0] is None and got[1] is not None and got[1].need == 950 / 1024
     assert slept == [0.25, 0.25, 0.25]  # the third look found it: no wait for the interval
 
 

@@ -143,14 +143,14 @@ def test_seed_000_made_live_is_reverted_at_the_first_sample_that_sees_the_pool_o
         assert all(pool.map(again.turn, range(4), histories))
 
 
-def test_busy_slots_near_the_whole_over_committed_pool_revert_it_before_it_overflows(
+def test_a_session_near_the_whole_over_committed_pool_reverts_it_before_it_overflows(
     baked: Host,
 ) -> None:
-    """One agent repeats a request that needs 97 % of the pool while it runs (a prompt of
+    """One agent repeats a request whose session needs 92-97 % of the pool (a prompt of
     about 950 tokens and 40 to generate, in one slot of a pool of 1,024 cells: nothing can
     overflow), and the over-committed config is deployed with the pool watch at its
-    default (90 %): the bake reverts it on the look that finds the busy slot there, as
-    hard, before any request failed for want of room."""
+    default (90 %): the bake reverts it on the first look or sample, as hard, before any
+    request failed for want of room."""
     good = live(baked)
     text, n = repro.sized_prompt(baked.url, 950, 7)
     assert 930 <= n <= 970, n  # with the 40 tokens it generates: under 1,024
@@ -173,7 +173,7 @@ def test_busy_slots_near_the_whole_over_committed_pool_revert_it_before_it_overf
     assert (rc, out["outcome"]) == (6, "reverted"), json.dumps(out)[-3000:]
     verdict = out["bake"]["verdict"]["verdict"]
     assert (verdict["signal"], verdict["hard"]) == ("pool", True), verdict
-    assert verdict["figures"]["pool_busy"] >= 0.9, verdict
+    assert verdict["figures"]["pool_need"] >= 0.9, verdict
     now = live(baked)
     assert now.env_text == good.env_text
     gone = store.Store(baked.state_dir).get(now.meta["reverted_from"])

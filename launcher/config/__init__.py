@@ -672,8 +672,8 @@ class ToolSettings(BaseSettings):
         0.9,
         ge=0,
         le=1,
-        description="an over-committed shared pool whose busy slots need this share of it "
-        "(held and still to generate) reverts before it overflows (when the previous config "
+        description="an over-committed shared pool whose slots' sessions need this share of "
+        "it (held and still to generate) reverts before it overflows (when the previous config "
         "guaranteed every slot); 0: off",
     )
     bake_pool_poll: float = Field(

@@ -140,13 +140,13 @@ class Pressure:
         return held / self.pool_cells
 
     @property
-    def busy_need(self) -> float | None:
-        """The share of the pool the busy slots need by the end of their tasks: what they
-        hold plus what each may still generate (``n_remain``; a task without a limit counts
-        what it holds). A batch cannot purge a busy slot's cells to make room (the idle
-        slots' go first), so a shared pool overflows once this passes 1 and the tasks run
-        on."""
-        held = self.held(True)
+    def need(self) -> float | None:
+        """The share of the pool the slots' sessions need when they are busy at once: the
+        cells every slot holds (an idle slot's cells are purged first when a batch finds
+        no room, but its session comes back with that history) plus what each busy task
+        may still generate (``n_remain``; a task without a limit counts what it holds).
+        Past 1, the next turns that overlap overflow a shared pool."""
+        held = self.held()
         if held is None or not self.pool_cells:
             return None
         more = sum(s.remain or 0 for s in self.slots if s.busy)

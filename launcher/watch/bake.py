@@ -296,8 +296,8 @@ def seen_of(
 ) -> verdict.Seen:
     """One sample as the judge reads it; ``pool``: the sample's own look at the slots,
     ``peak``: the fullest look at them since the sample before (``carry``'s polls)."""
-    looks = [p for p in (pool, peak) if p is not None and p.busy_need is not None]
-    fullest = max(looks, key=lambda p: p.busy_need or 0.0) if looks else None
+    looks = [p for p in (pool, peak) if p is not None and p.need is not None]
+    fullest = max(looks, key=lambda p: p.need or 0.0) if looks else None
     now_boot = boot_id()
     rebooted = bool(bake.boot_id and now_boot and now_boot != bake.boot_id)
     last = bake.progress.last
@@ -313,7 +313,7 @@ def seen_of(
         else (),
         gap=t - last if last is not None else None,
         rebooted=rebooted,
-        pool_busy=fullest.busy_need if fullest else None,
+        pool_need=fullest.need if fullest else None,
         pool_line=fullest.describe() if fullest else None,
     )
 
@@ -466,8 +466,8 @@ def carry(
     A bake that watches its pool (``Policy.pool_limit``) also looks at the slots every
     ``pool_poll`` seconds between samples (``look``: ``GET /slots`` alone, a few
     milliseconds): a sample's interval is longer than a pool takes to fill when the agents'
-    turns are short. A look that finds the busy slots at the limit samples at once, and
-    ``sample_once`` gets it (the judge's ``pool_busy``: the server may have freed the cells
+    turns are short. A look that finds the slots' need at the limit samples at once, and
+    ``sample_once`` gets it (the judge's ``pool_need``: the server may have freed the cells
     by the time the sample reads them)."""
 
     def bake_of() -> Bake | None:
@@ -490,7 +490,7 @@ def carry(
             sleep(min(policy.pool_poll, seconds))
             with contextlib.suppress(LauncherError, OSError):
                 now = look()
-                if now is not None and (now.busy_need or 0.0) >= policy.pool_limit:
+                if now is not None and (now.need or 0.0) >= policy.pool_limit:
                     peak.append(now)
                     return
 
@@ -578,7 +578,7 @@ def status_lines(data: dict[str, Any] | None) -> list[str]:
     )
     if data.get("pool_limit"):
         lines.append(
-            f"    the over-committed pool is watched: a revert when the busy slots hold "
+            f"    the over-committed pool is watched: a revert when the slots' sessions need "
             f"{data['pool_limit']:.0%} of it"
         )
     if data.get("verdict"):

@@ -10,10 +10,10 @@ The signals, after Argo Rollouts' analysis, Flagger's checks and AWS AppConfig's
 - **hard** (revert on the first one, warm-up or not): the unit restarted (``NRestarts`` rose,
   or a new process no deploy explains), it was OOM-killed or is failing; a ``Context size has
   been exceeded`` or a decode failure where the baseline had none at a comparable load (as
-  many busy slots, or more); an over-committed shared pool whose busy slots need
-  ``pool_limit`` of it by the end of their requests (the overflow before it comes: a batch
-  that finds no room fails every busy request at once), when the previous config
-  guaranteed every slot its window; failed
+  many busy slots, or more); an over-committed shared pool whose slots' sessions need
+  ``pool_limit`` of it (what every slot holds and the busy ones may still generate: the
+  overflow before it comes, since a batch that finds no room fails every busy request at
+  once), when the previous config guaranteed every slot its window; failed
   requests (in-stream errors and 5xx; a request too long for its slot is the client's) above
   ``failure_rate`` of the generation's requests.
 - **soft** (revert after ``soft_samples`` bad samples in a row, after the warm-up, and only
@@ -65,7 +65,7 @@ class Policy:
     memory_ratio: float = 1.5
     memory_floor: float = 256.0 * MIB  # bytes per hour
     unread_limit: int = 4
-    #: the busy slots' need of an over-committed pool that reverts (0: off, and always 0
+    #: the slots' need of an over-committed pool that reverts (0: off, and always 0
     #: when the baked pool is not over-committed or the previous one was too: ``bake.begin``)
     pool_limit: float = 0.0
     #: seconds between two looks at /slots between samples while the pool is watched
@@ -189,10 +189,10 @@ class Seen:
     #: seconds since the bake's sample before (None: the first)
     gap: float | None = None
     rebooted: bool = False
-    #: the busy slots' need of the pool (held and still to generate): the most this sample
-    #: or a look at /slots since the sample before saw (``slotstate.Pressure.busy_need``),
-    #: with its line
-    pool_busy: float | None = None
+    #: the slots' need of the pool (held and still to generate): the most this sample or a
+    #: look at /slots since the sample before saw (``slotstate.Pressure.need``), with its
+    #: line
+    pool_need: float | None = None
     pool_line: str | None = None
 
 
@@ -379,15 +379,15 @@ def hard_failure(
                 {kind: n, "busy": seen.busy},
             )
     limit = policy.pool_limit
-    if limit and seen.pool_busy is not None and seen.pool_busy >= limit:
+    if limit and seen.pool_need is not None and seen.pool_need >= limit:
         return _hard(
             "pool",
-            f"the busy slots need {seen.pool_busy:.0%} of the over-committed shared pool by "
-            f"the end of their requests (what they hold and may still generate; the bake's "
-            f"limit: {limit:.0%}; {seen.pool_line or 'no line'}): when they need more than "
-            "it has, every busy request fails at once with 'Context size has been "
+            f"the slots' sessions need {seen.pool_need:.0%} of the over-committed shared "
+            f"pool (what every slot holds and the busy ones may still generate; the bake's "
+            f"limit: {limit:.0%}; {seen.pool_line or 'no line'}): once their turns overlap "
+            "past it, every busy request fails at once with 'Context size has been "
             "exceeded'; the previous config guaranteed every slot its window",
-            {"pool_busy": round(seen.pool_busy, 3), "busy": seen.busy},
+            {"pool_need": round(seen.pool_need, 3), "busy": seen.busy},
         )
     if seen.counts.get("failures", 0) and window.requests:
         share = window.failed / window.requests
