@@ -3,27 +3,30 @@ grow, and how long the pool's overflow lasted before the old config served again
 through ``scripts/bench-bake`` (a private sandboxed systemd); prints figures from one run,
 not a test: nothing here asserts.
 
-The good config (``-np 4 -kvu --kv-unified-per-slot 1024 -c 4096``) serves four agents and
-records a baseline; the over-committed one (``-np 4 -kvu -c 1024 --allow-overcommit``) is
-deployed with ``--bake 10m --wait`` while they go on. Printed: the bake's sample interval
-and its pool watch (``bake_pool_limit``, ``bake_pool_poll``: set them in the environment,
-``LLAMA_LAUNCHER_BAKE_POOL_LIMIT=0`` for none); the verdict, the first 'Context size has
-been exceeded' (the server's journal time, from the baked generation's live record) if one
-came, and the old config serving again (the revert's generation's gate passed); the
-agents' requests that failed from the first hard signal (the first overflow, else the
-verdict) until the old config served (lost), from the baked config's gate on, and after,
-each split by kind: ``context_exceeded`` (the baked config's shared pool ran out: "Context size
-has been exceeded", in the stream or the body), ``too_long`` (a history longer than the good
-config's 1,024-token slots: "exceeds the available context size"; the agent then begins a
-new session, as one that compacts its history does), ``cut`` (no answer: the
+The good config (``-np 4 -kvu --kv-unified-per-slot CAP -c 4*CAP``) serves four agents and
+records a baseline; the over-committed one (``-np 4 -kvu -c CAP --allow-overcommit``) is
+deployed with ``--bake 10m --wait`` while they go on (CAP: ``BENCH_CAP``, 1,024). Printed:
+the bake's sample interval and its pool watch (``bake_pool_limit``, ``bake_pool_poll``: set
+them in the environment, ``LLAMA_LAUNCHER_BAKE_POOL_LIMIT=0`` for none); the verdict; the
+first 'Context size has been exceeded' (the server's journal time from the baked
+generation's live record, or a client's, whichever came first; negative: after the
+verdict) if one came; the old config serving again (the revert's generation's gate
+passed); the agents' requests that failed from the first hard signal (the first overflow,
+else the verdict) until the old config served (lost), from the baked config's gate on, and
+after, each split by kind: ``context_exceeded`` (the baked config's shared pool ran out:
+"Context size has been exceeded", in the stream or the body), ``too_long`` (a history
+longer than the good config's slots: "exceeds the available context size"; the agent then
+begins a new session, as one that compacts its history does), ``cut`` (no answer: the
 connection cut by the switch, or the front's own 5xx), ``other``.
 ``BENCH_FRONT=haproxy`` installs the HAProxy front (the agents talk to it).
 
 ``BENCH_SESSIONS``: ``fresh`` (the default: seed 000's case, a change made at one time and
 the pool filled later) has each agent begin a new session at the deploy, so the histories
 grow into the new pool during the bake; ``carried`` keeps them, so the histories the good
-config held (up to 1,024 tokens each) arrive at once at a pool of 1,024 and overflow it at
-the first batch after the gate: no watch sees that coming.
+config held (up to CAP tokens each) arrive at once at a pool of CAP and overflow it in the
+first batches after the gate. ``BENCH_THINK``: seconds each agent spends between two turns
+(its tools; 0 by default, where the tiny model's turns take tens of milliseconds and four
+agents fill a pool of 1,024 in about a second).
 """
 
 from __future__ import annotations
@@ -177,11 +180,14 @@ def run(env: dict[str, str], url: str, where: list[str], state: Path) -> None:
     the_bake = bake.load(gone.path)
     assert the_bake is not None and the_bake.ended is not None
     policy, ended = the_bake.policy, the_bake.ended
+    gated = bake.served_from(gone)
+    # the overflows the baked generation's record has, and those only its clients saw (a
+    # revert decided on a look can come before the sample that would have read them)
     overflows = [f["t"] for f in rec.failures if f["kind"] == "context_exceeded"]
+    overflows += [t for t, w in agents.why if w == "context_exceeded" and t >= gated]
     # the first hard signal: the first overflow (before the sample that saw it), else the
     # verdict itself (the pool watch's look: the overflow had not come)
     first = min([*overflows, ended])
-    gated = bake.served_from(gone)
     serving = bake.served_from(live)
     watch = (
         f"pool watch {policy.pool_limit:.0%} every {policy.pool_poll:g} s"
@@ -197,9 +203,9 @@ def run(env: dict[str, str], url: str, where: list[str], state: Path) -> None:
     kind = "hard" if why["hard"] else "soft"
     print(f"verdict: {why['signal']} ({kind}), {ended - gated:.1f} s after the gate")
     if overflows:
-        print(f"first 'Context size has been exceeded' -> verdict: {ended - min(overflows):.1f} s")
+        print(f"first 'Context size has been exceeded' -> verdict: {ended - min(overflows):+.1f} s")
     else:
-        print("'Context size has been exceeded': none (the verdict came first)")
+        print("'Context size has been exceeded': none before the old config served")
     print(f"verdict -> the old config serving (generation {live.number}): {serving - ended:.1f} s")
     print(f"first hard signal -> the old config serving: {serving - first:.1f} s")
     lost = sum(1 for t, ok in agents.done if not ok and first <= t <= serving)
