@@ -143,7 +143,7 @@ class Bake:
             "samples": self.progress.samples,
             "bad_samples_in_a_row": self.progress.soft_bad,
             "notes": self.progress.notes[-5:],
-            # the busy share of an over-committed pool that reverts (None: not watched)
+            # the slots' need of an over-committed pool that reverts (None: not watched)
             "pool_limit": self.policy.pool_limit or None,
             "verdict": self.verdict.to_dict() if self.verdict else None,
         }
