@@ -48,6 +48,12 @@ def test_the_need_counts_the_idle_slots_sessions_too() -> None:
     assert pool((512, True), (400, False)).need == 912 / 1024
 
 
+def test_a_busy_requests_remaining_tokens_count_only_up_to_its_slots_cap() -> None:
+    # a large max_tokens cannot take a slot past its cap (n_ctx): the task stops there
+    slots = [Slot(0, 2048, True, 200, 3, 8187), Slot(1, 2048, False, 0, 0, None)]
+    assert Pressure(slots, 4096).need == 2048 / 4096
+
+
 def test_the_need_counts_what_each_busy_request_may_still_generate() -> None:
     slots = [Slot(0, 1024, True, 400, 8, 100), Slot(1, 1024, False, 300, 0, 20)]
     assert Pressure(slots, 1024).need == (400 + 100 + 300) / 1024
@@ -109,6 +115,15 @@ def test_the_pool_is_not_watched_when_a_revert_would_not_guarantee_more(
     assert b.policy.pool_limit == 0.0 and b.view()["pool_limit"] is None
 
 
+def test_a_previous_generation_without_a_plan_leaves_the_pool_unwatched(tmp_path: Path) -> None:
+    # an adopted hand edit: how its pool was sized is unknown, so a revert promises nothing
+    st = store.Store(tmp_path)
+    st.new("A=1\n", {"time": T0 - 3600, "timings": {"total": 1}})
+    st.new("A=2\n", {"time": T0, "timings": {"total": 2}, "previous": 1, "planned": OVER})
+    st.set_live(2)
+    assert bake.begin(config.load_settings(bake="10m"), st, 2, 1).policy.pool_limit == 0.0
+
+
 def test_a_bake_limit_of_zero_turns_the_watch_off(tmp_path: Path) -> None:
     st = generations(tmp_path, GUARANTEED, OVER)
     b = bake.begin(config.load_settings(bake="10m", bake_pool_limit=0), st, 2, 1)
@@ -123,45 +138,121 @@ def test_the_judge_gets_the_fullest_of_the_samples_look_and_the_polls(tmp_path: 
     assert s.pool_need == pytest.approx(960 / 1024) and s.pool_line == peak.describe()
 
 
-def test_a_look_at_the_limit_between_samples_samples_at_once_with_it(tmp_path: Path) -> None:
-    st = generations(tmp_path, GUARANTEED, OVER)
-    bake.begin(config.load_settings(bake="10m"), st, 2, 1)
-    looks = iter([pool((100, True)), pool((300, True)), pool((950, True))])
+class Clock:
+    """A clock that sleeping moves (and a look may too: ``cost``)."""
+
+    def __init__(self) -> None:
+        self.now, self.slept = 0.0, []  # type: list[float]
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+def samples_until(st: store.Store, n: int) -> tuple[list[Pressure | None], Any]:
+    """A sample_once that records what it got and ends the bake at its ``n``-th call."""
     got: list[Pressure | None] = []
-    slept: list[float] = []
 
     def sample_once(peak: Pressure | None) -> None:
         got.append(peak)
-        if len(got) == 2:  # the second sample ends the bake
+        if len(got) == n:
             b = bake.load(st.get(2).path)
             assert b is not None
             b.finish("passed", verdict.Verdict("passed", "window_ended", "done"), T0)
             bake.save(st.get(2).path, b)
 
-    bake.carry(st, 2, sample_once, slept.append, lambda: next(looks))
-    assert got[0] is None and got[1] is not None and got[1].need == 950 / 1024
-    assert slept == [0.25, 0.25, 0.25]  # the third look found it: no wait for the interval
+    return got, sample_once
 
 
-def test_a_look_that_cannot_read_the_slots_waits_on_for_the_sample(tmp_path: Path) -> None:
+def watched(tmp_path: Path, **kw: Any) -> store.Store:
     st = generations(tmp_path, GUARANTEED, OVER)
-    bake.begin(config.load_settings(bake="10m", bake_interval=1), st, 2, 1)
-    calls: list[Pressure | None] = []
+    bake.begin(config.load_settings(bake="10m", **kw), st, 2, 1)
+    return st
+
+
+def test_a_look_at_the_limit_between_samples_samples_at_once_with_it(tmp_path: Path) -> None:
+    st = watched(tmp_path)
+    looks = iter([pool((100, True)), pool((300, True)), pool((950, True))])
+    got, sample_once = samples_until(st, 2)
+    clock = Clock()
+    bake.carry(st, 2, sample_once, clock.sleep, lambda: next(looks), clock)
+    assert got[0] is None and got[1] is not None and got[1].need == 950 / 1024
+    assert clock.slept == [0.25, 0.25, 0.25]  # the third look found it: no wait for the rest
+
+
+def test_a_second_look_at_the_limit_in_a_row_waits_for_the_intervals_sample(
+    tmp_path: Path,
+) -> None:
+    # a sample that was skipped (a deploy holds the lock) is not tried again at every look
+    st = watched(tmp_path, bake_interval=1)
+    got, sample_once = samples_until(st, 4)
+    clock = Clock()
+    bake.carry(st, 2, sample_once, clock.sleep, lambda: pool((950, True)), clock)
+    assert clock.slept == [0.25] + [0.25] * 4 + [0.25]
+    assert all(p is not None and p.need == 950 / 1024 for p in got[1:])
+
+
+def test_slow_looks_never_stretch_the_interval(tmp_path: Path) -> None:
+    st = watched(tmp_path, bake_interval=1)
+    _, sample_once = samples_until(st, 3)
+    clock = Clock()
+
+    def slow() -> Pressure:
+        clock.now += 2.0  # a server that answers in 2 s
+        return pool((100, True))
+
+    bake.carry(st, 2, sample_once, clock.sleep, slow, clock)
+    assert clock.slept == [0.25, 0.25] and clock.now == 4.5  # one look per interval
+
+
+def test_looks_that_cannot_read_the_pool_for_the_unread_limit_stop_with_a_note(
+    tmp_path: Path,
+) -> None:
+    st = watched(tmp_path, bake_interval=1, bake_unread_limit=1)  # one interval: 4 looks
+    got, sample_once = samples_until(st, 3)
+    clock = Clock()
+    looks: list[int] = []
 
     def unreadable() -> Pressure:
-        raise Unreadable("slots", "the server does not answer")
+        looks.append(1)
+        raise Unreadable("slots", "/slots is off (501)")
 
-    def sample_once(peak: Pressure | None) -> None:
-        calls.append(peak)
-        if len(calls) == 2:
-            b = bake.load(st.get(2).path)
-            assert b is not None
-            b.finish("passed", verdict.Verdict("passed", "window_ended", "done"), T0)
-            bake.save(st.get(2).path, b)
+    bake.carry(st, 2, sample_once, clock.sleep, unreadable, clock)
+    assert got == [None, None, None] and len(looks) == 4  # then only the samples
+    assert clock.slept == [0.25] * 4 + [1.0]
+    b = bake.load(st.get(2).path)
+    assert b is not None and any("pool watch stopped after 4 looks" in n for n in b.progress.notes)
 
-    slept: list[float] = []
-    bake.carry(st, 2, sample_once, slept.append, unreadable)
-    assert calls == [None, None] and slept == [0.25] * 4
+
+def test_a_build_whose_slots_say_nothing_of_what_they_hold_counts_as_unreadable(
+    tmp_path: Path,
+) -> None:
+    st = watched(tmp_path, bake_interval=1, bake_unread_limit=2)  # two intervals: 8 looks
+    _, sample_once = samples_until(st, 3)
+    clock = Clock()
+    b9093 = Pressure([Slot(0, 1024, True, None, 3)], 1024)  # no n_prompt_tokens
+    bake.carry(st, 2, sample_once, clock.sleep, lambda: b9093, clock)
+    b = bake.load(st.get(2).path)
+    assert b is not None and any("says nothing of what a slot holds" in n for n in b.progress.notes)
+
+
+def test_a_look_that_fails_once_does_not_stop_the_watch(tmp_path: Path) -> None:
+    st = watched(tmp_path, bake_interval=1)
+    got, sample_once = samples_until(st, 2)
+    clock = Clock()
+    looks = iter([None, pool((950, True))])
+
+    def flaky() -> Pressure:
+        now = next(looks)
+        if now is None:
+            raise Unreadable("slots", "the server does not answer: ReadTimeout")
+        return now
+
+    bake.carry(st, 2, sample_once, clock.sleep, flaky, clock)
+    assert got[1] is not None and clock.slept == [0.25, 0.25]
 
 
 def test_a_watched_bake_reverts_on_the_look_through_the_step(tmp_path: Path) -> None:

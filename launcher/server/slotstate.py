@@ -144,13 +144,16 @@ class Pressure:
         """The share of the pool the slots' sessions need when they are busy at once: the
         cells every slot holds (an idle slot's cells are purged first when a batch finds
         no room, but its session comes back with that history) plus what each busy task
-        may still generate (``n_remain``; a task without a limit counts what it holds).
-        Past 1, the next turns that overlap overflow a shared pool."""
-        held = self.held()
-        if held is None or not self.pool_cells:
+        may still generate (``n_remain``, up to its slot's cap: a task stops there; a task
+        without a limit counts what it holds). Past 1, the next turns that overlap
+        overflow a shared pool."""
+        if not self.known or not self.pool_cells:
             return None
-        more = sum(s.remain or 0 for s in self.slots if s.busy)
-        return (held + more) / self.pool_cells
+        total = 0
+        for s in self.slots:
+            held = s.tokens or 0
+            total += max(held, min(held + (s.remain or 0), s.n_ctx)) if s.busy else held
+        return total / self.pool_cells
 
     @property
     def max_fill(self) -> float | None:

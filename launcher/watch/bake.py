@@ -195,11 +195,11 @@ def begin(settings: ToolSettings, st: store.Store, generation: int, previous: in
     """Start the bake of ``generation`` (just deployed over ``previous``) with the policy of
     ``settings``; the baseline is ``previous``'s live record, when it recorded anything.
     The pool is watched (``bake_pool_limit``) only when ``generation``'s shared pool is
-    over-committed and ``previous``'s was not: a revert to a pool that may overflow too is
-    no cure for one that is about to."""
+    over-committed and ``previous``'s plan says it was not: a revert to a pool that may
+    overflow too (or one of unknown size) is no cure for one that is about to."""
     gen = st.get(generation)
     baseline = None
-    old_overcommitted = True
+    old_overcommitted: bool | None = None
     if previous is not None:
         with contextlib.suppress(StoreError):
             old = st.get(previous)
@@ -208,7 +208,7 @@ def begin(settings: ToolSettings, st: store.Store, generation: int, previous: in
             if rec.totals.get("samples"):
                 baseline = verdict.baseline_of(rec)
     policy = Policy.from_settings(settings)
-    if not _overcommitted(gen) or old_overcommitted:
+    if _overcommitted(gen) is not True or old_overcommitted is not False:
         policy = dataclasses.replace(policy, pool_limit=0.0, pool_poll=0.0)
     bake = Bake(
         generation=generation,
@@ -223,8 +223,11 @@ def begin(settings: ToolSettings, st: store.Store, generation: int, previous: in
     return bake
 
 
-def _overcommitted(gen: store.Generation) -> bool:
-    return bool((gen.meta.get("planned") or {}).get("overcommitted"))
+def _overcommitted(gen: store.Generation) -> bool | None:
+    """Whether the generation's planned pool is over-committed (None: it has no plan, e.g.
+    an adopted hand edit: unknown)."""
+    planned = gen.meta.get("planned")
+    return bool(planned.get("overcommitted")) if isinstance(planned, dict) else None
 
 
 def live_bake(st: store.Store) -> tuple[store.Generation, Bake] | None:
@@ -459,6 +462,7 @@ def carry(
     sample_once: Callable[[slotstate.Pressure | None], object],
     sleep: Callable[[float], None] = time.sleep,
     look: Callable[[], slotstate.Pressure | None] | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> Bake | None:
     """Sample every ``bake_interval`` while ``generation``'s bake runs and it is live (what
     the sampler's service and ``deploy --wait`` do); returns its bake as it ended.
@@ -466,9 +470,15 @@ def carry(
     A bake that watches its pool (``Policy.pool_limit``) also looks at the slots every
     ``pool_poll`` seconds between samples (``look``: ``GET /slots`` alone, a few
     milliseconds): a sample's interval is longer than a pool takes to fill when the agents'
-    turns are short. A look that finds the slots' need at the limit samples at once, and
-    ``sample_once`` gets it (the judge's ``pool_need``: the server may have freed the cells
-    by the time the sample reads them)."""
+    turns are short. A look that finds the slots' need at the limit samples at once (once
+    per interval: a second one waits for the interval's sample, so a sample that was
+    skipped, e.g. during a deploy, is not tried again at every look), and ``sample_once``
+    gets the fullest look since the sample before (the judge's ``pool_need``: the server
+    may have freed the cells by the time the sample reads them). Looks never stretch the
+    interval: they stop at its end, however slow the server answers (``clock``). When the
+    looks cannot read the pool for ``unread_limit`` intervals in a row (the server down,
+    ``/slots`` off, a build whose ``/slots`` says nothing of what a slot holds) they stop,
+    with a note in the bake's record; the samples go on judging it."""
 
     def bake_of() -> Bake | None:
         try:
@@ -481,20 +491,71 @@ def carry(
         return first
     policy = first.policy
     peak: list[slotstate.Pressure] = []
+    # looks: whether they go on, the unreadable ones in a row, whether the last wait ended
+    # on one at the limit (the next wait then runs to its end)
+    watch = {"on": look is not None and bool(policy.pool_limit and policy.pool_poll)}
+    unread, last_why, triggered = [0], [""], [False]
+    # as long as the samples' own unread limit (``unread_limit`` intervals), in looks
+    give_up = policy.unread_limit * max(1, math.ceil(policy.interval / (policy.pool_poll or 1)))
+
+    def fuller(now: slotstate.Pressure) -> None:
+        if not peak or (now.need or 0.0) > (peak[0].need or 0.0):
+            peak[:] = [now]
+
+    def one_look() -> slotstate.Pressure | None:
+        assert look is not None
+        try:
+            now = look()
+        except (LauncherError, OSError) as e:
+            now, why = None, str(e)
+        else:
+            why = "its /slots says nothing of what a slot holds"
+        if now is None or now.need is None:
+            unread[0], last_why[0] = unread[0] + 1, why
+            if unread[0] >= give_up:
+                watch["on"] = False
+                _note(
+                    f"the pool watch stopped after {unread[0]} looks in a row that could not "
+                    f"read the pool ({last_why[0]}); the samples judge it"
+                )
+            return None
+        unread[0] = 0
+        return now
 
     def wait(seconds: float) -> None:
-        if look is None or not policy.pool_limit or not policy.pool_poll:
+        if not watch["on"]:
             sleep(seconds)
             return
+        end = clock() + seconds
         for _ in range(max(1, math.ceil(seconds / policy.pool_poll))):
-            sleep(min(policy.pool_poll, seconds))
-            with contextlib.suppress(LauncherError, OSError):
-                now = look()
-                if now is not None and (now.need or 0.0) >= policy.pool_limit:
-                    peak.append(now)
+            left = end - clock()
+            if left <= 0:
+                break
+            sleep(min(policy.pool_poll, left))
+            now = one_look()
+            if now is None:
+                if not watch["on"]:
+                    left = end - clock()
+                    if left > 0:
+                        sleep(left)
                     return
+                continue
+            fuller(now)
+            if (now.need or 0.0) >= policy.pool_limit and not triggered[0]:
+                triggered[0] = True
+                return
+        triggered[0] = False
+
+    def _note(text: str) -> None:
+        b = bake_of()
+        if b is not None and b.running:
+            b.progress.notes.append(text)
+            with contextlib.suppress(OSError, StoreError):
+                save(st.get(generation).path, b)
 
     def again() -> bool:
+        if st.live_number() != generation:
+            peak.clear()  # a look at this generation is no other's
         sample_once(peak.pop() if peak else None)
         now = bake_of()
         return now is not None and now.running and st.live_number() == generation

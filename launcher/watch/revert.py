@@ -41,7 +41,7 @@ def revert(
         result = deployer.rollback(to=previous)
     except (DeployFailed, RollbackFailed) as e:
         failed = e.result if isinstance(e.result, Result) else None
-        data = kept(failed) if failed else {"outcome": "rollback_failed"}
+        data = kept(failed) if failed else {"outcome": "rollback_failed", "ok": False}
         return {**data, "message": str(e), "error": type(e).__name__}
     except LauncherError as e:
         return {

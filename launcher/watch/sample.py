@@ -52,6 +52,8 @@ CLEAR_AT = 0.8
 #: The HTTP timeout of one read: /slots and /metrics are high-priority tasks, answered
 #: between two decode batches.
 HTTP_TIMEOUT = 10.0
+#: A look at /slots between a bake's samples (``look``): short, a look never holds a sample up
+LOOK_TIMEOUT = 1.0
 SOURCES = ("slots", "metrics", "proc", "journal")
 
 
@@ -395,10 +397,14 @@ def read_server(
 
 
 def _client(
-    target: Target, gen: store.Generation, key: str | None, transport: httpx.BaseTransport | None
+    target: Target,
+    gen: store.Generation,
+    key: str | None,
+    transport: httpx.BaseTransport | None,
+    timeout: float = HTTP_TIMEOUT,
 ) -> httpx.Client:
     url = target.base_url or url_from_argv(list(gen.meta.get("argv") or []))
-    return httpclient.client(httpx.Client, url, key, HTTP_TIMEOUT, transport, False)
+    return httpclient.client(httpx.Client, url, key, timeout, transport, False)
 
 
 def look(
@@ -408,7 +414,7 @@ def look(
     looks at an over-committed pool between its samples (``launcher.watch.bake.carry``).
     Raises ``LauncherError`` when they cannot be read."""
     key = keys.key_of_env(gen.env_text, str(gen.path / "env"))
-    with _client(target, gen, key, transport) as client:
+    with _client(target, gen, key, transport, LOOK_TIMEOUT) as client:
         return slotstate.Pressure(
             slotstate.read(client), (gen.meta.get("planned") or {}).get("pool_cells")
         )
