@@ -109,7 +109,10 @@ class Waits:
     # journald tells followers about new entries every 250 ms, its files have them before;
     # a dead process's last lines may still be on their way into them
     journal_catchup: float = 2.0
-    last_words: float = 0.5
+    # read until the lines name the cause; 0.5 s was too short on a busy 2-core machine (a
+    # taken port reported as a bare exit, 2026-12-02); under the unit's RestartSec (2 s),
+    # so a crash whose cause is seen at once still rolls back before systemd starts it again
+    last_words: float = 1.5
     reread: float = 0.02  # between two reads of the journal file
     lock_poll: float = 0.05  # between two tries of the lock
     # the front's HAProxy, started again by systemd (RestartSec=1) or by `systemctl start`
