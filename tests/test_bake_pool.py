@@ -167,6 +167,12 @@ def samples_until(st: store.Store, n: int) -> tuple[list[Pressure | None], Any]:
     return got, sample_once
 
 
+def notes(st: store.Store) -> list[str]:
+    b = bake.load(st.get(2).path)
+    assert b is not None
+    return b.progress.notes
+
+
 def watched(tmp_path: Path, **kw: Any) -> store.Store:
     st = generations(tmp_path, GUARANTEED, OVER)
     bake.begin(config.load_settings(bake="10m", **kw), st, 2, 1)
@@ -223,8 +229,7 @@ def test_looks_that_cannot_read_the_pool_for_the_unread_limit_stop_with_a_note(
     bake.carry(st, 2, sample_once, clock.sleep, unreadable, clock)
     assert got == [None, None, None] and len(looks) == 4  # then only the samples
     assert clock.slept == [0.25] * 4 + [1.0]
-    b = bake.load(st.get(2).path)
-    assert b is not None and any("pool watch stopped after 4 looks" in n for n in b.progress.notes)
+    assert any("pool watch stopped after 4 looks" in n for n in notes(st))
 
 
 def test_a_build_whose_slots_say_nothing_of_what_they_hold_counts_as_unreadable(
@@ -235,8 +240,7 @@ def test_a_build_whose_slots_say_nothing_of_what_they_hold_counts_as_unreadable(
     clock = Clock()
     b9093 = Pressure([Slot(0, 1024, True, None, 3)], 1024)  # no n_prompt_tokens
     bake.carry(st, 2, sample_once, clock.sleep, lambda: b9093, clock)
-    b = bake.load(st.get(2).path)
-    assert b is not None and any("says nothing of what a slot holds" in n for n in b.progress.notes)
+    assert any("says nothing of what a slot holds" in n for n in notes(st))
 
 
 def test_a_look_that_fails_once_does_not_stop_the_watch(tmp_path: Path) -> None:

@@ -489,79 +489,107 @@ def carry(
     first = bake_of()
     if first is None or not first.running:
         return first
-    policy = first.policy
-    peak: list[slotstate.Pressure] = []
-    # looks: whether they go on, the unreadable ones in a row, whether the last wait ended
-    # on one at the limit (the next wait then runs to its end)
-    watch = {"on": look is not None and bool(policy.pool_limit and policy.pool_poll)}
-    unread, last_why, triggered = [0], [""], [False]
-    # as long as the samples' own unread limit (``unread_limit`` intervals), in looks
-    give_up = policy.unread_limit * max(1, math.ceil(policy.interval / (policy.pool_poll or 1)))
+    looks = _Looks(first.policy, look, sleep, clock, lambda text: _note(st, generation, text))
 
-    def fuller(now: slotstate.Pressure) -> None:
-        if not peak or (now.need or 0.0) > (peak[0].need or 0.0):
-            peak[:] = [now]
+    def again() -> bool:
+        peak = looks.take()
+        sample_once(peak if st.live_number() == generation else None)
+        now = bake_of()
+        return now is not None and now.running and st.live_number() == generation
 
-    def one_look() -> slotstate.Pressure | None:
-        assert look is not None
+    waits.every_while(first.policy.interval, looks.wait)(again)
+    return bake_of()
+
+
+def _note(st: store.Store, generation: int, text: str) -> None:
+    """A line in a running bake's notes."""
+    with contextlib.suppress(OSError, StoreError):
+        gen = st.get(generation)
+        b = load(gen.path)
+        if b is not None and b.running:
+            b.progress.notes.append(text)
+            save(gen.path, b)
+
+
+class _Looks:
+    """``carry``'s wait between two samples: with the pool watched, a look at the slots
+    every ``pool_poll`` until the interval's end, the fullest kept for the next sample, and
+    the wait cut short by a look at the limit (see ``carry``)."""
+
+    def __init__(
+        self,
+        policy: Policy,
+        look: Callable[[], slotstate.Pressure | None] | None,
+        sleep: Callable[[float], None],
+        clock: Callable[[], float],
+        note: Callable[[str], None],
+    ) -> None:
+        self.policy, self.look, self.sleep, self.clock, self.note = (
+            policy,
+            look,
+            sleep,
+            clock,
+            note,
+        )
+        self.on = look is not None and bool(policy.pool_limit and policy.pool_poll)
+        self.fullest: slotstate.Pressure | None = None
+        self.unread, self.why = 0, ""
+        #: the last wait ended on a look at the limit: the next one runs to its end
+        self.triggered = False
+        #: as long as the samples' own unread limit (``unread_limit`` intervals), in looks
+        per = max(1, math.ceil(policy.interval / (policy.pool_poll or 1)))
+        self.give_up = policy.unread_limit * per
+
+    def take(self) -> slotstate.Pressure | None:
+        """The fullest look since the sample before (and none kept for the next)."""
+        peak, self.fullest = self.fullest, None
+        return peak
+
+    def wait(self, seconds: float) -> None:
+        if not self.on:
+            self.sleep(seconds)
+            return
+        end = self.clock() + seconds
+        for _ in range(max(1, math.ceil(seconds / self.policy.pool_poll))):
+            left = end - self.clock()
+            if left <= 0:
+                break
+            self.sleep(min(self.policy.pool_poll, left))
+            now = self._one()
+            if now is None:
+                if not self.on:  # the looks stopped: the rest of the interval as a sleep
+                    left = end - self.clock()
+                    if left > 0:
+                        self.sleep(left)
+                    return
+                continue
+            if self.fullest is None or (now.need or 0.0) > (self.fullest.need or 0.0):
+                self.fullest = now
+            if (now.need or 0.0) >= self.policy.pool_limit and not self.triggered:
+                self.triggered = True
+                return
+        self.triggered = False
+
+    def _one(self) -> slotstate.Pressure | None:
+        """One look; None when it could not read the pool (counted: ``give_up``)."""
+        assert self.look is not None
         try:
-            now = look()
+            now = self.look()
         except (LauncherError, OSError) as e:
             now, why = None, str(e)
         else:
             why = "its /slots says nothing of what a slot holds"
-        if now is None or now.need is None:
-            unread[0], last_why[0] = unread[0] + 1, why
-            if unread[0] >= give_up:
-                watch["on"] = False
-                _note(
-                    f"the pool watch stopped after {unread[0]} looks in a row that could not "
-                    f"read the pool ({last_why[0]}); the samples judge it"
-                )
-            return None
-        unread[0] = 0
-        return now
-
-    def wait(seconds: float) -> None:
-        if not watch["on"]:
-            sleep(seconds)
-            return
-        end = clock() + seconds
-        for _ in range(max(1, math.ceil(seconds / policy.pool_poll))):
-            left = end - clock()
-            if left <= 0:
-                break
-            sleep(min(policy.pool_poll, left))
-            now = one_look()
-            if now is None:
-                if not watch["on"]:
-                    left = end - clock()
-                    if left > 0:
-                        sleep(left)
-                    return
-                continue
-            fuller(now)
-            if (now.need or 0.0) >= policy.pool_limit and not triggered[0]:
-                triggered[0] = True
-                return
-        triggered[0] = False
-
-    def _note(text: str) -> None:
-        b = bake_of()
-        if b is not None and b.running:
-            b.progress.notes.append(text)
-            with contextlib.suppress(OSError, StoreError):
-                save(st.get(generation).path, b)
-
-    def again() -> bool:
-        if st.live_number() != generation:
-            peak.clear()  # a look at this generation is no other's
-        sample_once(peak.pop() if peak else None)
-        now = bake_of()
-        return now is not None and now.running and st.live_number() == generation
-
-    waits.every_while(policy.interval, wait)(again)
-    return bake_of()
+        if now is not None and now.need is not None:
+            self.unread = 0
+            return now
+        self.unread, self.why = self.unread + 1, why
+        if self.unread >= self.give_up:
+            self.on = False
+            self.note(
+                f"the pool watch stopped after {self.unread} looks in a row that could not "
+                f"read the pool ({self.why}); the samples judge it"
+            )
+        return None
 
 
 def say(b: Bake) -> str:
