@@ -14,6 +14,12 @@ fails its gate and rolls back (a chat template that refuses only the probe). Per
 It prints requests failed or cut, the longest wait for a first token any agent saw, and
 each agent's first-turn time to first token after a deploy / its last turn's before it, in
 the same conversation. Not a test: nothing here asserts.
+
+``BENCH_LOAD_S=20``: a stand-in for a real box's model load. The tiny model loads in
+milliseconds; a real one takes tens of seconds from the page cache and minutes from disk.
+The bench then runs llama-server through a wrapper script (written into its temporary folder)
+that sleeps that long before it execs the real binary, whenever it is started to serve (its
+arguments have ``--port``); the binary's probes (``--version``, ``--help``) run at once.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shlex
 import statistics
 import subprocess
 import sys
@@ -56,6 +63,8 @@ BAD_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 PLAIN = [w for w in tinymodel.WORDS if not w.startswith("<|")]
+#: seconds the stand-in's load takes (0: the real binary, the tiny model's milliseconds)
+LOAD_S = float(os.environ.get("BENCH_LOAD_S", "0"))
 
 
 @dataclass
@@ -253,17 +262,33 @@ def summarize(mode: str, turns: list[Turn], deploys: list[Deploy]) -> dict[str, 
     }
 
 
+def slow_loader(tmp: Path, server: str, seconds: float) -> str:
+    """A llama-server whose start to serve takes ``seconds`` longer (``BENCH_LOAD_S``)."""
+    path = tmp / "slow-llama-server"
+    path.write_text(
+        "#!/bin/sh\n"
+        "# a stand-in for a real model load (scripts/disruption.py, BENCH_LOAD_S)\n"
+        f'case " $* " in *" --port "*) sleep {seconds:g} ;; esac\n'
+        f'exec {shlex.quote(server)} "$@"\n'
+    )
+    path.chmod(0o755)
+    return str(path)
+
+
 def main() -> None:
     modes = sys.argv[1:] or ["bare", "drain", "carry", "front"]
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         model = tinymodel.write(tmp / "tiny.gguf")
         server = realserver.server_binary()
+        if LOAD_S:
+            server = slow_loader(tmp, server, LOAD_S)
         rows = [run_mode(m, tmp, model, server) for m in modes]
     print(
         f"{AGENTS} agents, streamed multi-turn chats growing to ~{HISTORY_LIMIT} tokens, "
         f"think {THINK[0]}-{THINK[1]} s; deploys: -t 2, -t 1, a template refusing the probe "
-        "(rolls back); the tiny model, -c 16384 -np 4 -t 1, on this machine:"
+        "(rolls back); the tiny model, -c 16384 -np 4 -t 1, on this machine"
+        + (f", each start to serve {LOAD_S:g} s longer (BENCH_LOAD_S):" if LOAD_S else ":")
     )
     print(
         f"{'mode':6} {'requests':>8} {'failed':>6} {'cut':>4} {'longest wait s':>14} "

@@ -37,6 +37,9 @@ def human(result: Result, show_diff: bool = True) -> str:
 
         if sides := sides_line(result.memory, result.memory.get("estimate")):
             lines.append(f"  memory per side: {sides}")
+    if beside := result.memory.get("beside"):
+        verdict = {True: "fits", False: "does not fit", None: "unknown"}[beside["fits"]]
+        lines.append(f"  a second instance beside the running one: {verdict}: {beside['why']}")
     if show_diff and result.diff:
         lines.append("  argv diff:")
         lines += [f"    {d}" for d in result.diff]

@@ -328,7 +328,7 @@ def _host_only(need: Need, host_free: int, releasable: int) -> None:
     )
 
 
-def _proc_status_bytes(pid: int, field: str) -> int | None:
+def proc_status_bytes(pid: int, field: str) -> int | None:
     """A ``kB`` field of ``/proc/PID/status`` in bytes; None when the process or field is gone."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -345,7 +345,7 @@ def releasable_memory(state: UnitState) -> int:
     MemAvailable already, as reclaimable page cache, so they are not counted twice."""
     if not state.running or state.main_pid <= 0:
         return 0
-    return _proc_status_bytes(state.main_pid, "RssAnon") or 0
+    return proc_status_bytes(state.main_pid, "RssAnon") or 0
 
 
 def process_memory(state: UnitState) -> int | None:
@@ -353,7 +353,7 @@ def process_memory(state: UnitState) -> int | None:
     if state.memory_current:
         return state.memory_current
     if state.main_pid > 0:
-        return _proc_status_bytes(state.main_pid, "VmRSS")
+        return proc_status_bytes(state.main_pid, "VmRSS")
     return None
 
 

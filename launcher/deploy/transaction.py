@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher import config, waits
-from launcher.config import memory, validate
+from launcher.config import beside, memory, validate
 from launcher.deploy import budgets, defaults, handover, home, keys, restore, store, window
 from launcher.deploy.errorhandler import Signals, on_error
 from launcher.deploy.gate import Gate, Progress, together
@@ -236,6 +236,8 @@ class Deployer:
             live = self.store.live()
             window_data = self._window(checked, result.previous_generation) if live else None
             return result.unchanged(live.meta.get("startup") if live else None, window_data)
+        if running is not None and running.running:
+            result.memory["beside"] = self._beside(checked, running)
         if check:
             result.message = "valid; nothing was changed (check mode)"
             return result
@@ -248,6 +250,12 @@ class Deployer:
         if old_text is None:
             old_text = self.reverter.deleted_live(result.warnings)
         return self._transaction(checked, old_text, origin, result, t0, running)
+
+    def _beside(self, checked: validate.Validated, running: UnitState) -> dict[str, Any]:
+        """Whether the new config would fit as a second instance beside the running one."""
+        live = self.store.live_meta() or {}
+        now = beside.running_of(running.main_pid, live.get("config"))
+        return beside.fit(checked.memory, checked.config, now, memory.mem_available()).to_dict()
 
     # -- register the rollback -> store + swap -> restart -> gate -> commit ----------------
 
