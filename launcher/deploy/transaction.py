@@ -255,7 +255,11 @@ class Deployer:
         """Whether the new config would fit as a second instance beside the running one."""
         live = self.store.live_meta() or {}
         now = beside.running_of(running.main_pid, live.get("config"))
-        return beside.fit(checked.memory, checked.config, now, memory.mem_available()).to_dict()
+        try:
+            free = memory.mem_available()
+        except ConfigInvalid as e:  # no MemAvailable: the guard was forced off, or refused
+            return beside.Beside(None, str(e)).to_dict()
+        return beside.fit(checked.memory, checked.config, now, free).to_dict()
 
     # -- register the rollback -> store + swap -> restart -> gate -> commit ----------------
 
