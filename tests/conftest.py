@@ -25,6 +25,17 @@ import tinymodel
 REPO = Path(__file__).resolve().parent.parent
 
 
+#: Llama-3.1-8B's layout at Q8_0 (7.9 GiB of tensors, no weights: a sparse file)
+LLAMA_8B = tinymodel.Shape(layers=32, n_embd=4096, heads=32, kv_heads=8, ff=14336, ctx_train=131072)
+
+
+@pytest.fixture(scope="module")
+def model_8b(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A sparse GGUF with Llama-3.1-8B's layout, for the memory guard on boxes with devices."""
+    path = tmp_path_factory.mktemp("sparse") / "llama-8b-q8_0.gguf"
+    return tinymodel.write_layout(path, LLAMA_8B, n_vocab=32000, merges=0)
+
+
 @pytest.fixture(scope="session")
 def logs(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[str, Any]:
     """Logs the real llama-server writes in this run (scripts/repro.py): the seed's shared-pool

@@ -14,7 +14,6 @@ from typing import Any
 
 import gpufixtures as gf
 import pytest
-import tinymodel
 from conftest import Host
 
 from launcher import config
@@ -23,13 +22,6 @@ from launcher.errors import MemoryGuardError
 from launcher.server import devices
 
 MiB, GiB = 1 << 20, 1 << 30
-LLAMA_8B = tinymodel.Shape(layers=32, n_embd=4096, heads=32, kv_heads=8, ff=14336, ctx_train=131072)
-
-
-@pytest.fixture(scope="module")
-def model_8b(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("sparse") / "llama-8b-q8_0.gguf"
-    return tinymodel.write_layout(path, LLAMA_8B, n_vocab=32000, merges=0)
 
 
 def _cfg(server: str, model: Path, **fields: Any) -> config.ServerConfig:
