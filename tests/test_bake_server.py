@@ -115,14 +115,16 @@ def test_seed_000_made_live_is_reverted_at_the_first_sample_that_sees_the_pool_o
     good = live(baked)
     agents = Agents(baked.url)
     with ThreadPoolExecutor(4) as pool:
-        for i in range(4):
-            pool.submit(agents.agent, i)
-        until(lambda: sum(agents.ok) >= 4)  # turns answered by the good config
-        assert sum(agents.ok) >= 4, (agents.ok, agents.failed)
-        sample = baked.cli_json("sample")[1]  # the baseline's figures, with their load
-        assert sample["generation"] == good.number, sample
-        rc, out = _deploy_waiting(baked, *OVERCOMMITTED, LLAMA_LAUNCHER_BAKE_POOL_LIMIT="0")
-        agents.stop.set()
+        try:  # the agents loop until stopped: a failure here must stop them, or it hangs
+            for i in range(4):
+                pool.submit(agents.agent, i)
+            until(lambda: sum(agents.ok) >= 4)  # turns answered by the good config
+            assert sum(agents.ok) >= 4, (agents.ok, agents.failed)
+            sample = baked.cli_json("sample")[1]  # the baseline's figures, with their load
+            assert sample["generation"] == good.number, sample
+            rc, out = _deploy_waiting(baked, *OVERCOMMITTED, LLAMA_LAUNCHER_BAKE_POOL_LIMIT="0")
+        finally:
+            agents.stop.set()
     assert (rc, out["outcome"]) == (6, "reverted"), json.dumps(out)[-3000:]
     verdict = out["bake"]["verdict"]["verdict"]
     assert (verdict["signal"], verdict["hard"]) == ("context_exceeded", True), verdict
@@ -166,10 +168,12 @@ def test_a_session_near_the_whole_over_committed_pool_reverts_it_before_it_overf
                 time.sleep(0.1)  # the revert's restart: tried again
 
     with ThreadPoolExecutor(1) as pool:
-        pool.submit(agent)
-        until(lambda: answered[0] >= 2)
-        rc, out = _deploy_waiting(baked, *OVERCOMMITTED)
-        stop.set()
+        try:
+            pool.submit(agent)
+            until(lambda: answered[0] >= 2)
+            rc, out = _deploy_waiting(baked, *OVERCOMMITTED)
+        finally:
+            stop.set()
     assert (rc, out["outcome"]) == (6, "reverted"), json.dumps(out)[-3000:]
     verdict = out["bake"]["verdict"]["verdict"]
     assert (verdict["signal"], verdict["hard"]) == ("pool", True), verdict

@@ -107,7 +107,7 @@ def stopped_before_the_drain(host: Host, *args: str) -> Iterator[subprocess.Pope
         yield p
     except BaseException as e:
         p.kill()
-        out, err = p.communicate()
+        out, err = p.communicate(timeout=30)
         e.add_note(f"the deploy: rc={p.returncode}\n{out}\n{err}")
         raise
     p.send_signal(signal.SIGCONT)
@@ -382,6 +382,7 @@ def fronted(host: Host) -> Iterator[Host]:
 
 def front_stat(host: Host) -> dict[str, str]:
     with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(10)  # a wedged HAProxy fails the test instead of hanging it
         s.connect(str(host.state_dir / "front" / "admin.sock"))
         s.sendall(b"show stat\n")
         text = b""
