@@ -13,9 +13,12 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    from launcher import config
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -27,6 +30,15 @@ REPO = Path(__file__).resolve().parent.parent
 
 #: Llama-3.1-8B's layout at Q8_0 (7.9 GiB of tensors, no weights: a sparse file)
 LLAMA_8B = tinymodel.Shape(layers=32, n_embd=4096, heads=32, kv_heads=8, ff=14336, ctx_train=131072)
+
+
+def config_32k(server: str, model: Path, **fields: Any) -> config.ServerConfig:
+    """A one-slot 32k config of ``model`` (the memory guard's and the fit's usual case)."""
+    from launcher import config
+
+    return config.build(
+        {"llama_server": server, "model": str(model), "ctx_size": 32768, "parallel": 1, **fields}
+    )
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -159,6 +160,24 @@ def test_carry_samples_until_the_verdict(tmp_path: Path) -> None:
     b = bake.carry(st, 2, sample_once, slept.append)
     assert b is not None and b.state == "passed" and clock[0] == T0 + 605
     assert slept == [15.0, 15.0]
+
+
+def test_carry_whose_samples_never_judge_ends_the_bake_inconclusive_after_its_window(
+    tmp_path: Path,
+) -> None:
+    st = two_generations(tmp_path)
+    bake.begin(settings(), st, 2, 1)  # 10 minutes, a sample every 15 s, unread limit 4
+    now = [0.0]
+    said = SimpleNamespace(skipped="a deploy of ll.service is in progress", errors=[])
+
+    def sleep(seconds: float) -> None:
+        now[0] += seconds
+
+    b = bake.carry(st, 2, lambda peak: said, sleep, clock=lambda: now[0])
+    assert b is not None and b.state == "inconclusive" and b.verdict is not None
+    assert b.verdict.signal == "unjudged"
+    assert "(the last one: a deploy of ll.service is in progress)" in b.verdict.reason
+    assert 600 + 4 * 15 <= now[0] < 600 + 5 * 15  # the window and four intervals
 
 
 @pytest.mark.parametrize("state", ["passed", "ended"])

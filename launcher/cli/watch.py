@@ -107,12 +107,16 @@ def _through_bake(target: Any, systemd: Any, as_json: bool) -> int:
         return code
     worst = [0]
 
-    def once(peak: Any) -> None:
-        worst[0] = max(worst[0], _report(sample.sample(target, systemd, peak=peak), as_json))
+    def once(peak: Any) -> Any:
+        out = sample.sample(target, systemd, peak=peak)
+        worst[0] = max(worst[0], _report(out, as_json))
         notify.ready()  # after the first sample; systemd ignores the ones after
+        return out
 
     gen = found[0]
-    bake.carry(st, gen.number, once, look=lambda: sample.look(target, gen))
+    final = bake.carry(st, gen.number, once, look=lambda: sample.look(target, gen))
+    if final is not None and final.verdict is not None and final.verdict.signal == "unjudged":
+        _warn(bake.say(final))  # no sample said it: the carry ended it
     return worst[0]
 
 

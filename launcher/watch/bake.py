@@ -478,7 +478,13 @@ def carry(
     interval: they stop at its end, however slow the server answers (``clock``). When the
     looks cannot read the pool for ``unread_limit`` intervals in a row (the server down,
     ``/slots`` off, a build whose ``/slots`` says nothing of what a slot holds) they stop,
-    with a note in the bake's record; the samples go on judging it."""
+    with a note in the bake's record; the samples go on judging it.
+
+    A carry never outlives its bake: once it has sampled for the bake's whole window and
+    ``unread_limit`` intervals more with the bake still running (every sample skipped, e.g.
+    a deploy that never ended or another sampler stuck holding the lock, or its verdict
+    never saved), the bake ends ``inconclusive`` (``unjudged``), naming what the last
+    sample said (``sample_once``'s result: its ``skipped`` or first of its ``errors``)."""
 
     def bake_of() -> Bake | None:
         try:
@@ -490,15 +496,41 @@ def carry(
     if first is None or not first.running:
         return first
     looks = _Looks(first.policy, look, sleep, clock, lambda text: _note(st, generation, text))
+    grace = first.policy.unread_limit * first.policy.interval
+    give_up = clock() + first.policy.duration + grace  # the carry began after the bake did
 
     def again() -> bool:
         peak = looks.take()
-        sample_once(peak if st.live_number() == generation else None)
+        said = sample_once(peak if st.live_number() == generation else None)
         now = bake_of()
-        return now is not None and now.running and st.live_number() == generation
+        if now is None or not now.running or st.live_number() != generation:
+            return False
+        if clock() < give_up:
+            return True
+        _unjudged(st, generation, grace, said)
+        return False
 
     waits.every_while(first.policy.interval, looks.wait)(again)
     return bake_of()
+
+
+def _unjudged(st: store.Store, generation: int, grace: float, said: object) -> None:
+    """``carry`` gave up: the bake no sample judged ends inconclusive (when it can be saved:
+    the carry ends either way)."""
+    errors = getattr(said, "errors", None) or []
+    last = getattr(said, "skipped", None) or (errors[0] if errors else "it judged nothing")
+    with contextlib.suppress(OSError, StoreError):
+        gen = st.get(generation)
+        b = load(gen.path)
+        if b is not None and b.running:
+            why = Verdict(
+                "inconclusive",
+                "unjudged",
+                f"no sample judged the bake in its window and {grace:.0f}s after (the last "
+                f"one: {last}): it ends inconclusive, the new config stays",
+            )
+            b.finish("inconclusive", why, time.time())
+            save(gen.path, b)
 
 
 def _note(st: store.Store, generation: int, text: str) -> None:
