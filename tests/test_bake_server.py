@@ -23,6 +23,7 @@ import httpx
 import pytest
 import tinymodel
 from conftest import Host, Sandbox
+from test_watch import take
 
 from launcher.deploy import store
 from launcher.watch import bake, record
@@ -120,7 +121,7 @@ def test_seed_000_made_live_is_reverted_at_the_first_sample_that_sees_the_pool_o
                 pool.submit(agents.agent, i)
             until(lambda: sum(agents.ok) >= 4)  # turns answered by the good config
             assert sum(agents.ok) >= 4, (agents.ok, agents.failed)
-            sample = baked.cli_json("sample")[1]  # the baseline's figures, with their load
+            sample = take(baked)  # the baseline's figures, with their load
             assert sample["generation"] == good.number, sample
             rc, out = _deploy_waiting(baked, *OVERCOMMITTED, LLAMA_LAUNCHER_BAKE_POOL_LIMIT="0")
         finally:
@@ -269,7 +270,7 @@ def test_a_config_that_decodes_several_times_slower_is_reverted_as_soft(
             answered = agent.ok
             time.sleep(2)
             until(lambda n=answered + 2: agent.ok >= n)  # completions between two samples
-            assert baked.cli_json("sample")[1]["generation"] == good.number
+            assert take(baked)["generation"] == good.number
         assert agent.ok >= 3, agent.ok
         flags = [*GOOD, "-m", str(deep), "--drain-timeout", "5", "--bake", "10m", "--wait"]
         rc, out = _deploy_waiting(baked, *flags)
