@@ -32,8 +32,8 @@ REPO = Path(__file__).resolve().parent.parent
 LLAMA_8B = tinymodel.Shape(layers=32, n_embd=4096, heads=32, kv_heads=8, ff=14336, ctx_train=131072)
 
 
-def config_32k(server: str, model: Path, **fields: Any) -> config.ServerConfig:
-    """A one-slot 32k config of ``model`` (the memory guard's and the fit's usual case)."""
+def one_slot_config(server: str, model: Path, **fields: Any) -> config.ServerConfig:
+    """A one-slot config of ``model``, 32k by default (the memory guard's usual case)."""
     from launcher import config
 
     return config.build(

@@ -3,6 +3,7 @@ revert is passed in (its real run: tests/test_bake_server.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -162,22 +163,72 @@ def test_carry_samples_until_the_verdict(tmp_path: Path) -> None:
     assert slept == [15.0, 15.0]
 
 
-def test_carry_whose_samples_never_judge_ends_the_bake_inconclusive_after_its_window(
+class Skipped:
+    """A carry whose every sample is skipped, on a clock the test moves: ``now`` seconds
+    since the carry began, the wall ``offset`` seconds after the bake's start (T0 + 2)."""
+
+    SAID = SimpleNamespace(skipped="a deploy of ll.service is in progress", errors=[])
+
+    def __init__(self, offset: float) -> None:
+        self.now, self.offset = 0.0, offset
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        assert self.now < 2000, "the carry did not give up"
+
+    def carry(self, st: store.Store, **kw: Any) -> Bake | None:
+        return bake.carry(
+            st, 2, lambda peak: self.SAID, self.sleep, clock=lambda: self.now,
+            wall=lambda: T0 + 2 + self.offset + self.now, **kw,
+        )  # fmt: skip
+
+
+def test_a_carry_no_sample_judges_past_the_deadline_ends_the_bake_unjudged(
     tmp_path: Path,
 ) -> None:
     st = two_generations(tmp_path)
     bake.begin(settings(), st, 2, 1)  # 10 minutes, a sample every 15 s, unread limit 4
-    now = [0.0]
-    said = SimpleNamespace(skipped="a deploy of ll.service is in progress", errors=[])
+    c = Skipped(offset=600)  # at its deadline from the start
+    b = c.carry(st)
+    assert b is not None and b.verdict is not None
+    assert (b.state, b.verdict.signal) == ("inconclusive", bake.UNJUDGED)
+    assert "(the last: a deploy of ll.service is in progress)" in b.verdict.reason
+    assert 60 <= c.now < 75  # four intervals
+    assert bake.load(st.get(2).path) == b  # recorded
 
-    def sleep(seconds: float) -> None:
-        now[0] += seconds
 
-    b = bake.carry(st, 2, lambda peak: said, sleep, clock=lambda: now[0])
-    assert b is not None and b.state == "inconclusive" and b.verdict is not None
-    assert b.verdict.signal == "unjudged"
-    assert "(the last one: a deploy of ll.service is in progress)" in b.verdict.reason
-    assert 600 + 4 * 15 <= now[0] < 600 + 5 * 15  # the window and four intervals
+def test_a_carry_whose_samples_are_skipped_before_the_deadline_waits_for_it(
+    tmp_path: Path,
+) -> None:
+    st = two_generations(tmp_path)
+    bake.begin(settings(), st, 2, 1)
+    c = Skipped(offset=0)
+    b = c.carry(st)
+    assert b is not None and b.state == "inconclusive"
+    assert 600 <= c.now < 615
+
+
+def test_a_carry_waits_for_a_deploy_under_way_within_its_budget(tmp_path: Path) -> None:
+    st = two_generations(tmp_path)
+    bake.begin(settings(), st, 2, 1)
+    st.begin({"started": T0 + 602, "budget": 300.0})  # began at the deadline
+    c = Skipped(offset=600)
+    b = c.carry(st)
+    assert b is not None and b.state == "inconclusive"
+    assert 360 <= c.now < 375  # its budget and four intervals
+
+
+def test_a_carry_gives_up_unrecorded_when_another_sample_keeps_the_lock(
+    tmp_path: Path,
+) -> None:
+    st = two_generations(tmp_path)
+    bake.begin(settings(), st, 2, 1)
+    c = Skipped(offset=600)
+    b = c.carry(st, lock=lambda: contextlib.nullcontext(False))
+    assert b is not None and b.verdict is not None and b.state == "inconclusive"
+    assert "not recorded: another sample keeps the sampler's lock" in b.verdict.reason
+    assert 180 <= c.now < 195  # three times as long
+    assert bake.load(st.get(2).path).state == "baking"  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("state", ["passed", "ended"])

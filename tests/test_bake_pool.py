@@ -184,7 +184,7 @@ def test_a_look_at_the_limit_between_samples_samples_at_once_with_it(tmp_path: P
     looks = iter([pool((100, True)), pool((300, True)), pool((950, True))])
     got, sample_once = samples_until(st, 2)
     clock = Clock()
-    bake.carry(st, 2, sample_once, clock.sleep, lambda: next(looks), clock)
+    bake.carry(st, 2, sample_once, clock.sleep, lambda: next(looks), clock, wall=lambda: T0)
     assert got[0] is None and got[1] is not None and got[1].need == 950 / 1024
     assert clock.slept == [0.25, 0.25, 0.25]  # the third look found it: no wait for the rest
 
@@ -196,7 +196,7 @@ def test_a_second_look_at_the_limit_in_a_row_waits_for_the_intervals_sample(
     st = watched(tmp_path, bake_interval=1)
     got, sample_once = samples_until(st, 4)
     clock = Clock()
-    bake.carry(st, 2, sample_once, clock.sleep, lambda: pool((950, True)), clock)
+    bake.carry(st, 2, sample_once, clock.sleep, lambda: pool((950, True)), clock, wall=lambda: T0)
     assert clock.slept == [0.25] + [0.25] * 4 + [0.25]
     assert all(p is not None and p.need == 950 / 1024 for p in got[1:])
 
@@ -210,7 +210,7 @@ def test_slow_looks_never_stretch_the_interval(tmp_path: Path) -> None:
         clock.now += 2.0  # a server that answers in 2 s
         return pool((100, True))
 
-    bake.carry(st, 2, sample_once, clock.sleep, slow, clock)
+    bake.carry(st, 2, sample_once, clock.sleep, slow, clock, wall=lambda: T0)
     assert clock.slept == [0.25, 0.25] and clock.now == 4.5  # one look per interval
 
 
@@ -226,7 +226,7 @@ def test_looks_that_cannot_read_the_pool_for_the_unread_limit_stop_with_a_note(
         looks.append(1)
         raise Unreadable("slots", "/slots is off (501)")
 
-    bake.carry(st, 2, sample_once, clock.sleep, unreadable, clock)
+    bake.carry(st, 2, sample_once, clock.sleep, unreadable, clock, wall=lambda: T0)
     assert got == [None, None, None] and len(looks) == 4  # then only the samples
     assert clock.slept == [0.25] * 4 + [1.0]
     assert any("pool watch stopped after 4 looks" in n for n in notes(st))
@@ -239,7 +239,7 @@ def test_a_build_whose_slots_say_nothing_of_what_they_hold_counts_as_unreadable(
     _, sample_once = samples_until(st, 3)
     clock = Clock()
     b9093 = Pressure([Slot(0, 1024, True, None, 3)], 1024)  # no n_prompt_tokens
-    bake.carry(st, 2, sample_once, clock.sleep, lambda: b9093, clock)
+    bake.carry(st, 2, sample_once, clock.sleep, lambda: b9093, clock, wall=lambda: T0)
     assert any("says nothing of what a slot holds" in n for n in notes(st))
 
 
@@ -255,7 +255,7 @@ def test_a_look_that_fails_once_does_not_stop_the_watch(tmp_path: Path) -> None:
             raise Unreadable("slots", "the server does not answer: ReadTimeout")
         return now
 
-    bake.carry(st, 2, sample_once, clock.sleep, flaky, clock)
+    bake.carry(st, 2, sample_once, clock.sleep, flaky, clock, wall=lambda: T0)
     assert got[1] is not None and clock.slept == [0.25, 0.25]
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import gpufixtures as gf
-from conftest import Host, config_32k
+from conftest import Host, one_slot_config
 
 from launcher import config
 from launcher.config import beside, memory, validate
@@ -31,7 +31,7 @@ def _running(model: Path, mapped_mib: int = 7000) -> beside.Running:
 def test_the_same_model_mapped_twice_counts_its_weights_once(
     llama_server_bin: str, model_8b: Path
 ) -> None:
-    cfg = config_32k(llama_server_bin, model_8b)
+    cfg = one_slot_config(llama_server_bin, model_8b)
     need = _need(cfg)
     assert need.total is not None
     # exactly the new need plus the 1024 MiB headroom: fits, the weights not counted again
@@ -48,7 +48,7 @@ def test_another_model_keeps_the_running_ones_pages_in_use(
     llama_server_bin: str, model_8b: Path, tiny_model: Path
 ) -> None:
     """The running server maps another file: its 7000 MiB of mapped pages stay beside."""
-    cfg = config_32k(llama_server_bin, model_8b)
+    cfg = one_slot_config(llama_server_bin, model_8b)
     need = _need(cfg)
     assert need.total is not None
     free = need.total + 1024 * MiB + 6999 * MiB
@@ -58,7 +58,7 @@ def test_another_model_keeps_the_running_ones_pages_in_use(
 
 
 def test_weights_read_into_memory_are_a_second_copy(llama_server_bin: str, model_8b: Path) -> None:
-    cfg = config_32k(llama_server_bin, model_8b, load_mode="none")
+    cfg = one_slot_config(llama_server_bin, model_8b, load_mode="none")
     need = _need(cfg)
     assert need.total is not None
     free = need.total + 1024 * MiB
@@ -71,7 +71,7 @@ def test_a_discrete_gpu_must_hold_a_second_copy_of_its_layers(
 ) -> None:
     """On a device each process holds its own weights: the device's free memory (what the
     running server left) must take the whole new side, whatever the host has."""
-    cfg = config_32k(llama_server_bin, model_8b, n_gpu_layers="999")
+    cfg = one_slot_config(llama_server_bin, model_8b, n_gpu_layers="999")
     big = devices.mark_unified(devices.parse_list(gf.list_devices(gf.RTX_6000)), 0)
     need = _need(cfg, big)
     device = next(s for s in need.sides if s.name == "CUDA0")
@@ -92,7 +92,7 @@ def test_unified_memory_shares_the_weights_with_the_host(
     llama_server_bin: str, model_8b: Path
 ) -> None:
     """GB10: one side with the host, the mapped weights counted once there."""
-    cfg = config_32k(llama_server_bin, model_8b, n_gpu_layers="all")
+    cfg = one_slot_config(llama_server_bin, model_8b, n_gpu_layers="all")
     box = devices.mark_unified(devices.parse_list(gf.list_devices(gf.GB10)), gf.GB10_MEMTOTAL)
     need = _need(cfg, box)
     (host,) = need.sides

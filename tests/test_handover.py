@@ -3,6 +3,7 @@ HAProxy front. Real parts: the sandboxed systemd, llama-server b11434, Debian's 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import socket
@@ -107,7 +108,9 @@ def stopped_before_the_drain(host: Host, *args: str) -> Iterator[subprocess.Pope
         yield p
     except BaseException as e:
         p.kill()
-        out, err = p.communicate(timeout=30)
+        out = err = "(its output not read in 30 s)"
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            out, err = p.communicate(timeout=30)
         e.add_note(f"the deploy: rc={p.returncode}\n{out}\n{err}")
         raise
     p.send_signal(signal.SIGCONT)

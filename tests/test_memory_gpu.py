@@ -14,7 +14,7 @@ from typing import Any
 
 import gpufixtures as gf
 import pytest
-from conftest import Host, config_32k
+from conftest import Host, one_slot_config
 
 from launcher import config
 from launcher.config import memory, validate
@@ -34,7 +34,7 @@ def _sides(need: memory.Need) -> dict[str, dict[str, Any]]:
 
 def test_cpu_only_box_is_one_side_as_before(llama_server_bin: str, tiny_model: Path) -> None:
     """The real binary has no devices: everything is the host's, checked as before."""
-    cfg = config_32k(llama_server_bin, tiny_model, ctx_size=4096)
+    cfg = one_slot_config(llama_server_bin, tiny_model, ctx_size=4096)
     checked = validate.validate(cfg)
     assert checked.memory.sides == () and checked.memory.deferred == ()
     with pytest.raises(MemoryGuardError, match=r"MemAvailable \+ 0 the running server frees"):
@@ -43,7 +43,7 @@ def test_cpu_only_box_is_one_side_as_before(llama_server_bin: str, tiny_model: P
 
 def test_discrete_gpu_bigger_than_host_ram_deploys(llama_server_bin: str, model_8b: Path) -> None:
     """8 GiB of weights and 4 GiB of KV on a 48 GB GPU; the host has 10 GiB free."""
-    cfg = config_32k(llama_server_bin, model_8b, n_gpu_layers="999")
+    cfg = one_slot_config(llama_server_bin, model_8b, n_gpu_layers="999")
     box = _box(gf.RTX_6000)
     checked = validate.validate(cfg, box=box, available=10 * GiB)
     sides = _sides(checked.memory)
@@ -60,7 +60,7 @@ def test_discrete_gpu_bigger_than_host_ram_deploys(llama_server_bin: str, model_
 def test_model_bigger_than_vram_is_refused_naming_the_device_and_fixes(
     llama_server_bin: str, model_8b: Path
 ) -> None:
-    cfg = config_32k(llama_server_bin, model_8b, n_gpu_layers="999")
+    cfg = one_slot_config(llama_server_bin, model_8b, n_gpu_layers="999")
     with pytest.raises(MemoryGuardError) as e:
         validate.validate(cfg, box=_box(gf.RTX_4060), available=64 * GiB)
     msg = str(e.value)
@@ -73,7 +73,7 @@ def test_model_bigger_than_vram_is_refused_naming_the_device_and_fixes(
     # and the number of layers it names does fit
     ngl = msg.split("-ngl ")[1].split(" ")[0]
     validate.validate(
-        config_32k(llama_server_bin, model_8b, n_gpu_layers=ngl),
+        one_slot_config(llama_server_bin, model_8b, n_gpu_layers=ngl),
         box=_box(gf.RTX_4060),
         available=64 * GiB,
     )
@@ -81,7 +81,7 @@ def test_model_bigger_than_vram_is_refused_naming_the_device_and_fixes(
 
 def test_split_across_two_gpus(llama_server_bin: str, model_8b: Path) -> None:
     """Two 6 GB GPUs hold what one cannot; -ts 3,1 puts too much on the first."""
-    cfg = config_32k(llama_server_bin, model_8b, n_gpu_layers="all", ctx_size=8192)
+    cfg = one_slot_config(llama_server_bin, model_8b, n_gpu_layers="all", ctx_size=8192)
     box = _box(*gf.TWO_SMALL)
     sides = _sides(validate.validate(cfg, box=box, available=64 * GiB).memory)
     assert (sides["CUDA0"]["layers"], sides["CUDA1"]["layers"]) == (17, 16)
@@ -89,7 +89,7 @@ def test_split_across_two_gpus(llama_server_bin: str, model_8b: Path) -> None:
     assert sides["CUDA1"]["kv_bytes"] == 15 * 32 * MiB  # the output layer has no KV
     with pytest.raises(MemoryGuardError, match=r"^device CUDA0 needs"):
         validate.validate(cfg, box=_box(gf.TWO_SMALL[0]), available=64 * GiB)
-    skewed = config_32k(
+    skewed = one_slot_config(
         llama_server_bin, model_8b, n_gpu_layers="all", ctx_size=8192, extra_args=("-ts", "3,1")
     )
     with pytest.raises(MemoryGuardError, match=r"^device CUDA0 needs"):
@@ -98,7 +98,7 @@ def test_split_across_two_gpus(llama_server_bin: str, model_8b: Path) -> None:
 
 def test_unified_memory_is_counted_once(llama_server_bin: str, model_8b: Path) -> None:
     """GB10: the device's memory is the host's. One side, against MemAvailable only."""
-    cfg = config_32k(llama_server_bin, model_8b, n_gpu_layers="all")
+    cfg = one_slot_config(llama_server_bin, model_8b, n_gpu_layers="all")
     box = _box(gf.GB10, host_total=gf.GB10_MEMTOTAL)
     assert box[0].unified
     need = validate.validate(cfg, box=box, available=24 * GiB).memory
@@ -115,7 +115,7 @@ def test_fit_choosing_the_layers_is_deferred_and_said(
     llama_server_bin: str, model_8b: Path
 ) -> None:
     """-ngl auto with fit on: the server's fit places the layers; only the total is checked."""
-    cfg = config_32k(llama_server_bin, model_8b)
+    cfg = one_slot_config(llama_server_bin, model_8b)
     need = validate.validate(cfg, box=_box(gf.RTX_4060), available=16 * GiB).memory
     assert [s.name for s in need.sides] == ["total"]
     assert any("fit chooses how many layers" in d for d in need.deferred)
@@ -125,7 +125,7 @@ def test_fit_choosing_the_layers_is_deferred_and_said(
 
 
 def test_an_unknown_backend_is_deferred_not_refused(llama_server_bin: str, model_8b: Path) -> None:
-    cfg = config_32k(llama_server_bin, model_8b, n_gpu_layers="all")
+    cfg = one_slot_config(llama_server_bin, model_8b, n_gpu_layers="all")
     need = validate.validate(cfg, box=_box(gf.NPU), available=64 * GiB).memory
     assert any("NPU device the code does not place" in d for d in need.deferred)
 
@@ -133,7 +133,7 @@ def test_an_unknown_backend_is_deferred_not_refused(llama_server_bin: str, model
 def test_what_the_running_server_holds_on_a_device_counts_as_free(
     llama_server_bin: str, model_8b: Path
 ) -> None:
-    cfg = config_32k(llama_server_bin, model_8b, n_gpu_layers="999")
+    cfg = one_slot_config(llama_server_bin, model_8b, n_gpu_layers="999")
     live = {
         "memory": {
             "devices": {
@@ -153,7 +153,7 @@ def test_a_running_server_the_fit_placed_frees_its_whole_estimate(
 ) -> None:
     """The issue's box: the live generation ran with -ngl auto (the server's fit placed
     it), so only its total is known; the next change is checked with that total freed."""
-    cfg = config_32k(llama_server_bin, model_8b)
+    cfg = one_slot_config(llama_server_bin, model_8b)
     box = _box(gf.RTX_4060)
     first = validate.validate(cfg, box=box, available=16 * GiB).memory
     live = {"kv_estimate": first.to_dict()}
@@ -303,7 +303,7 @@ def test_a_deploy_at_default_verbosity_says_why_no_buffers(host: Host) -> None:
 def test_fit_params_far_from_the_estimate_is_said(llama_server_bin: str, model_8b: Path) -> None:
     """llama-fit-params' own figure per device beside the estimate: within a quarter it is
     quiet, beyond it the report names both (a fixture line: no GPU build here)."""
-    cfg = config_32k(llama_server_bin, model_8b, n_gpu_layers="999")
+    cfg = one_slot_config(llama_server_bin, model_8b, n_gpu_layers="999")
     need = validate.validate(cfg, box=_box(gf.RTX_6000), available=64 * GiB).memory
     (gpu,) = [s for s in need.sides if s.name == "CUDA0"]
     ours = gpu.weights + (gpu.kv or 0)
@@ -321,7 +321,7 @@ def test_fit_params_figures_are_recorded_beside_the_estimate(
     server flags it refuses left out and named."""
     from launcher.server import binary
 
-    cfg = config_32k(llama_server_bin, tiny_model, ctx_size=4096, parallel=2, kv_unified=True)
+    cfg = one_slot_config(llama_server_bin, tiny_model, ctx_size=4096, parallel=2, kv_unified=True)
     plan = cfg.pool_plan(4096)
     _, layout, _ = validate.model_facts(tiny_model)
     need = memory.need(

@@ -481,6 +481,7 @@ def _wait(d: Deployer, result: Result, data: dict[str, Any]) -> Result:
         gen.number,
         lambda peak: sample.sample(target, d.systemd, peak=peak),
         look=lambda: sample.look(target, gen),
+        lock=lambda: sample.own_lock(target.folder),
     )
     if final is not None:
         data["verdict"] = final.view()

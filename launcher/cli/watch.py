@@ -107,15 +107,21 @@ def _through_bake(target: Any, systemd: Any, as_json: bool) -> int:
         return code
     worst = [0]
 
-    def once(peak: Any) -> Any:
+    def once(peak: Any) -> Outcome:
         out = sample.sample(target, systemd, peak=peak)
         worst[0] = max(worst[0], _report(out, as_json))
         notify.ready()  # after the first sample; systemd ignores the ones after
         return out
 
     gen = found[0]
-    final = bake.carry(st, gen.number, once, look=lambda: sample.look(target, gen))
-    if final is not None and final.verdict is not None and final.verdict.signal == "unjudged":
+    final = bake.carry(
+        st,
+        gen.number,
+        once,
+        look=lambda: sample.look(target, gen),
+        lock=lambda: sample.own_lock(target.folder),
+    )
+    if final is not None and final.verdict is not None and final.verdict.signal == bake.UNJUDGED:
         _warn(bake.say(final))  # no sample said it: the carry ended it
     return worst[0]
 

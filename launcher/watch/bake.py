@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from launcher import waits
 from launcher.deploy import store
@@ -56,6 +56,8 @@ FINAL = ("passed", "inconclusive", "reverted", "revert_failed", "ended")
 #: killed during it leaves it so until the next sample or ``recover`` settles it).
 REVERTING = "reverting"
 STATES = (RUNNING, REVERTING, *FINAL)
+#: The verdict's signal when ``carry`` ended a bake no sample could judge (``_Patience``).
+UNJUDGED = "unjudged"
 
 #: The revert: given the bake and its verdict, puts the previous generation back and says
 #: how it went (``launcher.watch.revert.revert``'s result as a dict: outcome, ...).
@@ -456,13 +458,22 @@ def _is_revert(st: store.Store, live: store.Generation, b: Bake) -> bool:
 # -- carrying it to its end -----------------------------------------------------------------
 
 
+class Sampled(Protocol):
+    """What ``carry`` reads of one sample's result (``launcher.watch.sample.Outcome``)."""
+
+    skipped: str | None
+    errors: list[str]
+
+
 def carry(
     st: store.Store,
     generation: int,
-    sample_once: Callable[[slotstate.Pressure | None], object],
+    sample_once: Callable[[slotstate.Pressure | None], Sampled | None],
     sleep: Callable[[float], None] = time.sleep,
     look: Callable[[], slotstate.Pressure | None] | None = None,
     clock: Callable[[], float] = time.monotonic,
+    wall: Callable[[], float] = time.time,
+    lock: Callable[[], contextlib.AbstractContextManager[bool]] | None = None,
 ) -> Bake | None:
     """Sample every ``bake_interval`` while ``generation``'s bake runs and it is live (what
     the sampler's service and ``deploy --wait`` do); returns its bake as it ended.
@@ -480,11 +491,12 @@ def carry(
     ``/slots`` off, a build whose ``/slots`` says nothing of what a slot holds) they stop,
     with a note in the bake's record; the samples go on judging it.
 
-    A carry never outlives its bake: once it has sampled for the bake's whole window and
-    ``unread_limit`` intervals more with the bake still running (every sample skipped, e.g.
-    a deploy that never ended or another sampler stuck holding the lock, or its verdict
-    never saved), the bake ends ``inconclusive`` (``unjudged``), naming what the last
-    sample said (``sample_once``'s result: its ``skipped`` or first of its ``errors``)."""
+    A carry never outlives its bake (``_Patience``): past the deadline (``wall``, the
+    judge's clock) a sample always ends the bake, so one that no sample judged for
+    ``unread_limit`` intervals past it, with no deploy under way within its budget (every
+    sample skipped: a deployer stopped, another sampler stuck holding the lock; or its
+    verdict never saved), ends ``inconclusive`` (``UNJUDGED``), naming what the last sample
+    said, recorded under the sampler's lock (``lock``)."""
 
     def bake_of() -> Bake | None:
         try:
@@ -496,8 +508,7 @@ def carry(
     if first is None or not first.running:
         return first
     looks = _Looks(first.policy, look, sleep, clock, lambda text: _note(st, generation, text))
-    grace = first.policy.unread_limit * first.policy.interval
-    give_up = clock() + first.policy.duration + grace  # the carry began after the bake did
+    patience = _Patience(st, generation, first.policy, clock, wall, lock)
 
     def again() -> bool:
         peak = looks.take()
@@ -505,32 +516,87 @@ def carry(
         now = bake_of()
         if now is None or not now.running or st.live_number() != generation:
             return False
-        if clock() < give_up:
-            return True
-        _unjudged(st, generation, grace, said)
-        return False
+        return not patience.gave_up(now, said)
 
     waits.every_while(first.policy.interval, looks.wait)(again)
-    return bake_of()
+    return patience.ended or bake_of()
 
 
-def _unjudged(st: store.Store, generation: int, grace: float, said: object) -> None:
-    """``carry`` gave up: the bake no sample judged ends inconclusive (when it can be saved:
-    the carry ends either way)."""
-    errors = getattr(said, "errors", None) or []
-    last = getattr(said, "skipped", None) or (errors[0] if errors else "it judged nothing")
-    with contextlib.suppress(OSError, StoreError):
-        gen = st.get(generation)
-        b = load(gen.path)
-        if b is not None and b.running:
-            why = Verdict(
-                "inconclusive",
-                "unjudged",
-                f"no sample judged the bake in its window and {grace:.0f}s after (the last "
-                f"one: {last}): it ends inconclusive, the new config stays",
+class _Patience:
+    """``carry``'s bound (see there). The verdict is recorded under the sampler's lock; a
+    lock another sample keeps for three times as long ends the carry with the verdict said
+    (the result ``carry`` returns) but not recorded."""
+
+    def __init__(
+        self,
+        st: store.Store,
+        generation: int,
+        policy: Policy,
+        clock: Callable[[], float],
+        wall: Callable[[], float],
+        lock: Callable[[], contextlib.AbstractContextManager[bool]] | None,
+    ) -> None:
+        self.st, self.generation, self.clock, self.wall = st, generation, clock, wall
+        self.lock = lock or (lambda: contextlib.nullcontext(True))
+        self.grace = policy.unread_limit * policy.interval
+        self.samples, self.since = -1, clock()
+        #: the bake as the carry ended it (None: it did not)
+        self.ended: Bake | None = None
+
+    def gave_up(self, b: Bake, said: Sampled | None) -> bool:
+        now = self.clock()
+        if b.progress.samples != self.samples:  # a sample judged it
+            self.samples, self.since = b.progress.samples, now
+            return False
+        idle = now - self.since
+        if idle < self.grace or self.wall() < b.deadline or self._deploy_under_way():
+            return False
+        with contextlib.ExitStack() as held:
+            try:
+                mine = held.enter_context(self.lock())
+            except OSError:  # no lock file to take: as if another sample kept it
+                mine = False
+            if not mine and idle < 3 * self.grace:
+                return False  # another sample holds the lock: it may judge it yet
+            self.ended = self._end(idle, said, mine)
+        return True
+
+    def _deploy_under_way(self) -> bool:
+        """A deploy's transaction within its budget: it may yet replace the generation."""
+        try:
+            txn = self.st.txn()
+            return bool(txn) and self.wall() < (
+                float(txn.get("started") or 0) + float(txn.get("budget") or 0) + self.grace
             )
-            b.finish("inconclusive", why, time.time())
-            save(gen.path, b)
+        except (OSError, ValueError, StoreError):
+            return False
+
+    def _end(self, idle: float, said: Sampled | None, mine: bool) -> Bake | None:
+        errors = said.errors if said is not None else []
+        last = (said.skipped if said is not None else None) or (
+            errors[0] if errors else "it judged nothing"
+        )
+        reason = (
+            f"no sample could judge the bake for {idle:.0f}s, its deadline past (the last: "
+            f"{last}): it ends inconclusive, the new config stays"
+        )
+        try:
+            gen = self.st.get(self.generation)
+            b = load(gen.path)
+        except StoreError:
+            return None
+        if b is None or not b.running:
+            return b
+        if not mine:
+            reason += "; not recorded: another sample keeps the sampler's lock"
+        b.finish("inconclusive", Verdict("inconclusive", UNJUDGED, reason), self.wall())
+        if mine:
+            try:
+                save(gen.path, b)
+            except OSError as e:
+                why = f"{reason}; not recorded: {e.strerror or e}"
+                b.finish("inconclusive", Verdict("inconclusive", UNJUDGED, why), self.wall())
+        return b
 
 
 def _note(st: store.Store, generation: int, text: str) -> None:

@@ -175,7 +175,7 @@ def last_run(target: Target) -> float | None:
 
 
 @contextlib.contextmanager
-def _own_lock(folder: Path) -> Iterator[bool]:
+def own_lock(folder: Path) -> Iterator[bool]:
     """The sampler's own lock, never waited for: False when another sample holds it."""
     fd = os.open(folder / "lock", os.O_RDWR | os.O_CREAT, 0o600)
     try:
@@ -248,7 +248,7 @@ def sample(
     out = Outcome(target.unit)
     try:
         target.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-        with _own_lock(target.folder) as mine:
+        with own_lock(target.folder) as mine:
             if not mine:
                 out.skipped = f"another sample of {target.unit} is running"
             else:
