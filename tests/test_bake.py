@@ -183,52 +183,52 @@ class Skipped:
         )  # fmt: skip
 
 
+@pytest.fixture
+def baking(tmp_path: Path) -> store.Store:
+    """Generation 2 baking: 10 minutes, a sample every 15 s, unread limit 4."""
+    s = two_generations(tmp_path)
+    bake.begin(settings(), s, 2, 1)
+    return s
+
+
 def test_a_carry_no_sample_judges_past_the_deadline_ends_the_bake_unjudged(
-    tmp_path: Path,
+    baking: store.Store,
 ) -> None:
-    st = two_generations(tmp_path)
-    bake.begin(settings(), st, 2, 1)  # 10 minutes, a sample every 15 s, unread limit 4
     c = Skipped(offset=600)  # at its deadline from the start
-    b = c.carry(st)
+    b = c.carry(baking)
     assert b is not None and b.verdict is not None
     assert (b.state, b.verdict.signal) == ("inconclusive", bake.UNJUDGED)
     assert "(the last: a deploy of ll.service is in progress)" in b.verdict.reason
     assert 60 <= c.now < 75  # four intervals
-    assert bake.load(st.get(2).path) == b  # recorded
+    assert bake.load(baking.get(2).path) == b  # recorded
 
 
 def test_a_carry_whose_samples_are_skipped_before_the_deadline_waits_for_it(
-    tmp_path: Path,
+    st: store.Store,
 ) -> None:
-    st = two_generations(tmp_path)
-    bake.begin(settings(), st, 2, 1)
     c = Skipped(offset=0)
-    b = c.carry(st)
+    b = c.carry(baking)
     assert b is not None and b.state == "inconclusive"
     assert 600 <= c.now < 615
 
 
-def test_a_carry_waits_for_a_deploy_under_way_within_its_budget(tmp_path: Path) -> None:
-    st = two_generations(tmp_path)
-    bake.begin(settings(), st, 2, 1)
-    st.begin({"started": T0 + 602, "budget": 300.0})  # began at the deadline
+def test_a_carry_waits_for_a_deploy_under_way_within_its_budget(baking: store.Store) -> None:
+    baking.begin({"started": T0 + 602, "budget": 300.0})  # began at the deadline
     c = Skipped(offset=600)
-    b = c.carry(st)
+    b = c.carry(baking)
     assert b is not None and b.state == "inconclusive"
     assert 360 <= c.now < 375  # its budget and four intervals
 
 
 def test_a_carry_gives_up_unrecorded_when_another_sample_keeps_the_lock(
-    tmp_path: Path,
+    baking: store.Store,
 ) -> None:
-    st = two_generations(tmp_path)
-    bake.begin(settings(), st, 2, 1)
     c = Skipped(offset=600)
-    b = c.carry(st, lock=lambda: contextlib.nullcontext(False))
+    b = c.carry(baking, lock=lambda: contextlib.nullcontext(False))
     assert b is not None and b.verdict is not None and b.state == "inconclusive"
     assert "not recorded: another sample keeps the sampler's lock" in b.verdict.reason
     assert 180 <= c.now < 195  # three times as long
-    assert bake.load(st.get(2).path).state == "baking"  # type: ignore[union-attr]
+    assert bake.load(baking.get(2).path).state == "baking"  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("state", ["passed", "ended"])
