@@ -204,7 +204,7 @@ def test_a_carry_no_sample_judges_past_the_deadline_ends_the_bake_unjudged(
 
 
 def test_a_carry_whose_samples_are_skipped_before_the_deadline_waits_for_it(
-    st: store.Store,
+    baking: store.Store,
 ) -> None:
     c = Skipped(offset=0)
     b = c.carry(baking)
