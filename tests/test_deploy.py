@@ -102,6 +102,36 @@ def test_crash_at_start_rolls_back_after_one_start(host: Host) -> None:
     assert host.chat()["usage"]["completion_tokens"] > 0
 
 
+def test_a_deploy_onto_a_crashed_unit_cancels_systemds_own_restart(
+    host: Host, tmp_path: Path
+) -> None:
+    """A server that died waits RestartSec (2 s) in auto-restart. A deploy then (a bake's
+    revert of a crashing config) stops it first: systemd's timer must not start the unit
+    between the deploy's reads and its restart, or the gate takes the timer's start (NRestarts
+    up) for the new process dying (CI: such a revert was reported as failed)."""
+    installed(host)
+    host.sandbox.systemctl("kill", "--signal=SIGKILL", host.unit)
+    deadline = time.monotonic() + 10
+    while host.state()["SubState"] != "auto-restart":
+        assert time.monotonic() < deadline, host.state()
+        time.sleep(0.01)
+    go = tmp_path / "go"
+    p = _popen(host, "set", "-c", "8192", fault=f"restart:wait:{go}")
+    try:
+        _wait_phase(host, "restart")
+        time.sleep(3)  # past RestartSec: the timer would have started the unit by now
+        waiting = host.state()
+    finally:
+        go.touch()
+        stdout, _ = p.communicate(timeout=120)
+    assert (waiting["NRestarts"], waiting["ActiveState"]) == ("0", "inactive"), waiting
+    out = json.loads(stdout.strip().splitlines()[-1])
+    assert (p.returncode, out["outcome"]) == (0, "deployed"), out
+    assert "-c 8192" in host.env_file.read_text()
+    assert host.state()["NRestarts"] == "0"
+    assert host.chat()["usage"]["completion_tokens"] > 0
+
+
 def test_quantized_v_without_flash_attention_is_refused_before_restart(host: Host) -> None:
     installed(host, "-ctk", "q8_0", "-ctv", "q8_0")
     pid = host.state()["MainPID"]

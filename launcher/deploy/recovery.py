@@ -147,7 +147,9 @@ class Reverter:
 
         def reset_then_state() -> UnitState:
             self.systemd.reset_failed()
-            return self.systemd.state()
+            state = self.systemd.state()
+            self.systemd.cancel_auto_restart(state)  # the failed config's crash: ours restarts
+            return state
 
         try:
             if running is not None:

@@ -295,6 +295,7 @@ class Deployer:
             store.swap_env(self.env_file, checked.env_text)
             self.handover.swap_front()  # handover: the front's config beside the env file
             self._phase("swapped")
+            self.systemd.cancel_auto_restart(before)  # a crashed unit: ours is the restart
             cursor, _ = together(self.systemd.cursor, self.systemd.reset_failed)
             self._phase("restart")
             t_restart = time.monotonic()

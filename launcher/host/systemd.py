@@ -137,6 +137,15 @@ class Systemd:
     def stop(self) -> None:
         self._ctl("stop", "--", self.unit)
 
+    def cancel_auto_restart(self, state: UnitState) -> None:
+        """Stop the unit when ``state`` has it waiting in ``auto-restart`` (its process died;
+        systemd starts it again after RestartSec). Our restart would otherwise race systemd's
+        timer: a start by the timer between our reads and our restart raises NRestarts, and
+        the gate takes that for the new process dying. A stop from there is instant: no
+        process runs."""
+        if state.sub == "auto-restart":
+            self.stop()
+
     def start(self, timeout: float = 90.0) -> None:
         """``systemctl start``: returns once the unit is up (a ``Type=notify`` one ready)."""
         self._ctl("start", "--", self.unit, timeout=timeout)

@@ -12,7 +12,10 @@ server-common.h) and confirmed against each real server by the tests:
   cumulative since the process started: ``prompt_tokens_total`` (prompt tokens processed,
   cache hits not counted), ``prompt_seconds_total``, ``tokens_predicted_total``,
   ``tokens_predicted_seconds_total``, ``n_decode_total``. Decode and prefill tok/s are their
-  deltas between two reads.
+  deltas between two reads. The seconds are the sum of each request's own time (its answer's
+  ``timings.predicted_ms``); b9093 and b10405 add each request's in whole milliseconds, cut
+  down, so requests that generate in under 1 ms (the tiny test model) add no time at all and
+  the rate is None (``rate``); a real model's requests lose under 1 ms each.
 - The gauges ``prompt_tokens_seconds`` and ``predicted_tokens_seconds`` are averaged "over
   the window between two scrapes": every GET resets that window (``reset_bucket()``), so
   this module never reads them; ``requests_deferred`` (requests waiting for a free slot)
