@@ -47,20 +47,29 @@ import json
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from launcher.deploy import store
 from launcher.errors import CommandError, ConfigInvalid, LauncherError
 from launcher.host import proc, units
 from launcher.host.systemd import Systemd
 
+if TYPE_CHECKING:
+    import httpx
+
+    from launcher.deploy import drain
+
 HAPROXY = "/usr/sbin/haproxy"
 FRONTEND = "public"
 BACKEND = "llama"
 SERVER = "llama"
+#: the backend's second server, for a second instance of the unit (``FrontSpec.standby_port``)
+STANDBY = "llama_b"
+#: the servers by side: ``a`` listens on ``private_port``, ``b`` on ``standby_port``
+SERVERS = {"a": SERVER, "b": STANDBY}
 #: unix socket paths are limited to 108 bytes (sun_path)
 SUN_PATH_MAX = 107
 
@@ -80,6 +89,32 @@ class FrontSpec:
     haproxy: str = HAPROXY
     #: how long a request may wait in HAProxy's queue for a free slot (maxconn = slots)
     queue_timeout: float = 3600.0
+    #: a second instance's private port (None: the backend has one server): the backend's
+    #: second server, ``llama_b``; of the two, the one that does not serve is in ``maint``
+    standby_port: int | None = None
+    #: which server takes the requests: ``a`` (``llama`` on ``private_port``) or ``b``
+    serving: str = "a"
+
+    def __post_init__(self) -> None:
+        if self.serving not in SERVERS:
+            raise ValueError(f"serving is {self.serving!r}; it is 'a' or 'b'")
+        if self.serving == "b" and self.standby_port is None:
+            raise ValueError("serving is 'b' but there is no standby_port for it")
+        if self.standby_port is not None and self.standby_port == self.private_port:
+            raise ValueError(f"standby_port is private_port ({self.private_port})")
+
+    @property
+    def idle(self) -> str:
+        """The side that does not serve (``b`` with no second server)."""
+        return "b" if self.serving == "a" else "a"
+
+    def port(self, side: str) -> int:
+        """The private port of ``side`` (``a`` or ``b``)."""
+        if side == "b":
+            if self.standby_port is None:
+                raise ValueError("the front has no second server (no standby_port)")
+            return self.standby_port
+        return self.private_port
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -165,7 +200,7 @@ class Front:
             raise FrontError(f"cannot read {self.spec_path}: {e}; move it aside") from e
         try:
             return FrontSpec(**data)
-        except TypeError as e:  # a key missing or unknown (a hand edit), or not an object
+        except (TypeError, ValueError) as e:  # a key missing, unknown or wrong (a hand edit)
             raise FrontError(
                 f"{self.spec_path} is no front spec ({e}); move it aside and run install "
                 "--front haproxy again"
@@ -208,8 +243,17 @@ frontend {FRONTEND}
     default_backend {BACKEND}
 
 backend {BACKEND}
-    server {SERVER} {_addr(spec.private_host, spec.private_port)} maxconn {max(slots, 1)}
-"""
+{self._servers(spec, slots)}"""
+
+    def _servers(self, spec: FrontSpec, slots: int) -> str:
+        """The backend's server lines: the serving one, and a second instance's in ``maint``
+        (``disabled``) while it does not serve."""
+        sides = ("a", "b") if spec.standby_port is not None else ("a",)
+        return "".join(
+            f"    server {SERVERS[side]} {_addr(spec.private_host, spec.port(side))} "
+            f"maxconn {max(slots, 1)}{' disabled' if side != spec.serving else ''}\n"
+            for side in sides
+        )
 
     def validate(self, text: str, spec: FrontSpec) -> None:
         """``haproxy -c`` on the text, the public address in place of the socket unit's fd
@@ -408,9 +452,10 @@ RestartSec=5
                 out[(row["pxname"], row["svname"])] = row
         return out
 
-    def in_flight(self) -> int:
-        """Requests the front has sent to llama-server or queued for it."""
-        row = self.stats().get((BACKEND, "BACKEND"), {})
+    def in_flight(self, server: str = "BACKEND") -> int:
+        """Requests the front has sent to llama-server or queued for it (``server``: for
+        that one of the backend's servers only)."""
+        row = self.stats().get((BACKEND, server), {})
         return _int(row.get("scur")) + _int(row.get("qcur"))
 
     def held(self) -> bool:
@@ -433,11 +478,57 @@ RestartSec=5
         return f"{pid}:{info.get('Start_time_sec', '?')}"
 
     def apply(self, spec: FrontSpec, slots: int) -> None:
-        """Point the running HAProxy at the spec's server with ``maxconn`` = slots."""
-        self.command(
-            f"set server {BACKEND}/{SERVER} addr {spec.private_host} port {spec.private_port}"
+        """Point the running HAProxy's serving server at the spec's address with ``maxconn``
+        = slots."""
+        self._point(spec, spec.serving, slots)
+
+    def _point(self, spec: FrontSpec, side: str, slots: int) -> None:
+        name = SERVERS[side]
+        self.command(f"set server {BACKEND}/{name} addr {spec.private_host} port {spec.port(side)}")
+        self._expect_empty(f"set maxconn server {BACKEND}/{name} {max(slots, 1)}")
+
+    def switch(
+        self,
+        spec: FrontSpec,
+        slots: int,
+        drain_timeout: float,
+        old_server: httpx.Client | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> tuple[FrontSpec, drain.DrainReport]:
+        """Send new requests to the server that does not serve (the second instance, gated,
+        with ``slots``): ``ready`` it, then ``drain`` the one that served (HAProxy sends it
+        nothing new; its requests finish), wait until it has no request in flight or queued
+        at the front and, given ``old_server``, no slot processing (at most
+        ``drain_timeout``), then ``maint`` it. The new server is ready before the old one
+        drains: with no usable server HAProxy 2.6 answers 503 at once, so there is never
+        such a moment. ``maint`` cuts nothing: what the timeout left runs to its end on the
+        old server (the report names it). Returns the spec that serves now, saved, and the
+        drain's report."""
+        from launcher.deploy import drain  # here: prestart's lean path loads this module
+
+        if spec.standby_port is None:
+            raise FrontError("the front has one server: there is nothing to switch to")
+        old, new = SERVERS[spec.serving], SERVERS[spec.idle]
+        switched = replace(spec, serving=spec.idle)
+        text = self.render(switched, slots)  # an HAProxy restarted from here on serves new
+        self.validate(text, switched)
+        self._point(spec, spec.idle, slots)
+        self._expect_empty(f"set server {BACKEND}/{new} state ready")
+        self._expect_empty(f"set server {BACKEND}/{old} state drain")
+        self.swap(text)
+        self.save_spec(switched)  # the new one serves from here; the old one only finishes
+        report = drain.wait_idle(
+            old_server, drain_timeout, front_in_flight=lambda: self.in_flight(old), sleep=sleep
         )
-        self._expect_empty(f"set maxconn server {BACKEND}/{SERVER} {max(slots, 1)}")
+        self._expect_empty(f"set server {BACKEND}/{old} state maint")
+        return switched, report
+
+    def server_states(self) -> dict[str, str]:
+        """The backend's servers and their state in ``show stat``: ``UP`` (which it calls
+        ``no check``: the servers have no health check), ``MAINT``, ``DRAIN``."""
+        rows = self.stats()
+        states = {n: rows[(BACKEND, n)]["status"] for n in SERVERS.values() if (BACKEND, n) in rows}
+        return {n: "UP" if s == "no check" else s for n, s in states.items()}
 
     # -- the hold ----------------------------------------------------------------------------
 

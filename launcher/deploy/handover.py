@@ -34,7 +34,7 @@ from typing import Any
 
 from launcher import config
 from launcher.deploy import drain
-from launcher.deploy.front import Front, FrontError, FrontSpec, Hold
+from launcher.deploy.front import BACKEND, SERVERS, Front, FrontError, FrontSpec, Hold
 from launcher.errors import ConfigInvalid, GateFailure, LauncherError
 from launcher.host.systemd import Scope, Systemd, UnitState
 from launcher.server import slots
@@ -537,7 +537,7 @@ def recover(state_dir: Path, unit: str, scope: Scope, txn: dict[str, Any]) -> di
         if hold is not None:
             hold = front.recheck(hold, "the recovery")
         with contextlib.suppress(FrontError):
-            front.apply(spec, int(old.get("old_slots") or _maxconn(front)))
+            front.apply(spec, int(old.get("old_slots") or _maxconn(front, spec)))
         if held:
             front.release()
             out: dict[str, Any] = {"front": "released the requests a killed deployer left held"}
@@ -549,9 +549,9 @@ def recover(state_dir: Path, unit: str, scope: Scope, txn: dict[str, Any]) -> di
     return {}
 
 
-def _maxconn(front: Front) -> int:
-    """The server's ``maxconn`` as HAProxy runs it now (the slots of the live config)."""
-    row = front.stats().get(("llama", "llama"), {})
+def _maxconn(front: Front, spec: FrontSpec) -> int:
+    """The serving server's ``maxconn`` as HAProxy runs it now (the live config's slots)."""
+    row = front.stats().get((BACKEND, SERVERS[spec.serving]), {})
     try:
         return max(int(row.get("slim") or 1), 1)
     except ValueError:

@@ -15,7 +15,9 @@ server-common.h) and confirmed against each real server by the tests:
   deltas between two reads. The seconds are the sum of each request's own time (its answer's
   ``timings.predicted_ms``); b9093 and b10405 add each request's in whole milliseconds, cut
   down, so requests that generate in under 1 ms (the tiny test model) add no time at all and
-  the rate is None (``rate``); a real model's requests lose under 1 ms each.
+  the rate is None (``rate``); a real model's requests lose under 1 ms each. Every value is
+  printed with six significant digits (C++'s default stream precision: ``3544.27``), so a
+  counter past 1,000 s moves in steps of 0.01 s and one past 10,000 s in 0.1 s.
 - The gauges ``prompt_tokens_seconds`` and ``predicted_tokens_seconds`` are averaged "over
   the window between two scrapes": every GET resets that window (``reset_bucket()``), so
   this module never reads them; ``requests_deferred`` (requests waiting for a free slot)

@@ -456,8 +456,11 @@ def front_5xx(the_front: front.Front) -> tuple[str, int, int]:
     identity = the_front.identity()
     rows = the_front.stats()
     sent = rows.get((front.FRONTEND, "FRONTEND"), {}).get("hrsp_5xx") or 0
-    server = rows.get((front.BACKEND, front.SERVER), {}).get("hrsp_5xx") or 0
-    return identity, int(sent), int(server)
+    server = sum(
+        int(rows.get((front.BACKEND, name), {}).get("hrsp_5xx") or 0)
+        for name in front.SERVERS.values()
+    )
+    return identity, int(sent), server
 
 
 def _front_failures(reads: Reads, state: State) -> int:
