@@ -292,6 +292,25 @@ def test_a_restored_slot_keeps_its_cached_tokens_across_the_restart(host: Host) 
     assert not list((host.state_dir / "slots").iterdir())  # the files are gone
 
 
+def test_a_new_slot_folder_carries_the_caches_into_it(host: Host) -> None:
+    installed(host, "-c", "8192", "-np", "2", "-t", "1")
+    n_prompt = completion(host.url, HISTORY)["timings"]["prompt_n"]
+    folder = host.root / "other-slots"
+    folder.mkdir()
+    rc, out = host.cli_json("set", "--slot-save-path", str(folder))
+    assert (rc, out["outcome"]) == (0, "deployed"), out
+    carried = out["handover"]["slots"]
+    assert carried["moved"] == {
+        "from": str(host.state_dir / "slots"),
+        "to": str(folder),
+        "files": len(carried["saved"]),
+    }
+    assert max(s["tokens"] for s in carried["restored"]) >= n_prompt
+    again = completion(host.url, HISTORY + " and one more turn")
+    assert again["timings"]["cache_n"] >= n_prompt - 1
+    assert not list(folder.iterdir()) and not list((host.state_dir / "slots").iterdir())
+
+
 def test_the_fingerprint_skips_a_restore_after_a_cache_type_change(host: Host) -> None:
     installed(host, "-c", "8192", "-np", "2")
     completion(host.url, HISTORY)

@@ -279,17 +279,31 @@ class Handover:
             return
         why = slots.differences(slots.fingerprint(self.old_meta or {}), slots.fingerprint(new_meta))
         new_dir = slots.save_path(new_meta.get("config") or {})
-        if new_dir != self.save_dir:
-            why.append(f"{what} saves slots in {new_dir}, not {self.save_dir}")
-        if why:
-            reason = "KV layout changed: " + "; ".join(why)
+        if why or new_dir is None:
+            reason = (
+                "KV layout changed: " + "; ".join(why)
+                if why
+                else f"{what} has no --slot-save-path to restore from"
+            )
             report["skipped"] += [
                 {"slot": s.slot, "tokens": s.tokens, "reason": reason} for s in self.saved
             ]
         else:
+            if new_dir != self.save_dir:
+                self._move_to(new_dir, report)
             self._restore_checked(new, new_meta, report, crash_fails)
         slots.discard(self.save_dir, self.saved)
         self.saved = []
+
+    def _move_to(self, folder: Path, report: dict[str, Any]) -> None:
+        """The saved files into ``folder``, where the config to restore into reads them
+        (its ``--slot-save-path`` changed); those that cannot move are discarded."""
+        assert self.save_dir is not None
+        moved, skipped = slots.move(self.saved, self.save_dir, folder)
+        slots.discard(self.save_dir, [s for s in self.saved if s not in moved])
+        report["skipped"] += skipped
+        report["moved"] = {"from": str(self.save_dir), "to": str(folder), "files": len(moved)}
+        self.save_dir, self.saved = folder, moved
 
     def _restore_checked(
         self, new: Endpoint, new_meta: dict[str, Any], report: dict[str, Any], crash_fails: bool

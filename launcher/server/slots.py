@@ -24,6 +24,7 @@ from an empty slot, and the restore of that slot waits until it is done.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import shutil
@@ -365,6 +366,60 @@ def restore_all(
             }
         )
     return restored, skipped
+
+
+def move(saved: list[Saved], src: Path, dst: Path) -> tuple[list[Saved], list[dict[str, Any]]]:
+    """Move saved slot files from the folder one config saved them in to the one another
+    restores them from (a deploy that changes ``--slot-save-path``; a second instance's own
+    folder): (moved, skipped with the reason). A file goes into ``dst`` owned as ``dst`` is
+    (a folder's owner is the service that reads it: each ``DynamicUser=`` unit has a user
+    of its own), mode 0600; into a folder of root's (one the services share) it keeps the
+    owner that wrote it. A rename where both are on one filesystem, else a copy. A file
+    that cannot be moved stays in ``src``, and a copy cut short leaves nothing in ``dst``."""
+    try:
+        folder = dst.stat()
+    except OSError as e:
+        why = f"cannot read the slot folder {dst}: {e.strerror or e}"
+        return [], [{"slot": s.slot, "tokens": s.tokens, "reason": why} for s in saved]
+    owner = (folder.st_uid, folder.st_gid) if folder.st_uid != 0 else None
+    moved: list[Saved] = []
+    skipped: list[dict[str, Any]] = []
+    for s in saved:
+        try:
+            _move_one(src / s.filename, dst / s.filename, owner)
+        except OSError as e:
+            why = f"cannot move {s.filename} from {src} to {dst}: {e.strerror or e}"
+            skipped.append({"slot": s.slot, "tokens": s.tokens, "reason": why})
+            continue
+        moved.append(s)
+    return moved, skipped
+
+
+def _move_one(a: Path, b: Path, owner: tuple[int, int] | None) -> None:
+    try:
+        os.rename(a, b)
+    except OSError as e:
+        if e.errno != errno.EXDEV:
+            raise
+        _copy(a, b)
+        a.unlink()
+    if owner is not None and os.geteuid() == 0:
+        os.chown(b, *owner)
+
+
+def _copy(a: Path, b: Path) -> None:
+    try:
+        with a.open("rb") as f, open(b, "wb", opener=_private) as g:
+            os.fchmod(g.fileno(), 0o600)
+            shutil.copyfileobj(f, g, 1 << 20)
+    except OSError:
+        with contextlib.suppress(OSError):
+            b.unlink()
+        raise
+
+
+def _private(path: str, flags: int) -> int:
+    return os.open(path, flags, 0o600)
 
 
 def discard(folder: Path | None, saved: list[Saved]) -> None:

@@ -1,0 +1,107 @@
+"""Saved slot files moved between two slot folders (``launcher.server.slots.move``): a deploy
+that changes ``--slot-save-path``, or a second instance with a folder of its own. Real files on
+this machine's filesystems; what a server makes of them is in tests/test_handover.py."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from launcher.server import slots
+
+#: a user no file here belongs to (what a ``DynamicUser=`` service's uid looks like to root)
+OTHER_UID, OTHER_GID = 61234, 61234
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="chown needs root")
+
+
+def saved_file(folder: Path, slot: int = 0, data: bytes = b"cells" * 100) -> slots.Saved:
+    name = slots.FILENAME.format(slot=slot)
+    (folder / name).write_bytes(data)
+    (folder / name).chmod(0o600)
+    return slots.Saved(slot, name, 10, len(data), 1.0)
+
+
+def folders(tmp_path: Path) -> tuple[Path, Path]:
+    src, dst = tmp_path / "old", tmp_path / "new"
+    src.mkdir()
+    dst.mkdir()
+    return src, dst
+
+
+def test_a_move_within_one_filesystem_leaves_the_file_only_in_the_new_folder(
+    tmp_path: Path,
+) -> None:
+    src, dst = folders(tmp_path)
+    s = saved_file(src)
+    moved, skipped = slots.move([s], src, dst)
+    assert (moved, skipped) == ([s], [])
+    assert not (src / s.filename).exists()
+    assert (dst / s.filename).read_bytes() == b"cells" * 100
+
+
+def test_a_move_across_filesystems_copies_the_bytes_private_and_removes_the_old(
+    tmp_path: Path,
+) -> None:
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or shm.stat().st_dev == tmp_path.stat().st_dev:
+        pytest.skip("no second filesystem at /dev/shm")
+    src = Path(tempfile.mkdtemp(dir=shm))
+    try:
+        dst = tmp_path / "new"
+        dst.mkdir()
+        s = saved_file(src, data=os.urandom(3 << 20))
+        data = (src / s.filename).read_bytes()
+        assert slots.move([s], src, dst) == ([s], [])
+        assert (dst / s.filename).read_bytes() == data
+        assert (dst / s.filename).stat().st_mode & 0o777 == 0o600
+        assert not (src / s.filename).exists()
+    finally:
+        for f in src.iterdir():
+            f.unlink()
+        src.rmdir()
+
+
+@needs_root
+def test_a_file_moved_into_a_services_folder_belongs_to_that_service(tmp_path: Path) -> None:
+    src, dst = folders(tmp_path)
+    os.chown(dst, OTHER_UID, OTHER_GID)
+    s = saved_file(src)
+    slots.move([s], src, dst)
+    st = (dst / s.filename).stat()
+    assert (st.st_uid, st.st_gid) == (OTHER_UID, OTHER_GID)
+
+
+@needs_root
+def test_a_file_moved_into_a_folder_of_roots_keeps_the_owner_that_wrote_it(
+    tmp_path: Path,
+) -> None:
+    src, dst = folders(tmp_path)
+    s = saved_file(src)
+    os.chown(src / s.filename, OTHER_UID, OTHER_GID)
+    slots.move([s], src, dst)
+    assert (dst / s.filename).stat().st_uid == OTHER_UID
+
+
+def test_a_file_that_cannot_move_stays_where_it_was_and_says_why(tmp_path: Path) -> None:
+    src, dst = folders(tmp_path)
+    good, bad = saved_file(src, 0), saved_file(src, 1)
+    (dst / bad.filename).mkdir()  # a folder where the file would go: the rename fails
+    moved, skipped = slots.move([good, bad], src, dst)
+    assert moved == [good]
+    assert [s["slot"] for s in skipped] == [1]
+    assert bad.filename in skipped[0]["reason"] and str(dst) in skipped[0]["reason"]
+    assert (src / bad.filename).is_file()
+
+
+def test_a_missing_folder_moves_nothing_and_names_it(tmp_path: Path) -> None:
+    src = tmp_path / "old"
+    src.mkdir()
+    s = saved_file(src)
+    moved, skipped = slots.move([s], src, tmp_path / "gone")
+    assert moved == []
+    assert "slot folder" in skipped[0]["reason"] and "gone" in skipped[0]["reason"]
+    assert (src / s.filename).is_file()
