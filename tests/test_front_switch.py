@@ -11,7 +11,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -196,6 +196,7 @@ def test_the_switch_cuts_nothing_and_sends_every_later_request_to_the_new_server
     assert "a" in {a.model for a in agents.answers if a.ended < t_switch}
     # the drain waited for what a was answering: the long answer ended whole, on a
     assert answers[0].ended > t_switch and not report.timed_out
+    assert report.front_in_flight_at_start >= 1 and pair.front.in_flight("llama") == 0
     assert (answers[0].ok, answers[0].model, answers[0].finish) == (True, "a", "length")
     assert pair.front.server_states() == {"llama": "MAINT", "llama_b": "UP"}
     assert switched.serving == "b" and pair.front.spec() == switched
@@ -231,6 +232,41 @@ def test_the_drain_timeout_leaves_the_old_request_to_finish_on_the_old_server(
     long.join(60)
     assert report.timed_out and report.cut_at_front == 1
     assert (answers[0].ok, answers[0].model) == (True, "a")  # maint cut nothing
+
+
+def test_apply_of_the_saved_spec_settles_a_switch_left_half_way(pair: Pair) -> None:
+    # what a deployer killed right after the switch's first runtime command leaves: the
+    # disk names b, and both servers take requests
+    switched = replace(pair.spec, serving="b")
+    pair.front.swap(pair.front.render(switched, SLOTS))
+    pair.front.save_spec(switched)
+    pair.front.command(f"set server {front.BACKEND}/{front.STANDBY} state ready")
+    assert pair.front.server_states() == {"llama": "UP", "llama_b": "UP"}
+    saved = pair.front.spec()
+    assert saved is not None
+    pair.front.apply(saved, SLOTS)
+    assert pair.front.server_states() == {"llama": "MAINT", "llama_b": "UP"}
+    assert {stream(pair.url, 4).model for _ in range(6)} == {"b"}
+
+
+class RefusesReady(Front):
+    """The real front, but HAProxy's answer to ``state ready`` is an error (what the real
+    one says to a command when its socket breaks half-way cannot be timed)."""
+
+    def _expect_empty(self, line: str) -> None:
+        if line.endswith("state ready") and front.STANDBY in line:
+            raise FrontError(f"{line!r} answered: (the test's refusal)")
+        super()._expect_empty(line)
+
+
+def test_a_switch_whose_command_fails_puts_the_old_config_back(pair: Pair) -> None:
+    before = pair.front.live_text()
+    refusing = RefusesReady(pair.front.dir.parent, pair.front.unit)
+    with pytest.raises(FrontError, match="the test's refusal"):
+        refusing.switch(pair.spec, SLOTS, 120.0)
+    assert pair.front.live_text() == before and pair.front.spec() == pair.spec
+    assert pair.front.server_states() == {"llama": "UP", "llama_b": "MAINT"}
+    assert {stream(pair.url, 4).model for _ in range(6)} == {"a"}
 
 
 def test_a_front_with_one_server_has_nothing_to_switch_to(tmp_path: Path) -> None:

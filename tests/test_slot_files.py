@@ -5,7 +5,10 @@ this machine's filesystems; what a server makes of them is in tests/test_handove
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import pytest
@@ -21,7 +24,7 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="chown needs root")
 def saved_file(folder: Path, slot: int = 0, data: bytes = b"cells" * 100) -> slots.Saved:
     name = slots.FILENAME.format(slot=slot)
     (folder / name).write_bytes(data)
-    (folder / name).chmod(0o600)
+    (folder / name).chmod(0o644)  # as a server with another umask writes it
     return slots.Saved(slot, name, 10, len(data), 1.0)
 
 
@@ -43,14 +46,23 @@ def test_a_move_within_one_filesystem_leaves_the_file_only_in_the_new_folder(
     assert (dst / s.filename).read_bytes() == b"cells" * 100
 
 
-def test_a_move_across_filesystems_copies_the_bytes_private_and_removes_the_old(
-    tmp_path: Path,
-) -> None:
+@contextmanager
+def other_filesystem(tmp_path: Path) -> Iterator[Path]:
+    """A folder on another filesystem than ``tmp_path`` (/dev/shm's tmpfs)."""
     shm = Path("/dev/shm")
     if not shm.is_dir() or shm.stat().st_dev == tmp_path.stat().st_dev:
         pytest.skip("no second filesystem at /dev/shm")
-    src = Path(tempfile.mkdtemp(dir=shm))
+    folder = Path(tempfile.mkdtemp(dir=shm))
     try:
+        yield folder
+    finally:
+        shutil.rmtree(folder)
+
+
+def test_a_move_across_filesystems_copies_the_bytes_private_and_removes_the_old(
+    tmp_path: Path,
+) -> None:
+    with other_filesystem(tmp_path) as src:
         dst = tmp_path / "new"
         dst.mkdir()
         s = saved_file(src, data=os.urandom(3 << 20))
@@ -58,11 +70,55 @@ def test_a_move_across_filesystems_copies_the_bytes_private_and_removes_the_old(
         assert slots.move([s], src, dst) == ([s], [])
         assert (dst / s.filename).read_bytes() == data
         assert (dst / s.filename).stat().st_mode & 0o777 == 0o600
+        assert sorted(p.name for p in dst.iterdir()) == [s.filename]  # no .part left
         assert not (src / s.filename).exists()
-    finally:
-        for f in src.iterdir():
-            f.unlink()
-        src.rmdir()
+
+
+def test_a_renamed_file_is_private_too(tmp_path: Path) -> None:
+    src, dst = folders(tmp_path)
+    s = saved_file(src)
+    slots.move([s], src, dst)
+    assert (dst / s.filename).stat().st_mode & 0o777 == 0o600
+
+
+def test_a_copy_replaces_what_a_killed_move_left(tmp_path: Path) -> None:
+    with other_filesystem(tmp_path) as src:
+        dst = tmp_path / "new"
+        dst.mkdir()
+        s = saved_file(src)
+        (dst / (s.filename + slots.PART)).write_bytes(b"half")
+        assert slots.is_slot_file(s.filename + slots.PART)  # the recovery's sweep takes it
+        assert slots.move([s], src, dst) == ([s], [])
+        assert sorted(p.name for p in dst.iterdir()) == [s.filename]
+
+
+def test_a_link_in_the_old_folder_is_not_followed(tmp_path: Path) -> None:
+    src, dst = folders(tmp_path)
+    victim = tmp_path / "victim"
+    victim.write_text("root's file")
+    name = slots.FILENAME.format(slot=0)
+    (src / name).symlink_to(victim)
+    moved, skipped = slots.move([slots.Saved(0, name, 10, 11, 1.0)], src, dst)
+    assert moved == [] and "symbolic link" in skipped[0]["reason"]
+    assert victim.read_text() == "root's file" and not (dst / name).exists()
+
+
+@pytest.mark.parametrize("across", [False, True], ids=["rename", "copy"])
+def test_a_link_in_the_new_folder_is_replaced_not_written_through(
+    tmp_path: Path, across: bool
+) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("root's file")
+    dst = tmp_path / "new"
+    dst.mkdir()
+    with other_filesystem(tmp_path) if across else nullcontext(tmp_path / "old") as src:
+        src.mkdir(exist_ok=True)
+        s = saved_file(src)
+        (dst / s.filename).symlink_to(victim)
+        (dst / (s.filename + slots.PART)).symlink_to(victim)
+        assert slots.move([s], src, dst) == ([s], [])
+    assert victim.read_text() == "root's file"
+    assert (dst / s.filename).is_file() and not (dst / s.filename).is_symlink()
 
 
 @needs_root
@@ -76,14 +132,19 @@ def test_a_file_moved_into_a_services_folder_belongs_to_that_service(tmp_path: P
 
 
 @needs_root
+@pytest.mark.parametrize("across", [False, True], ids=["rename", "copy"])
 def test_a_file_moved_into_a_folder_of_roots_keeps_the_owner_that_wrote_it(
-    tmp_path: Path,
+    tmp_path: Path, across: bool
 ) -> None:
-    src, dst = folders(tmp_path)
-    s = saved_file(src)
-    os.chown(src / s.filename, OTHER_UID, OTHER_GID)
-    slots.move([s], src, dst)
-    assert (dst / s.filename).stat().st_uid == OTHER_UID
+    dst = tmp_path / "new"
+    dst.mkdir()
+    with other_filesystem(tmp_path) if across else nullcontext(tmp_path / "old") as src:
+        src.mkdir(exist_ok=True)
+        s = saved_file(src)
+        os.chown(src / s.filename, OTHER_UID, OTHER_GID)
+        slots.move([s], src, dst)
+    st = (dst / s.filename).stat()
+    assert (st.st_uid, st.st_gid) == (OTHER_UID, OTHER_GID)
 
 
 def test_a_file_that_cannot_move_stays_where_it_was_and_says_why(tmp_path: Path) -> None:

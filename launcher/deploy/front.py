@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import json
 import os
 import socket
@@ -479,8 +480,12 @@ RestartSec=5
 
     def apply(self, spec: FrontSpec, slots: int) -> None:
         """Point the running HAProxy's serving server at the spec's address with ``maxconn``
-        = slots."""
+        = slots; with a second server, the serving one ``ready`` and the other in ``maint``
+        (what a switch cut short left running is put as the spec on disk says)."""
         self._point(spec, spec.serving, slots)
+        if spec.standby_port is not None:
+            self._expect_empty(f"set server {BACKEND}/{SERVERS[spec.serving]} state ready")
+            self._expect_empty(f"set server {BACKEND}/{SERVERS[spec.idle]} state maint")
 
     def _point(self, spec: FrontSpec, side: str, slots: int) -> None:
         name = SERVERS[side]
@@ -496,30 +501,45 @@ RestartSec=5
         sleep: Callable[[float], None] = time.sleep,
     ) -> tuple[FrontSpec, drain.DrainReport]:
         """Send new requests to the server that does not serve (the second instance, gated,
-        with ``slots``): ``ready`` it, then ``drain`` the one that served (HAProxy sends it
-        nothing new; its requests finish), wait until it has no request in flight or queued
-        at the front and, given ``old_server``, no slot processing (at most
-        ``drain_timeout``), then ``maint`` it. The new server is ready before the old one
-        drains: with no usable server HAProxy 2.6 answers 503 at once, so there is never
-        such a moment. ``maint`` cuts nothing: what the timeout left runs to its end on the
-        old server (the report names it). Returns the spec that serves now, saved, and the
-        drain's report."""
+        with ``slots``; the caller holds the unit's deploy lock): the config and spec that
+        name it as serving go on disk first, then it is ``ready`` and the one that served
+        ``drain`` (HAProxy sends it nothing new; its requests finish); then a wait until the
+        old one has no request in flight or queued at the front and, given ``old_server``,
+        no slot processing (at most ``drain_timeout``; the front's count alone when
+        ``/slots`` cannot be read), then ``maint``. The new server is ready before the old
+        one drains: with no usable server HAProxy 2.6 answers 503 at once, so there is never
+        such a moment. From the first write on, the disk names the new server, so a HAProxy
+        restarted then serves it, and ``apply`` of the saved spec puts a running HAProxy the
+        switch left half-way as the disk says. A runtime command that fails puts the old
+        config, spec and states back before it raises. ``maint`` cuts nothing: what the
+        timeout left runs to its end on the old server (the report names it). Returns the
+        spec that serves now and the drain's report."""
         from launcher.deploy import drain  # here: prestart's lean path loads this module
 
         if spec.standby_port is None:
             raise FrontError("the front has one server: there is nothing to switch to")
         old, new = SERVERS[spec.serving], SERVERS[spec.idle]
         switched = replace(spec, serving=spec.idle)
-        text = self.render(switched, slots)  # an HAProxy restarted from here on serves new
+        text = self.render(switched, slots)
         self.validate(text, switched)
+        old_text = self.live_text()
         self._point(spec, spec.idle, slots)
-        self._expect_empty(f"set server {BACKEND}/{new} state ready")
-        self._expect_empty(f"set server {BACKEND}/{old} state drain")
         self.swap(text)
-        self.save_spec(switched)  # the new one serves from here; the old one only finishes
-        report = drain.wait_idle(
-            old_server, drain_timeout, front_in_flight=lambda: self.in_flight(old), sleep=sleep
-        )
+        self.save_spec(switched)
+        try:
+            self._expect_empty(f"set server {BACKEND}/{new} state ready")
+            self._expect_empty(f"set server {BACKEND}/{old} state drain")
+        except FrontError:
+            with contextlib.suppress(FrontError, OSError):
+                if old_text is not None:
+                    self.swap(old_text, backup=False)
+                self.save_spec(spec)
+                self.apply(spec, slots)
+            raise
+        in_flight = functools.partial(self.in_flight, old)
+        report = drain.wait_idle(old_server, drain_timeout, in_flight, sleep=sleep)
+        if report.skipped is not None and old_server is not None:
+            report = drain.wait_idle(None, drain_timeout, in_flight, sleep=sleep)
         self._expect_empty(f"set server {BACKEND}/{old} state maint")
         return switched, report
 

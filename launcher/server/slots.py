@@ -28,6 +28,7 @@ import errno
 import os
 import re
 import shutil
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,8 +41,10 @@ if TYPE_CHECKING:
 #: plain file name: fs_validate_filename in common/common.cpp).
 FILENAME = "llama-launcher-slot-{slot}.bin"
 
-#: Every file named so (the sweep of a killed deploy's leftovers).
-FILE_PATTERN = re.compile(r"^llama-launcher-slot-\d+\.bin$")
+#: Every file named so, and a copy under way (the sweep of a killed deploy's leftovers).
+FILE_PATTERN = re.compile(r"^llama-launcher-slot-\d+\.bin(\.part)?$")
+#: The suffix of a copy under way into another folder (``move``), renamed when whole.
+PART = ".part"
 
 #: A slot file as b11434 writes it (read from the files: ``llama_state_seq_save_file`` in
 #: src/llama-context.cpp, the server's token words, the KV cache's state): a header of three
@@ -374,8 +377,11 @@ def move(saved: list[Saved], src: Path, dst: Path) -> tuple[list[Saved], list[di
     folder): (moved, skipped with the reason). A file goes into ``dst`` owned as ``dst`` is
     (a folder's owner is the service that reads it: each ``DynamicUser=`` unit has a user
     of its own), mode 0600; into a folder of root's (one the services share) it keeps the
-    owner that wrote it. A rename where both are on one filesystem, else a copy. A file
-    that cannot be moved stays in ``src``, and a copy cut short leaves nothing in ``dst``."""
+    owner that wrote it. A rename where both are on one filesystem, else a copy written
+    as ``NAME.part`` and renamed when whole. The folders belong to the services, so
+    nothing in them is trusted: only a regular file is moved, opened without following a
+    link, and owner and mode are set on what was opened, never on a path. A file that
+    cannot be moved stays in ``src``."""
     try:
         folder = dst.stat()
     except OSError as e:
@@ -388,38 +394,60 @@ def move(saved: list[Saved], src: Path, dst: Path) -> tuple[list[Saved], list[di
         try:
             _move_one(src / s.filename, dst / s.filename, owner)
         except OSError as e:
-            why = f"cannot move {s.filename} from {src} to {dst}: {e.strerror or e}"
-            skipped.append({"slot": s.slot, "tokens": s.tokens, "reason": why})
+            why = e.strerror or str(e)
+            if e.errno == errno.ELOOP:
+                why = "it is a symbolic link, not a slot file"
+            reason = f"cannot move {s.filename} from {src} to {dst}: {why}"
+            skipped.append({"slot": s.slot, "tokens": s.tokens, "reason": reason})
             continue
         moved.append(s)
     return moved, skipped
 
 
 def _move_one(a: Path, b: Path, owner: tuple[int, int] | None) -> None:
+    fd = os.open(a, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        os.rename(a, b)
-    except OSError as e:
-        if e.errno != errno.EXDEV:
-            raise
-        _copy(a, b)
-        a.unlink()
-    if owner is not None and os.geteuid() == 0:
-        os.chown(b, *owner)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        uid, gid = owner or (st.st_uid, st.st_gid)
+        try:
+            os.rename(a, b)  # a rename moves the name: what was opened is what it names
+        except OSError as e:
+            if e.errno != errno.EXDEV:
+                raise
+            _copy(fd, b, uid, gid)
+            os.unlink(a)
+            return
+        _own(fd, uid, gid)
+    finally:
+        os.close(fd)
 
 
-def _copy(a: Path, b: Path) -> None:
+def _copy(src_fd: int, b: Path, uid: int, gid: int) -> None:
+    part = b.with_name(b.name + PART)
+    with contextlib.suppress(FileNotFoundError):
+        part.unlink()  # a killed move's
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(part, flags, 0o600)
     try:
-        with a.open("rb") as f, open(b, "wb", opener=_private) as g:
-            os.fchmod(g.fileno(), 0o600)
-            shutil.copyfileobj(f, g, 1 << 20)
-    except OSError:
+        try:
+            _own(fd, uid, gid)
+            with open(src_fd, "rb", closefd=False) as f, open(fd, "wb", closefd=False) as g:
+                shutil.copyfileobj(f, g, 1 << 20)
+        finally:
+            os.close(fd)
+        os.rename(part, b)
+    except BaseException:
         with contextlib.suppress(OSError):
-            b.unlink()
+            part.unlink()
         raise
 
 
-def _private(path: str, flags: int) -> int:
-    return os.open(path, flags, 0o600)
+def _own(fd: int, uid: int, gid: int) -> None:
+    if os.geteuid() == 0:
+        os.fchown(fd, uid, gid)
+    os.fchmod(fd, 0o600)
 
 
 def discard(folder: Path | None, saved: list[Saved]) -> None:
