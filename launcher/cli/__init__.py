@@ -108,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
         "exec", help="the unit's ExecStart: read the env file strictly and exec llama-server"
     )
     exec_p.add_argument("--env-file", required=True)
+    exec_p.add_argument("--port", help="listen on this port whatever the env file says")
     exec_p.add_argument("--print-argv", action="store_true")
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
         module = importlib.import_module(f"{__name__}.{info.name}")
@@ -168,7 +169,12 @@ def main(args: Sequence[str], on_phase: Callable[[str], None] | None = None) -> 
         from launcher.host import launch
 
         return launch.main(
-            ["--env-file", ns.env_file, *(["--print-argv"] if ns.print_argv else [])]
+            [
+                "--env-file",
+                ns.env_file,
+                *(["--port", ns.port] if ns.port else []),
+                *(["--print-argv"] if ns.print_argv else []),
+            ]
         )
     handler: Handler = ns.func
     from launcher.errors import Interrupted, LauncherError

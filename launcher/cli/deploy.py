@@ -248,6 +248,15 @@ def register(sub: Any) -> None:
 
     p = _parser(
         sub,
+        "stop-warm",
+        "stop the second instance when its warm period after a switch is over and it does "
+        "not serve (a timer the deploy starts runs it; under the unit's lock)",
+    )
+    _settings_options(p)
+    p.set_defaults(func=cmd_stop_warm)
+
+    p = _parser(
+        sub,
         "install",
         "first deployment on a host: validate first (a refusal changes nothing), then "
         "install the unit, its sampler timer (and the front's units with --front), create "
@@ -283,6 +292,13 @@ def register(sub: Any) -> None:
         default="none",
         help="haproxy: HAProxy holds the address and holds requests during deploys; "
         "llama-server moves to a private one (default none)",
+    )
+    p.add_argument(
+        "--second-instance",
+        action="store_true",
+        help="with --front haproxy: a second instance (NAME-b.service, on a port of its "
+        "own) serves the live config while the unit restarts, so nothing is held, and "
+        "keeps it warm after (keep_warm): a rollback then is a switch (setting handover)",
     )
     _drain_options(p)
     _settings_options(p)
@@ -584,6 +600,14 @@ def cmd_front_release(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_stop_warm(ns: argparse.Namespace) -> int:
+    from launcher.deploy.transaction import Deployer
+
+    data = Deployer(settings_from(ns)).stop_warm()
+    emit(data, ns.json, lambda: "stopped" if data.get("stopped") else f"kept: {data['why']}")
+    return 0
+
+
 def cmd_status(ns: argparse.Namespace) -> int:
     from launcher.reports import status
 
@@ -614,6 +638,7 @@ def cmd_install(ns: argparse.Namespace) -> int:
         force=ns.force,
         site=install.site_for(tuple(ns.read_only_path), ns.mdwe, ns.allow_nice),
         front_kind=ns.front,
+        second_instance=ns.second_instance,
     )
     return _finish(ns, result)
 

@@ -622,6 +622,21 @@ class ToolSettings(BaseSettings):
         description="a config without --slot-save-path gets STATE_DIR/slots: the slots' "
         "caches are saved before a restart and restored after it",
     )
+    # the second instance (launcher/deploy/standby.py; install --front haproxy
+    # --second-instance)
+    handover: Literal["auto", "switch", "hold"] = Field(
+        "auto",
+        description="how a fronted unit with a second instance restarts: switch (the live "
+        "config serves on the second instance meanwhile, nothing is held), hold (the "
+        "front holds new requests), auto (switch when the second instance fits in memory "
+        "beside the running one)",
+    )
+    keep_warm: float = Field(
+        60.0,
+        ge=0,
+        description="seconds the second instance keeps the previous config warm after a "
+        "switch (a rollback then is a switch); the bake's length when it is longer",
+    )
     # the watch (launcher/watch/): install renders the interval into the sampler's timer
     sample_interval: float = Field(
         60.0, ge=1, description="seconds between two live samples (NAME-sample.timer)"

@@ -35,6 +35,7 @@ from typing import Any
 from launcher import config
 from launcher.deploy import drain
 from launcher.deploy.front import BACKEND, SERVERS, Front, FrontError, FrontSpec, Hold
+from launcher.deploy.standby import Standby
 from launcher.errors import ConfigInvalid, GateFailure, LauncherError
 from launcher.host.systemd import Scope, Systemd, UnitState
 from launcher.server import slots
@@ -86,6 +87,31 @@ class Endpoint:
 
 
 @dataclass
+class Bridge:
+    """A restart bridged by the second instance (``launcher.deploy.standby``): it serves
+    ``text`` (its generation's ``meta``) while the unit restarts, and keeps it warm for
+    ``warm`` seconds after (0: stopped once the unit serves again)."""
+
+    standby: Standby
+    text: str
+    argv: list[str]
+    meta: dict[str, Any]
+    api_key: str | None
+    #: starts it and gates it on its port (``Standby.serve`` with the deploy's waits)
+    serve: Callable[[], Any]
+    warm: float
+    generation: int | None
+    #: the settings options naming the unit, for the timer that ends the warm period
+    where: list[str]
+    #: why the switch was chosen (the result's ``handover.switch.why``)
+    why: str = ""
+
+    @property
+    def endpoint(self) -> Endpoint:
+        return Endpoint(self.standby.url, self.api_key)
+
+
+@dataclass
 class Handover:
     """One restart's handover; ``report`` is the ``handover`` object of the result."""
 
@@ -104,13 +130,22 @@ class Handover:
     drain_timeout: float = 0.0
     report: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    #: the second instance serving while the unit restarts (None: the front holds)
+    bridge: Bridge | None = None
+    #: the front's spec while the second instance serves (``switch``'s return)
+    bridged: FrontSpec | None = None
 
     # -- before the restart ----------------------------------------------------------------
 
     def before_restart(
         self, drain_timeout: float, running: UnitState, say: Say | None = None
     ) -> None:
-        """Hold, drain, save; on a signal in between, the front is released first."""
+        """Hold, drain, save; on a signal in between, the front is released first. With a
+        bridge: the second instance serves instead, and nothing is held."""
+        if self.bridge is not None and self._bridge_in(drain_timeout, running):
+            if running.running and running.main_pid > 0:
+                self.watch = drain.ExitWatch(running.main_pid)
+            return
         try:
             self._hold()
             self._drain(drain_timeout, running, say)
@@ -120,6 +155,107 @@ class Handover:
             raise
         if running.running and running.main_pid > 0:
             self.watch = drain.ExitWatch(running.main_pid)
+
+    def _bridge_in(self, drain_timeout: float, running: UnitState) -> bool:
+        """The second instance serves the bridge's config, gated on its port, with the
+        unit's slots carried into it (where the layout allows), and the front switched to
+        it; False (and why, in the report) when it cannot: the restart is held instead."""
+        b = self.bridge
+        assert b is not None and self.front is not None
+        sw: dict[str, Any] = {"instance": b.standby.name, "why": b.why}
+        self.report["switch"] = sw
+        try:
+            spec = self.front.spec()
+            assert spec is not None and spec.standby_port is not None
+            if spec.serving == "b" and b.standby.running_with(b.text):
+                sw["serving"] = "already"  # a killed deploy's bridge, or a failed rollback
+                self.bridged = spec
+                return True
+            t0 = time.monotonic()
+            if b.standby.running_with(b.text):
+                sw["started"] = "warm: it kept this config since the last deploy"
+            else:
+                b.serve()
+                sw["started"] = round(time.monotonic() - t0, 3)
+            self._mark("bridge")
+            if running.running and self.old is not None:
+                self._carry(self.old, self.old_meta or {}, b.endpoint, b.meta, sw, "bridge")
+            with b.endpoint.client() as c:
+                self.bridged, report = self.front.switch(spec, _slots(b.meta), drain_timeout, c)
+            sw["switched_after"] = round(time.monotonic() - t0, 3)
+            self.report["drain"] = {**report.to_dict(), "message": report.describe()}
+            self.report["front"] = {"held": False, "serving": b.standby.name}
+            self._mark("bridged")
+            return True
+        except (LauncherError, OSError) as e:
+            self.warnings.append(
+                f"the second instance {b.standby.name} did not take over ({e}); this "
+                "restart holds the front instead"
+            )
+            sw["failed"] = str(e)
+            self.bridge = None
+            with contextlib.suppress(LauncherError, OSError):
+                if self.front.spec() == spec and spec is not None and spec.serving == "a":
+                    b.standby.stop()
+            return False
+
+    def _carry(
+        self,
+        src: Endpoint,
+        src_meta: dict[str, Any],
+        dst: Endpoint,
+        dst_meta: dict[str, Any],
+        report: dict[str, Any],
+        what: str,
+        crash_fails: bool = False,
+    ) -> None:
+        """The slots saved on ``src`` restored into ``dst`` (both running), as ``_restore``
+        does after a restart; what happened, as ``report['slots']``."""
+        kept = self.old_meta, self.report.get("slots")
+        carried: dict[str, Any] = {"saved": [], "restored": [], "skipped": []}
+        self.report["slots"], self.old_meta = carried, src_meta
+        try:
+            self.save_dir = slots.save_path(src_meta.get("config") or {})
+            if self.save_dir is None:
+                carried["note"] = "no --slot-save-path: no cache is carried"
+                return
+            with src.client() as client:
+                self.saved, skipped = slots.save_all(client, self.save_dir)
+            carried["saved"] = [s.to_dict() for s in self.saved]
+            carried["skipped"] = skipped
+            self._restore(dst, dst_meta, what, crash_fails)
+        finally:
+            report["slots"] = carried
+            self.old_meta = kept[0]
+            if kept[1] is not None:
+                self.report["slots"] = kept[1]
+            else:
+                self.report.pop("slots", None)
+
+    def _bridge_out(
+        self, new: Endpoint, new_meta: dict[str, Any], spec: FrontSpec, crash_fails: bool
+    ) -> None:
+        """The unit serves again (gated): the slots the second instance took carried back,
+        the front switched to the unit (``spec``: the front's spec for it), and the second
+        instance kept warm (the previous config, for an instant rollback) or stopped."""
+        b, front = self.bridge, self.front
+        assert b is not None and front is not None and self.bridged is not None
+        sw = self.report["switch"]
+        back: dict[str, Any] = {}
+        self._carry(b.endpoint, b.meta, new, new_meta, back, "the new config", crash_fails)
+        self.report["slots"] = back["slots"]
+        with b.endpoint.client() as c:
+            _, report = front.switch(
+                replace(spec, serving="b"), _slots(new_meta), self.drain_timeout, c
+            )
+        sw["back"] = {**report.to_dict(), "message": report.describe()}
+        if b.warm > 0:
+            sw["warm"] = b.standby.keep_warm(b.warm, b.generation, b.where)
+        else:
+            problem = b.standby.stop()
+            sw["stopped"] = problem or True
+            if problem:
+                self.warnings.append(problem)
 
     def _hold(self) -> None:
         if self.front is None:
@@ -211,7 +347,10 @@ class Handover:
 
     def swap_front(self) -> None:
         """The front's new config on disk, beside the env file's swap: a HAProxy that its
-        socket unit starts again from now on points at the new server."""
+        socket unit starts again from now on points at the new server. While the second
+        instance serves, the disk names it; the switch back writes the new config's."""
+        if self.bridged is not None:
+            return
         if self.change is not None and self.change.changed:
             self.change.front.swap(self.change.text)
             self.change.front.save_spec(self.change.spec)
@@ -220,6 +359,15 @@ class Handover:
         self, new_meta: dict[str, Any], new: Endpoint, planned_slots: int | None
     ) -> dict[str, Any]:
         """The new config serves: the front pointed at it, the slots, the release."""
+        if self.bridge is not None:
+            try:
+                spec = self.change.spec if self.change is not None else self.bridged
+                assert spec is not None
+                self._bridge_out(new, new_meta, spec, crash_fails=True)
+            except (FrontError, OSError) as e:
+                raise GateFailure("front", "front", f"the switch back failed: {e}", []) from e
+            self._mark("released")
+            return self.finish()
         self._apply_front()  # raises GateFailure: the deploy rolls back
         self._restore(new, new_meta, "the new config", crash_fails=True)
         self.release()
@@ -228,7 +376,11 @@ class Handover:
 
     def after_rollback(self, ok: bool) -> dict[str, Any]:
         """The old config is back (``ok``: it passed its gate): the front pointed at it,
-        the slots into the old config, the release. Never raises."""
+        the slots into the old config, the release. Never raises. With a bridge: the
+        second instance served meanwhile; it is switched back from (``ok``) and stopped, or
+        left serving the old config while the unit cannot (a warning says so)."""
+        if self.bridge is not None:
+            return self._unbridge(ok)
         try:
             if self.change is not None:
                 c = self.change
@@ -240,6 +392,32 @@ class Handover:
                 slots.discard(self.save_dir, self.saved)
         finally:
             self.release()
+        return self.finish()
+
+    def _unbridge(self, ok: bool) -> dict[str, Any]:
+        b, front = self.bridge, self.front
+        assert b is not None and front is not None
+        sw = self.report.setdefault("switch", {})
+        if self.bridged is None:  # it never served: nothing to switch back from
+            slots.discard(self.save_dir, self.saved)
+            return self.finish()
+        if not ok or self.old is None or self.old_meta is None:
+            with contextlib.suppress(FrontError, OSError):
+                front.save_spec(self.bridged)
+                front.swap(front.render(self.bridged, _slots(b.meta)), backup=False)
+            self.warnings.append(
+                f"{b.standby.name} serves the previous config while {front.unit} cannot; "
+                "`llama-launcher rollback` (or the next deploy) switches back"
+            )
+            sw["left_serving"] = b.standby.name
+            return self.finish()
+        try:
+            self.bridge = replace(b, warm=0.0)
+            spec = self.change.old_spec if self.change is not None else self.bridged
+            assert spec is not None
+            self._bridge_out(self.old, self.old_meta, spec, crash_fails=False)
+        except (LauncherError, OSError) as e:
+            self.warnings.append(f"the switch back to {front.unit} failed: {e}")
         return self.finish()
 
     def _apply_front(self) -> None:
@@ -389,6 +567,10 @@ class Handover:
         return self.report
 
 
+def _slots(meta: dict[str, Any]) -> int:
+    return int((meta.get("planned") or {}).get("n_slots") or 1)
+
+
 def _safe_count(count: Callable[[], int]) -> Callable[[], int]:
     """The front's in-flight count; 0 when its runtime API does not answer (the slots are
     still waited for)."""
@@ -483,12 +665,14 @@ def prepare(
     hold_seconds: float,
     say: Say | None = None,
     phase: Phase | None = None,
+    bridge: Bridge | None = None,
 ) -> Handover:
     """The handover of one restart, begun: the front held (the release watcher releases it
     after ``hold_seconds`` if this process is gone or still holding), the server drained,
-    the slots saved (see the module docstring)."""
+    the slots saved (see the module docstring); with a ``bridge``, the second instance
+    serving instead."""
     front = change.front if change is not None else None
-    h = Handover(old, old_meta, front, change=change, hold_seconds=hold_seconds)
+    h = Handover(old, old_meta, front, change=change, hold_seconds=hold_seconds, bridge=bridge)
     h.phase, h.drain_timeout = phase, drain_timeout
     h.before_restart(drain_timeout, running, say)
     return h
@@ -552,15 +736,33 @@ def recover(state_dir: Path, unit: str, scope: Scope, txn: dict[str, Any]) -> di
             hold = front.recheck(hold, "the recovery")
         with contextlib.suppress(FrontError):
             front.apply(spec, int(old.get("old_slots") or _maxconn(front, spec)))
+        out: dict[str, Any] = {}
         if held:
             front.release()
-            out: dict[str, Any] = {"front": "released the requests a killed deployer left held"}
+            out["front"] = "released the requests a killed deployer left held"
             if hold is not None and hold.restarts:
                 out["front_restarted"] = list(hold.restarts)
-            return out
+        bridged = _stop_bridge(state_dir, unit, scope, spec)
+        if bridged:
+            out["second_instance"] = bridged
+        return out
     except FrontError as e:
         return {"front": f"could not check or release the front: {e}"}
-    return {}
+
+
+def _stop_bridge(state_dir: Path, unit: str, scope: Scope, spec: FrontSpec) -> str | None:
+    """After a recovery, the second instance a killed deploy started is stopped (the unit
+    serves the restored config; nothing of the second instance is a generation)."""
+    sb = Standby.of(state_dir, unit, scope, spec)
+    if sb is None or spec.serving != "a":
+        return None
+    try:
+        running = sb.systemd.state().running
+    except LauncherError:
+        return None
+    if not running:
+        return None
+    return sb.stop() or f"{sb.name} stopped (the killed deploy's bridge)"
 
 
 def _maxconn(front: Front, spec: FrontSpec) -> int:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher import config, waits
-from launcher.deploy import budgets, front, home, store
+from launcher.deploy import budgets, front, home, standby, store
 from launcher.deploy.gate import Progress
 from launcher.deploy.result import Result
 from launcher.deploy.transaction import Deployer
@@ -219,6 +219,7 @@ def install(
     force: bool = False,
     site: units.Site | None = None,
     front_kind: str = "none",
+    second_instance: bool = False,
 ) -> Result:
     """Install the unit, create folders with safe modes, enable it, deploy through the gate.
 
@@ -228,7 +229,9 @@ def install(
     ``--slot-save-path`` the service can write unless it names one (``handover.slot_folder``:
     ``STATE_DIR/slots``; in system scope the unit's ``StateDirectory=``).
     ``front_kind="haproxy"``: HAProxy holds the config's address and llama-server moves to a
-    private one (``launcher.deploy.front``).
+    private one (``launcher.deploy.front``); ``second_instance``: and a second instance on a
+    standby port of the front (``launcher.deploy.standby``), which serves while the unit
+    restarts and keeps the previous config warm after.
     Nothing is changed when the input is refused (a hand-edited unit without ``force``,
     system scope without root, user scope without linger, any step of the validation chain,
     which runs on the unit as it will be written before anything is). An instance of the
@@ -241,6 +244,8 @@ def install(
         )
     if front_kind == "haproxy":
         require_haproxy()
+    if second_instance:
+        require_second_instance(settings, front_kind, template)
     require_root(settings)
     require_linger(settings)
     the_front = front.Front(home.state_dir(settings), settings.unit_name, settings.scope)
@@ -271,7 +276,7 @@ def install(
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(state_dir, 0o700)
     if front_kind == "haproxy":
-        spec = _front_spec(cfg, spec)
+        spec = _front_spec(cfg, spec, second_instance)
         # llama-server listens on the private address; the front holds the config's one
         cfg = cfg.model_copy(update={"host": spec.private_host, "port": spec.private_port})
     elif spec is not None:
@@ -295,7 +300,58 @@ def install(
                 the_front, spec, slots, settings.scope, unit_file.parent, watcher
             ),
         }
+        if spec.standby_port is not None:
+            result.handover["second_instance"] = install_standby(
+                settings, spec, unit_file.parent, site, systemd, force
+            )
     return result
+
+
+def require_second_instance(settings: config.ToolSettings, front_kind: str, template: bool) -> None:
+    """``--second-instance`` needs the front (it switches between the two) and, in system
+    scope, a unit of its own name (the second instance shares its dynamic user)."""
+    if front_kind != "haproxy":
+        raise ConfigInvalid(
+            "--second-instance needs --front haproxy: the front switches between the two"
+        )
+    if settings.scope == "system" and (template or "@" in settings.unit_name):
+        raise ConfigInvalid(
+            f"--second-instance: {settings.unit_name} is an instance of the template; in "
+            "system scope a second instance is built for a unit of its own name only "
+            "(install --unit NAME.service)"
+        )
+
+
+def install_standby(
+    settings: config.ToolSettings,
+    spec: front.FrontSpec,
+    unit_dir: Path,
+    site: units.Site | None,
+    systemd: Systemd,
+    force: bool = False,
+) -> dict[str, Any]:
+    """The second instance's unit (``NAME-b.service``, never enabled: only a deployer
+    starts it) on the front's standby port."""
+    assert spec.standby_port is not None
+    python, package_dir = units.this_python()
+    state_dir = home.state_dir(settings)
+    if settings.scope == "system":
+        python = _service_python(python, site)
+        site = _with_package(site or site_for(), package_dir)
+    name = standby.unit_name(settings.unit_name)
+    text = units.render_standby(
+        settings.unit_name,
+        spec.standby_port,
+        python,
+        package_dir,
+        str(standby.env_path(state_dir)),
+        settings.scope,
+        str(state_dir),
+        site,
+    )
+    write_unit(unit_dir / name, text, force)
+    systemd.daemon_reload()
+    return {"unit": name, "port": spec.standby_port}
 
 
 def require_same_public(
@@ -315,14 +371,17 @@ def require_same_public(
     )
 
 
-def _front_spec(cfg: config.ServerConfig, old: front.FrontSpec | None) -> front.FrontSpec:
+def _front_spec(
+    cfg: config.ServerConfig, old: front.FrontSpec | None, second: bool = False
+) -> front.FrontSpec:
     """The config's address becomes the public one; the private one is kept across
     re-installs (the server may be listening on it; ``require_same_public`` refused a
     public address that moved)."""
-    if old is not None:
-        return old
-    host = "127.0.0.1"
-    return front.FrontSpec(cfg.host, cfg.port, host, front.free_port(host))
+    host = old.private_host if old is not None else "127.0.0.1"
+    spec = old or front.FrontSpec(cfg.host, cfg.port, host, front.free_port(host))
+    while second and spec.standby_port in (None, spec.private_port):
+        spec = dataclasses.replace(spec, standby_port=front.free_port(host))
+    return spec
 
 
 def _where(settings: config.ToolSettings) -> list[str]:
@@ -488,6 +547,7 @@ def _uninstall(
             done["removed_unit"] = str(f)
         else:
             done.setdefault("removed", []).append(str(f))
+    done.update(_uninstall_standby(settings, systemd))
     done.update(_uninstall_front(settings, systemd))
     # an instance's sampler templates stay while another instance of the template uses them
     others = "@" in settings.unit_name and bool(_other_instances(settings, env_file))
@@ -575,6 +635,22 @@ def _stop_units(systemd: Systemd, units_files: list[tuple[str, Path]]) -> bool:
             [*sock_ctl(systemd), "disable", "--now", "--", unit], check=False, env=systemd.env
         )
     return bool(installed)
+
+
+def _uninstall_standby(settings: config.ToolSettings, systemd: Systemd) -> dict[str, Any]:
+    """The second instance stopped and its unit, env file and warm record removed."""
+    name = standby.unit_name(settings.unit_name)
+    unit_file = settings.resolved_unit_dir() / name
+    if not unit_file.exists():
+        return {}
+    ctl = sock_ctl(systemd)
+    stop = name.removesuffix(".service") + "-stop.timer"
+    systemd.run([*ctl, "stop", "--", stop, name], check=False, env=systemd.env)
+    state = home.state_dir(settings)
+    files = [unit_file, standby.env_path(state), state / "front" / "warm.json"]
+    for f in files:
+        f.unlink(missing_ok=True)
+    return {"removed_second_instance": [str(f) for f in files[:2]]}
 
 
 def _uninstall_front(settings: config.ToolSettings, systemd: Systemd) -> dict[str, Any]:

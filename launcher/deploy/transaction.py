@@ -27,8 +27,19 @@ from typing import Any
 
 from launcher import config, waits
 from launcher.config import beside, memory, validate
-from launcher.deploy import budgets, defaults, handover, home, keys, restore, store, window
+from launcher.deploy import (
+    budgets,
+    defaults,
+    handover,
+    home,
+    keys,
+    restore,
+    standby,
+    store,
+    window,
+)
 from launcher.deploy.errorhandler import Signals, on_error
+from launcher.deploy.front import Front
 from launcher.deploy.gate import Gate, Progress, together
 from launcher.deploy.recovery import Reverter
 from launcher.deploy.result import Result
@@ -77,6 +88,8 @@ class Deployer:
         #: files ``install`` is about to write (the unit, an instance's drop-in; None: to be
         #: removed): the validation reads the unit from them (``defaults.target``)
         self.pending: dict[Path, str | None] = {}
+        #: why a unit with a second instance holds this restart instead of switching
+        self.held_because: str | None = None
 
     def require_unit(self) -> None:
         """A deploy restarts the unit: the next verb refuses, before anything changes, when
@@ -283,7 +296,8 @@ class Deployer:
             checked.plan.n_slots,
             old_meta,
         )
-        gen = self._store(checked, live_text, prev, origin, result.planned, before, change)
+        bridge = self._bridge_for(change, live_text, old_meta, prev, before, result)
+        gen = self._store(checked, live_text, prev, origin, result.planned, before, change, bridge)
         result.generation = gen.number
         result.memory["before"] = memory.process_memory(before) if before.running else None
         result.memory["estimate"] = checked.memory.to_dict()
@@ -335,6 +349,7 @@ class Deployer:
         planned: dict[str, Any] | None,
         before: UnitState,
         change: handover.FrontChange | None,
+        bridge: handover.Bridge | None = None,
     ) -> store.Generation:
         """The transaction record (it names the old env file and front config) and the new
         generation, then the handover (hold the front, drain, save the slots): nothing live
@@ -368,7 +383,13 @@ class Deployer:
                 hold_for,
                 self.gate.say,
                 self._phase,
+                bridge,
             )
+            if bridge is not None or self.held_because is not None:
+                switched = self.handover.bridge is not None
+                self.handover.report["mode"] = "switch" if switched else "hold"
+                if self.held_because is not None:
+                    self.handover.report["hold_because"] = self.held_because
             return gen
         except Interrupted:
             self.reverter.discard()
@@ -377,5 +398,113 @@ class Deployer:
             self.reverter.discard()
             raise store.nothing_live_changed(e, self.store.root) from e
 
+    def _bridge_for(
+        self,
+        change: handover.FrontChange | None,
+        live_text: str | None,
+        old_meta: dict[str, Any] | None,
+        prev: int | None,
+        before: UnitState,
+        result: Result,
+    ) -> handover.Bridge | None:
+        """Whether this restart is bridged by the unit's second instance (``switch``), and
+        with what; None: the front holds (or there is no front), and the result's notes say
+        why when a second instance is installed."""
+        spec = change.old_spec if change is not None else None
+        sb = standby.Standby.of(self.store.root, self.systemd.unit, self.systemd.scope, spec)
+        if sb is None:
+            return None
+        mode = self.settings.handover
+        target = self.restoring
+        text, meta, number = live_text, old_meta, prev
+        if target is not None:  # a rollback: only to what the second instance keeps warm
+            text, meta, number = target.env_text, target.meta, target.number
+        why = self._no_switch(mode, sb, before, text, meta, target, result)
+        if why is not None:
+            self.held_because = f"{sb.name}: {why}"
+            return None
+        assert text is not None and meta is not None
+        argv = self.reverter.argv_of(text)
+        key = keys.key_of_env(text, str(self.env_file))
+        load = budgets.Load.of_meta(meta)
+
+        def serve() -> Any:
+            return sb.serve(text, argv, key, self.gate.waits, load, self.gate.progress)
+
+        warm = 0.0 if target is not None else max(self.settings.keep_warm, self.settings.bake)
+        return handover.Bridge(
+            sb,
+            text,
+            argv,
+            meta,
+            key,
+            serve,
+            warm,
+            number,
+            _where(self.settings),
+            "the second instance keeps it warm"
+            if target is not None
+            else f"handover = {mode}"
+            + (": it fits beside the running one" if mode == "auto" else ""),
+        )
+
+    def _no_switch(
+        self,
+        mode: str,
+        sb: standby.Standby,
+        before: UnitState,
+        text: str | None,
+        meta: dict[str, Any] | None,
+        target: store.Generation | None,
+        result: Result,
+    ) -> str | None:
+        """Why the restart is held rather than switched (None: it switches)."""
+        if mode == "hold":
+            return "the setting handover is hold"
+        if not before.running or text is None or meta is None:
+            return f"{self.systemd.unit} is not running: there is nothing to serve meanwhile"
+        if target is not None:
+            if not sb.running_with(text):
+                return (
+                    f"{sb.name} does not keep generation {target.number} warm (its warm "
+                    "period is over, or another generation is there)"
+                )
+            return None
+        missing = sb.missing()
+        if missing is not None:
+            return missing
+        beside = result.memory.get("beside") or {}
+        if mode == "auto" and beside.get("fits") is not True:
+            return f"the second instance may not fit: {beside.get('why') or 'not measured'}"
+        return None
+
+    def stop_warm(self) -> dict[str, Any]:
+        """``stop-warm``: under the lock, the second instance stopped when its warm period
+        is over and it does not serve."""
+        with self._locked() as recovered:
+            front = Front(self.store.root, self.systemd.unit, self.systemd.scope)
+            spec = front.spec()
+            sb = standby.Standby.of(self.store.root, self.systemd.unit, self.systemd.scope, spec)
+            if sb is None or spec is None:
+                return {"stopped": False, "why": "the unit has no second instance"}
+            out = standby.stop_due(sb, spec)
+            if recovered:
+                out["recovered"] = recovered
+            return out
+
     def _window(self, checked: validate.Validated, number: int | None) -> dict[str, Any]:
         return window.window_data(self.settings.unit_name, checked, number)
+
+
+def _where(settings: config.ToolSettings) -> list[str]:
+    """The settings options that name this unit's files, for a command another unit runs."""
+    return [
+        "--unit",
+        settings.unit_name,
+        "--scope",
+        settings.scope,
+        "--env-file",
+        str(settings.resolved_env_file()),
+        "--state-dir",
+        str(home.state_dir(settings)),
+    ]

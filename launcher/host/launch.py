@@ -153,37 +153,55 @@ def server_environ(environ: Mapping[str, str]) -> dict[str, str]:
 _PERMANENT = frozenset(
     {errno.ENOENT, errno.EACCES, errno.ENOEXEC, errno.ENOTDIR, errno.ELOOP, errno.EISDIR}
 )
-_USAGE = "usage: llama-launcher exec --env-file PATH [--print-argv]"
+_USAGE = "usage: llama-launcher exec --env-file PATH [--port N] [--print-argv]"
 
 
-def _parse_args(args: Sequence[str]) -> tuple[str, bool]:
-    env_file, print_argv, i = "", False, 0
+def with_port(argv: list[str], port: str) -> list[str]:
+    """``argv`` listening on ``port``: the value of its ``--port`` replaced (or ``--port N``
+    added). The second instance's unit runs the same env file on a port of its own."""
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise LaunchError(f"--port {port!r} is no TCP port (1-65535)")
+    out = list(argv)
+    for i in range(len(out) - 2, 0, -1):
+        if out[i] == "--port":
+            out[i + 1] = port
+            return out
+    return [*out, "--port", port]
+
+
+def _parse_args(args: Sequence[str]) -> tuple[str, bool, str | None]:
+    env_file, print_argv, port, i = "", False, None, 0
     while i < len(args):
         a = args[i]
         if a == "--env-file" and i + 1 < len(args):
             env_file, i = args[i + 1], i + 2
         elif a.startswith("--env-file="):
             env_file, i = a.split("=", 1)[1], i + 1
+        elif a == "--port" and i + 1 < len(args):
+            port, i = args[i + 1], i + 2
         elif a == "--print-argv":
             print_argv, i = True, i + 1
         elif a in ("-h", "--help"):
             print(
                 _USAGE + "\n\nRead the env file strictly and exec llama-server "
-                "(--print-argv: print the argv as JSON and exit)."
+                "(--port N: listen on N whatever the env file says; --print-argv: print the "
+                "argv as JSON and exit)."
             )
             raise SystemExit(0)
         else:
             raise LaunchError(f"unexpected argument {a!r}; {_USAGE}")
     if not env_file:
         raise LaunchError(f"--env-file is required; {_USAGE}")
-    return env_file, print_argv
+    return env_file, print_argv, port
 
 
 def main(args: Sequence[str]) -> int:
     """Entry point of ``llama-launcher exec``; returns an exit status or does not return."""
     try:
-        env_file, print_argv = _parse_args(args)
+        env_file, print_argv, port = _parse_args(args)
         argv = read_argv(env_file)
+        if port is not None:
+            argv = with_port(argv, port)
         if print_argv:
             import json
 

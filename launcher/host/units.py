@@ -87,7 +87,7 @@ Type=exec
 # `llama-launcher exec` without site-packages processing (-S): it needs only the standard
 # library and its own package, and it runs on every start. It execs llama-server itself.
 Environment=PYTHONPATH={package_dir}
-{prestart}ExecStart={python} -S -m launcher exec --env-file {env_file}
+{prestart}ExecStart={python} -S -m launcher exec --env-file {env_file}{port}
 Restart=on-failure
 RestartSec=2
 # 78 (EX_CONFIG): the launcher refused the env file; restarting cannot fix that.
@@ -96,10 +96,7 @@ TimeoutStartSec=30
 TimeoutStopSec=30
 KillMode=mixed
 SyslogIdentifier={ident}
-{hardening}
-[Install]
-WantedBy={wanted_by}
-"""
+{hardening}{install}"""
 )
 
 _PRESTART = """\
@@ -301,10 +298,53 @@ def render(
         if system
         else "",
         ident="llama-server-%i" if template else "llama-server",
+        port="",
         hardening=_system_hardening(env_file, key_stage, state_directory(template), site or Site())
         if system
         else _USER_HARDENING,
-        wanted_by="multi-user.target" if system else "default.target",
+        install=f"\n[Install]\nWantedBy={'multi-user.target' if system else 'default.target'}\n",
+    )
+
+
+def render_standby(
+    unit: str,
+    port: int,
+    python: str = DEFAULT_PYTHON,
+    package_dir: str = DEFAULT_PACKAGE_DIR,
+    env_file: str = "/var/lib/llama-launcher/llama-server/standby.env",
+    scope: Literal["system", "user"] = "system",
+    state_dir: str | None = None,
+    site: Site | None = None,
+) -> str:
+    """The unit file of ``unit``'s second instance (``launcher.deploy.standby``): llama-server
+    on the front's standby ``port``, from an env file of its own (``env_file``: the config it
+    serves while the unit restarts, then keeps warm), with the unit's own hardening, user and
+    ``StateDirectory=`` (so each reads the other's saved slots). No prestart (only a deployer
+    starts it, under the unit's lock, after writing its env file) and no ``[Install]``: it is
+    never enabled, and a boot starts the unit alone."""
+    name = unit.removesuffix(".service")
+    state = state_dir or f"/var/lib/llama-launcher/{name}"
+    system = scope == "system"
+    key_stage = key_stage_path(state)
+    hardening = _USER_HARDENING
+    if system:
+        hardening = _system_hardening(env_file, key_stage, name, site or Site()).replace(
+            "DynamicUser=yes\n",
+            f"DynamicUser=yes\n# the unit's own user: its StateDirectory (the saved slots) is "
+            f"shared\nUser={name}\n",
+            1,
+        )
+    return _TEMPLATE.format(
+        what=f" (the second instance of {unit})",
+        after=("After=network-online.target\nWants=network-online.target\n" if system else ""),
+        python=python,
+        package_dir=package_dir,
+        env_file=env_file,
+        prestart="# started only by a deployer of the unit, under its lock: no prestart step\n",
+        port=f" --port {port}",
+        ident=f"{name}-b",
+        hardening=hardening,
+        install="# never enabled: a boot starts the unit alone\n",
     )
 
 

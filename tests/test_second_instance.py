@@ -1,0 +1,152 @@
+"""The second instance (launcher/deploy/standby.py, issue 28): a fronted unit whose deploys
+are bridged by ``NAME-b.service`` on the front's standby port, so nothing is held, and whose
+previous config stays warm there for an instant rollback. Real parts: the sandboxed systemd,
+llama-server b11434, Debian's HAProxy 2.6; agents stream through the front all the while."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import Host
+from test_deploy import BAD_TEMPLATE
+from test_front_hold import front_of, with_fault
+from test_front_switch import Agents
+from test_handover import installed
+
+from launcher.deploy import standby
+from launcher.deploy.front import SERVERS
+
+
+@pytest.fixture
+def paired(host: Host) -> Iterator[Host]:
+    """A host with a front and a second instance; its units are removed after the test."""
+    installed(host, "-c", "8192", "-np", "2", "--front", "haproxy", "--second-instance")
+    yield host
+    host.cli("uninstall")
+
+
+def second(host: Host) -> str:
+    return standby.unit_name(host.unit)
+
+
+def active(host: Host, unit: str) -> str:
+    return host.sandbox.show(unit, "ActiveState")["ActiveState"]
+
+
+def serving(host: Host) -> dict[str, str]:
+    return front_of(host).server_states()
+
+
+def failed(agents: Agents) -> list[Any]:
+    return [a for a in agents.answers if not a.ok]
+
+
+def test_install_writes_a_second_instance_that_is_never_enabled(paired: Host) -> None:
+    unit_file = paired.sandbox.unit_dir / second(paired)
+    text = unit_file.read_text()
+    spec = front_of(paired).spec()
+    assert spec is not None and spec.standby_port not in (None, spec.private_port)
+    assert f"--port {spec.standby_port}" in text
+    assert "[Install]" not in text
+    assert paired.sandbox.show(second(paired), "UnitFileState")["UnitFileState"] == "static"
+    assert active(paired, second(paired)) == "inactive"
+
+
+def test_a_deploy_is_bridged_by_the_second_instance_and_holds_nothing(paired: Host) -> None:
+    with Agents(paired.url) as agents:
+        time.sleep(1)
+        rc, out = paired.cli_json("set", "-t", "2")
+        time.sleep(1)
+    assert (rc, out["outcome"]) == (0, "deployed"), out
+    h = out["handover"]
+    assert h["mode"] == "switch", h
+    assert h["front"]["held"] is False
+    assert not failed(agents), failed(agents)[:3]
+    assert len(agents.answers) > 5
+    # the unit serves the new config; the second instance keeps the old one warm
+    assert serving(paired) == {SERVERS["a"]: "UP", SERVERS["b"]: "MAINT"}
+    assert active(paired, second(paired)) == "active"
+    assert " -t 2 " not in standby.env_path(paired.state_dir).read_text()
+    assert " -t 2 " in paired.env_file.read_text()
+    assert h["switch"]["warm"]["generation"] == out["previous_generation"]
+
+
+def test_a_rollback_in_the_warm_period_is_a_switch_to_the_warm_instance(paired: Host) -> None:
+    rc, out = paired.cli_json("set", "-t", "2")
+    assert (rc, out["handover"]["mode"]) == (0, "switch"), out
+    with Agents(paired.url) as agents:
+        time.sleep(1)
+        rc, back = paired.cli_json("rollback")
+        time.sleep(1)
+    assert (rc, back["outcome"]) == (0, "deployed"), back
+    sw = back["handover"]["switch"]
+    assert sw["started"].startswith("warm"), sw
+    assert sw["switched_after"] < back["timings"]["total"]
+    assert not failed(agents), failed(agents)[:3]
+    assert " -t 2 " not in paired.env_file.read_text()
+    assert active(paired, second(paired)) == "inactive"  # a rollback keeps nothing warm
+    assert serving(paired)[SERVERS["a"]] == "UP"
+
+
+def test_a_new_config_that_fails_its_gate_never_stops_the_old_one_serving(
+    paired: Host, tmp_path: Path
+) -> None:
+    template = tmp_path / "bad.jinja"
+    template.write_text(BAD_TEMPLATE)
+    with Agents(paired.url) as agents:
+        time.sleep(1)
+        rc, out = paired.cli_json("set", "--chat-template-file", str(template))
+        time.sleep(1)
+    assert (rc, out["outcome"]) == (3, "rolled_back"), out
+    assert out["handover"]["mode"] == "switch"
+    assert not failed(agents), failed(agents)[:3]
+    assert active(paired, second(paired)) == "inactive"
+    assert serving(paired) == {SERVERS["a"]: "UP", SERVERS["b"]: "MAINT"}
+
+
+def test_the_warm_period_ends_with_the_second_instance_stopped(paired: Host) -> None:
+    rc, out = paired.cli_json("set", "-t", "2", env={"LLAMA_LAUNCHER_KEEP_WARM": "2"})
+    assert (rc, out["handover"]["mode"]) == (0, "switch"), out
+    deadline = time.monotonic() + 60
+    while active(paired, second(paired)) != "inactive":
+        assert time.monotonic() < deadline, "the warm period did not end"
+        time.sleep(0.5)
+    assert not standby.Standby(paired.unit, "user", paired.state_dir, "", 0).warm_path.exists()
+    # outside the warm period a rollback holds, as a unit without a second instance does
+    rc, back = paired.cli_json("rollback")
+    assert rc == 0 and back["handover"]["mode"] == "hold", back
+    assert "does not keep generation" in back["handover"]["hold_because"]
+
+
+def test_handover_hold_never_starts_the_second_instance(paired: Host) -> None:
+    rc, out = paired.cli_json("set", "-t", "2", env={"LLAMA_LAUNCHER_HANDOVER": "hold"})
+    assert (rc, out["handover"]["mode"]) == (0, "hold"), out
+    assert "handover is hold" in out["handover"]["hold_because"]
+    assert out["handover"]["front"]["held"] is True
+    assert active(paired, second(paired)) == "inactive"
+
+
+def test_a_deployer_killed_while_the_second_instance_serves_is_recovered(paired: Host) -> None:
+    p = with_fault(paired, "bridged:kill", "set", "-t", "2")
+    assert p.returncode == -9, p.stderr
+    assert serving(paired)[SERVERS["b"]] == "UP"  # the bridge served when it died
+    rc, out = paired.cli_json("recover")
+    assert rc == 0, out
+    assert " -t 2 " not in paired.env_file.read_text()
+    assert serving(paired) == {SERVERS["a"]: "UP", SERVERS["b"]: "MAINT"}
+    assert active(paired, second(paired)) == "inactive"
+    assert paired.chat()["usage"]["completion_tokens"] > 0
+
+
+def test_uninstall_removes_the_second_instance(host: Host) -> None:
+    installed(host, "-c", "4096", "-np", "2", "--front", "haproxy", "--second-instance")
+    rc, out = host.cli_json("set", "-t", "2")
+    assert rc == 0, out
+    host.cli("uninstall")
+    assert not (host.sandbox.unit_dir / second(host)).exists()
+    assert not standby.env_path(host.state_dir).exists()
+    assert active(host, second(host)) == "inactive"
