@@ -9,7 +9,15 @@ fails its gate and rolls back (a chat template that refuses only the probe). Per
 - ``bare``:  ``--no-drain``, the restart as it was before the handover (SIGTERM at once);
 - ``drain``: wait for requests in flight, no slot save path (caches are lost);
 - ``carry``: drain + the slots saved and restored (``--slot-save-path``, setting ``carry_slots``);
-- ``front``: ``install --front haproxy``: new requests held at HAProxy, drain, carry.
+- ``front``: ``install --front haproxy``: new requests held at HAProxy, drain, carry;
+- ``switch``: ``install --front haproxy --second-instance``: the live config serves on the
+  second instance while the unit restarts (nothing is held), slots carried both ways.
+
+After the three deploys, one more (``--alias``, which the answers name as their model) and a
+``rollback`` at once: how long after the rollback began the old config answered again (a
+client asks ``/v1/models`` every 20 ms), and how long the rollback command took. In
+``switch`` mode the rollback is inside the warm period (the second instance still runs the
+old config); in ``front`` it restarts.
 
 It prints requests failed or cut, the longest wait for a first token any agent saw, and
 each agent's first-turn time to first token after a deploy / its last turn's before it, in
@@ -186,7 +194,11 @@ def run_mode(mode: str, tmp: Path, model: Path, server: str) -> dict[str, Any]:
     env["LLAMA_LAUNCHER_CARRY_SLOTS"] = "false" if mode == "drain" else "true"
     flags = ["-m", str(model), "--port", str(port), "--llama-server", server]
     flags += ["-c", "16384", "-np", str(AGENTS), "-t", "1"]
-    out = cli(env, "install", *flags, *(["--front", "haproxy"] if mode == "front" else []))
+    fronted = {
+        "front": ["--front", "haproxy"],
+        "switch": ["--front", "haproxy", "--second-instance"],
+    }
+    out = cli(env, "install", *flags, *fronted.get(mode, []))
     assert out["outcome"] == "deployed", out
     extra = ["--no-drain"] if mode == "bare" else []
     bad = tmp / mode / "bad.jinja"
@@ -208,12 +220,51 @@ def run_mode(mode: str, tmp: Path, model: Path, server: str) -> dict[str, Any]:
             d.handover = result.get("handover") or {}
             deploys.append(d)
             time.sleep(BETWEEN_DEPLOYS)
+        rollback = timed_rollback(env, url, extra)
     finally:
         stop.set()
         for a in agents:
             a.join(180)
         cli(env, "uninstall", "--purge")
-    return summarize(mode, turns, deploys)
+    return {**summarize(mode, turns, deploys), **rollback}
+
+
+def timed_rollback(env: dict[str, str], url: str, extra: list[str]) -> dict[str, Any]:
+    """A deploy that renames the model (``--alias``), then ``rollback``: seconds from the
+    rollback's start until ``/v1/models`` names the old model again, and until the command
+    returned."""
+    new = "bench-after"
+    out = cli(env, "set", "--alias", new, *extra)
+    assert out["outcome"] == "deployed", out
+    time.sleep(BETWEEN_DEPLOYS / 2)
+    served: list[float] = []
+    done = threading.Event()
+
+    def watch(t0: float) -> None:
+        with httpx.Client(timeout=5) as c:
+            while not done.is_set():
+                try:
+                    ids = [m.get("id") for m in c.get(url + "/v1/models").json()["data"]]
+                except (httpx.HTTPError, ValueError, KeyError):
+                    ids = []
+                if ids and new not in ids:
+                    served.append(time.monotonic() - t0)
+                    return
+                time.sleep(0.02)
+
+    t0 = time.monotonic()
+    w = threading.Thread(target=watch, args=(t0,), daemon=True)
+    w.start()
+    back = cli(env, "rollback", *extra)
+    took = time.monotonic() - t0
+    w.join(30)
+    done.set()
+    mode = (back.get("handover") or {}).get("mode", "hold")
+    return {
+        "rollback_serves_s": served[0] if served else None,
+        "rollback_s": took,
+        "rollback": f"{back.get('outcome')} ({mode})",
+    }
 
 
 def summarize(mode: str, turns: list[Turn], deploys: list[Deploy]) -> dict[str, Any]:
@@ -276,7 +327,7 @@ def slow_loader(tmp: Path, server: str, seconds: float) -> str:
 
 
 def main() -> None:
-    modes = sys.argv[1:] or ["bare", "drain", "carry", "front"]
+    modes = sys.argv[1:] or ["bare", "drain", "carry", "front", "switch"]
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         model = tinymodel.write(tmp / "tiny.gguf")
@@ -304,12 +355,22 @@ def main() -> None:
             f"{r['longest_wait_s']:14.2f} {med:>18} {mx:>7} {share:>12}  "
             f"{'/'.join(r['outcomes'])}; {r['deploy_s']}; {r['slots_restored']}"
         )
+    print(f"{'mode':6} {'rollback: old config serves after s':>36} {'command s':>10}  outcome")
+    for r in rows:
+        serves = r["rollback_serves_s"]
+        print(
+            f"{r['mode']:6} {(f'{serves:.2f}' if serves is not None else '-'):>36} "
+            f"{r['rollback_s']:10.2f}  {r['rollback']}"
+        )
     print(
         "TTFT after/before: each agent's first turn after a deploy / the median of its last "
         "three turns before it, in the same conversation (median and max over agents and "
         "deploys); cached after: the share of that turn's prompt the server had cached"
     )
-    print(f"goals: front 0 failed or cut; carry TTFT after/before <= 1.3 ({date.today()})")
+    print(
+        "goals: front and switch 0 failed or cut; carry TTFT after/before <= 1.3; switch: "
+        f"longest wait <= a normal turn + 0.5 s, rollback serves under 1 s ({date.today()})"
+    )
     if "--json" in os.environ.get("BENCH_FLAGS", ""):
         print(json.dumps(rows))
 

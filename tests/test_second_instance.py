@@ -75,6 +75,16 @@ def test_a_deploy_is_bridged_by_the_second_instance_and_holds_nothing(paired: Ho
     assert h["switch"]["warm"]["generation"] == out["previous_generation"]
 
 
+def test_status_says_the_second_instance_keeps_the_previous_config_warm(paired: Host) -> None:
+    rc, out = paired.cli_json("set", "-t", "2")
+    assert (rc, out["handover"]["mode"]) == (0, "switch"), out
+    rc, st = paired.cli_json("status")
+    b = st["front"]["second_instance"]
+    assert (b["unit"], b["active"], b["serving"]) == (second(paired), "active", False), b
+    assert b["warm_until"] > time.time()
+    assert "keeps the previous config warm" in paired.cli("status").stdout
+
+
 def test_a_rollback_in_the_warm_period_is_a_switch_to_the_warm_instance(paired: Host) -> None:
     rc, out = paired.cli_json("set", "-t", "2")
     assert (rc, out["handover"]["mode"]) == (0, "switch"), out

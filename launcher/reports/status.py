@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
 from launcher import config
 from launcher.config import argv_diff
 from launcher.config.memory import process_memory
-from launcher.deploy import home, store
+from launcher.deploy import home, standby, store
 from launcher.deploy.front import Front, FrontError
-from launcher.errors import StoreError
+from launcher.errors import LauncherError, StoreError
 from launcher.host import envfile, launch
 from launcher.host.systemd import Systemd
 from launcher.reports import pressure
@@ -64,7 +65,33 @@ def front_status(settings: config.ToolSettings) -> dict[str, Any]:
             return {}
     except FrontError as e:
         return {"front": {"state": "unknown", "note": str(e)}}
-    return {"front": the_front.state()}
+    out = the_front.state()
+    second = second_instance(settings, the_front)
+    if second is not None:
+        out["second_instance"] = second
+    return {"front": out}
+
+
+def second_instance(settings: config.ToolSettings, the_front: Front) -> dict[str, Any] | None:
+    """The unit's second instance (``launcher.deploy.standby``): its unit, whether it runs,
+    whether the front sends it requests, and until when it keeps the previous config warm."""
+    with contextlib.suppress(FrontError):
+        spec = the_front.spec()
+        sb = standby.Standby.of(the_front.dir.parent, settings.unit_name, settings.scope, spec)
+        if sb is None or spec is None:
+            return None
+        try:
+            active = sb.systemd.show("ActiveState").get("ActiveState", "unknown")
+        except LauncherError as e:
+            active = f"unknown ({e})"
+        return {
+            "unit": sb.name,
+            "port": sb.port,
+            "active": active,
+            "serving": spec.serving == "b",
+            "warm_until": sb.warm_until() if active == "active" else None,
+        }
+    return None
 
 
 def _front_line(f: dict[str, Any]) -> str:
@@ -83,6 +110,18 @@ def _front_line(f: dict[str, Any]) -> str:
         f"  front: HELD since {at(f['held_since'])} by pid {f['held_by_pid']} ({holder}) "
         f"({where}); its release watcher releases it by {at(f['release_deadline'])} at the latest"
     )
+
+
+def _second_line(b: dict[str, Any]) -> str:
+    import time as _t
+
+    line = f"  second instance: {b['unit']} (port {b['port']}) {b['active']}"
+    if b.get("serving"):
+        return line + ", serving"
+    if b.get("warm_until"):
+        left = max(b["warm_until"] - _t.time(), 0)
+        line += f", keeps the previous config warm for {left:.0f}s more (a rollback switches)"
+    return line
 
 
 def live_file(env_file: Path, live: store.Generation) -> dict[str, Any]:
@@ -160,6 +199,8 @@ def status_text(d: dict[str, Any]) -> str:
         lines.append(f"  memory now: {d['memory'] / 2**20:.1f} MiB")
     if d.get("front"):
         lines.append(_front_line(d["front"]))
+        if (b := d["front"].get("second_instance")) is not None:
+            lines.append(_second_line(b))
     if d.get("live_generation") is None:
         lines.append("  no generation deployed by llama-launcher yet")
         return "\n".join(lines)
