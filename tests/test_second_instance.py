@@ -5,6 +5,8 @@ llama-server b11434, Debian's HAProxy 2.6; agents stream through the front all t
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -140,16 +142,58 @@ def test_handover_hold_never_starts_the_second_instance(paired: Host) -> None:
     assert active(paired, second(paired)) == "inactive"
 
 
-def test_a_deployer_killed_while_the_second_instance_serves_is_recovered(paired: Host) -> None:
-    p = with_fault(paired, "bridged:kill", "set", "-t", "2")
-    assert p.returncode == -9, p.stderr
-    assert serving(paired)[SERVERS["b"]] == "UP"  # the bridge served when it died
-    rc, out = paired.cli_json("recover")
-    assert rc == 0, out
+#: The phases a bridged deploy records, in order (``bridge``: the second instance serves the
+#: old config, gated; ``bridged``: the front sends requests to it).
+PHASES = ["bridge", "bridged", "swap", "swapped", "restart", "gate", "gated", "restore", "released"]
+
+
+@pytest.mark.parametrize("phase", PHASES)
+def test_a_deployer_killed_at_any_phase_of_a_switch_cuts_no_request(
+    paired: Host, phase: str
+) -> None:
+    with Agents(paired.url) as agents:
+        time.sleep(0.5)
+        p = with_fault(paired, f"{phase}:kill", "set", "-t", "2")
+        assert p.returncode == -9, p.stderr
+        time.sleep(1)
+        rc, out = paired.cli_json("recover")
+        time.sleep(0.5)
+    assert rc == 0 and out["recovered"]["interrupted_phase"] == phase, out
+    assert not failed(agents), failed(agents)[:3]
     assert " -t 2 " not in paired.env_file.read_text()
     assert serving(paired) == {SERVERS["a"]: "UP", SERVERS["b"]: "MAINT"}
     assert active(paired, second(paired)) == "inactive"
+
+
+def test_the_timer_of_a_killed_switch_recovers_it_and_stops_the_second_instance(
+    paired: Host,
+) -> None:
+    p = with_fault(paired, "gate:kill", "set", "-t", "2")
+    assert p.returncode == -9, p.stderr
+    timer = second(paired).removesuffix(".service") + "-stop.timer"
+    assert active(paired, timer) == "active"  # it would fire after two deploys' budgets
+    rc, out = paired.cli_json("stop-warm")  # what the timer runs
+    assert rc == 0 and out["recovered"]["interrupted_phase"] == "gate", out
+    assert "not held" in out["recovered"]["front_hold"]  # the second instance served
+    assert out["stopped"] is True
+    assert " -t 2 " not in paired.env_file.read_text()
+    assert active(paired, second(paired)) == "inactive"
     assert paired.chat()["usage"]["completion_tokens"] > 0
+
+
+def test_a_warm_instance_that_crashed_is_started_again_before_a_rollback_switches(
+    paired: Host,
+) -> None:
+    rc, out = paired.cli_json("set", "-t", "2")
+    assert (rc, out["handover"]["mode"]) == (0, "switch"), out
+    pid = int(paired.sandbox.show(second(paired), "MainPID")["MainPID"])
+    os.kill(pid, signal.SIGKILL)
+    with Agents(paired.url) as agents:
+        rc, back = paired.cli_json("rollback")
+        time.sleep(0.5)
+    assert (rc, back["outcome"], back["handover"]["mode"]) == (0, "deployed", "switch"), back
+    assert not failed(agents), failed(agents)[:3]
+    assert " -t 2 " not in paired.env_file.read_text()
 
 
 def test_uninstall_removes_the_second_instance(host: Host) -> None:

@@ -26,6 +26,7 @@ a line in the report.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -172,14 +173,21 @@ class Handover:
                 self.bridged = spec
                 return True
             t0 = time.monotonic()
-            if b.standby.running_with(b.text):
+            # if this deployer dies, the timer's stop-warm recovers its transaction (under
+            # the lock) and stops the second instance, as the release watcher does a hold
+            b.standby.keep_warm(2 * self.hold_seconds + b.warm, b.generation, b.where)
+            if b.standby.running_with(b.text) and b.standby.healthy():
                 sw["started"] = "warm: it kept this config since the last deploy"
             else:
                 b.serve()
                 sw["started"] = round(time.monotonic() - t0, 3)
             self._mark("bridge")
             if running.running and self.old is not None:
-                self._carry(self.old, self.old_meta or {}, b.endpoint, b.meta, sw, "bridge")
+                phase, self.phase = self.phase, None  # "restore" is a phase after the restart
+                try:
+                    self._carry(self.old, self.old_meta or {}, b.endpoint, b.meta, sw, "bridge")
+                finally:
+                    self.phase = phase
             with b.endpoint.client() as c:
                 self.bridged, report = self.front.switch(spec, _slots(b.meta), drain_timeout, c)
             sw["switched_after"] = round(time.monotonic() - t0, 3)
@@ -721,9 +729,12 @@ def left_held(state_dir: Path, unit: str, scope: Scope) -> bool:
         return False  # no front, or its HAProxy is down: nobody is held
 
 
-def recover(state_dir: Path, unit: str, scope: Scope, txn: dict[str, Any]) -> dict[str, Any]:
+def recover(
+    state_dir: Path, unit: str, scope: Scope, txn: dict[str, Any], drain_timeout: float = 120.0
+) -> dict[str, Any]:
     """After a recovery (or a deployer killed while holding): the front pointed at the
-    restored server config (the record's old spec) and released if it is held."""
+    restored server config (the record's old spec) and released if it is held; a second
+    instance that bridged the killed deploy stopped once its requests finished."""
     front = Front(state_dir, unit, scope)
     try:
         spec = front.spec()
@@ -742,7 +753,7 @@ def recover(state_dir: Path, unit: str, scope: Scope, txn: dict[str, Any]) -> di
             out["front"] = "released the requests a killed deployer left held"
             if hold is not None and hold.restarts:
                 out["front_restarted"] = list(hold.restarts)
-        bridged = _stop_bridge(state_dir, unit, scope, spec)
+        bridged = _stop_bridge(front, spec, drain_timeout)
         if bridged:
             out["second_instance"] = bridged
         return out
@@ -750,10 +761,11 @@ def recover(state_dir: Path, unit: str, scope: Scope, txn: dict[str, Any]) -> di
         return {"front": f"could not check or release the front: {e}"}
 
 
-def _stop_bridge(state_dir: Path, unit: str, scope: Scope, spec: FrontSpec) -> str | None:
+def _stop_bridge(front: Front, spec: FrontSpec, drain_timeout: float) -> str | None:
     """After a recovery, the second instance a killed deploy started is stopped (the unit
-    serves the restored config; nothing of the second instance is a generation)."""
-    sb = Standby.of(state_dir, unit, scope, spec)
+    serves the restored config; nothing of the second instance is a generation), once what
+    the front sent it has finished (at most ``drain_timeout``)."""
+    sb = Standby.of(front.dir.parent, front.unit, front.scope, spec)
     if sb is None or spec.serving != "a":
         return None
     try:
@@ -762,7 +774,24 @@ def _stop_bridge(state_dir: Path, unit: str, scope: Scope, spec: FrontSpec) -> s
         return None
     if not running:
         return None
-    return sb.stop() or f"{sb.name} stopped (the killed deploy's bridge)"
+    count = _safe_count(functools.partial(front.in_flight, SERVERS["b"]))
+    waited = drain.wait_idle(None, drain_timeout, front_in_flight=count).describe()
+    return sb.stop() or f"{sb.name} stopped (the killed deploy's bridge; {waited})"
+
+
+def bridging(state_dir: Path, unit: str, scope: Scope, text: str | None) -> bool:
+    """Whether the front sends requests to the second instance and it runs ``text``: a
+    recovery's restart of the unit into ``text`` then needs no hold."""
+    front = Front(state_dir, unit, scope)
+    try:
+        spec = front.spec()
+        sb = Standby.of(state_dir, unit, scope, spec)
+        if sb is None or not sb.running_with(text):
+            return False
+        states = front.server_states()
+    except (FrontError, LauncherError, OSError):
+        return False
+    return states.get(SERVERS["b"]) == "UP" and states.get(SERVERS["a"]) != "UP"
 
 
 def _maxconn(front: Front, spec: FrontSpec) -> int:

@@ -40,7 +40,9 @@ if TYPE_CHECKING:
 
 #: Phases of the record before ``systemctl restart`` was asked for: the old process still
 #: runs the old config, so undoing the swap is all a rollback does (nothing restarts).
-BEFORE_RESTART = ("begin", "stored", "swap", "swapped")
+#: ``bridge``, ``bridged``: the second instance serves (launcher.deploy.standby), the unit
+#: still runs the old config.
+BEFORE_RESTART = ("begin", "stored", "bridge", "bridged", "swap", "swapped")
 NOT_RESTARTED = {
     "ok": True,
     "note": "nothing was restarted (the failure came before the restart); the old env file "
@@ -291,7 +293,7 @@ class Reverter:
                 report["gate"] = self.restart_old(
                     txn.get("from"),
                     old_text,
-                    lambda seconds: report.update(self._hold(seconds)),
+                    lambda seconds: report.update(self._hold(seconds, old_text)),
                     self.started_reverted(txn),
                 )
             else:
@@ -301,14 +303,21 @@ class Reverter:
         if txn.get("to"):
             self._mark(int(txn["to"]), outcome="interrupted")
         # handover: the front pointed at the restored config, and released
-        report.update(handover.recover(self.store.root, self.systemd.unit, self.systemd.scope, txn))
+        report.update(
+            handover.recover(
+                self.store.root, self.systemd.unit, self.systemd.scope, txn, self.drain_timeout
+            )
+        )
         if not report.get("gate", {"ok": True}).get("ok") and txn.get("from") is not None:
             self._mark(int(txn["from"]), gate_failed_at=time.time())
         self.store.end()
         return report
 
-    def _hold(self, seconds: float) -> dict[str, Any]:
-        # handover: a recovery's restart holds the front like a deploy's
+    def _hold(self, seconds: float, old_text: str | None = None) -> dict[str, Any]:
+        # handover: a recovery's restart holds the front like a deploy's, unless the second
+        # instance serves the restored config meanwhile (a killed deploy's bridge)
+        if handover.bridging(self.store.root, self.systemd.unit, self.systemd.scope, old_text):
+            return {"front_hold": "not held: the second instance serves this config meanwhile"}
         return handover.hold_front(
             self.store.root, self.systemd.unit, self.systemd.scope, seconds, self.drain_timeout
         )

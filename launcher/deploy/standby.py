@@ -117,6 +117,25 @@ class Standby:
         except LauncherError:
             return False
 
+    def healthy(self) -> bool:
+        """Whether it answers ``/health`` 200 now (a warm one that crashed is restarting)."""
+        import httpx
+
+        try:
+            return httpx.get(self.url + "/health", timeout=2, trust_env=False).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def keeps(self, text: str | None) -> bool:
+        """Whether it keeps ``text`` warm: its env file, running, or being started again by
+        systemd after a crash (``Restart=on-failure``; the bridge gates it first)."""
+        if text is None or self.text() != text:
+            return False
+        try:
+            return self.systemd.state().active in ("active", "activating", "reloading")
+        except LauncherError:
+            return False
+
     def serve(
         self,
         text: str,

@@ -464,7 +464,7 @@ class Deployer:
         if not before.running or text is None or meta is None:
             return f"{self.systemd.unit} is not running: there is nothing to serve meanwhile"
         if target is not None:
-            if not sb.running_with(text):
+            if not sb.keeps(text):
                 return (
                     f"{sb.name} does not keep generation {target.number} warm (its warm "
                     "period is over, or another generation is there)"

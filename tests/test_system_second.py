@@ -1,0 +1,67 @@
+"""The second instance in system scope: systemd 252 as PID 1 (scripts/sysbed), as root. One
+bed for the module, the unit installed once with ``--front haproxy --second-instance``; the
+tests walk it in file order: a deploy is bridged by ``llama-server-b.service`` running as the
+unit's own dynamic user (so it reads the slots the unit saved), the rollback in the warm
+period is a switch to it, and uninstall removes it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from test_system_scope import (  # noqa: F401 (the fixtures placed, `system`, tool, wheelhouse)
+    PORT,
+    System,
+    placed_step2,
+    system_after_step1,
+    tool,
+    wheelhouse,
+)
+
+SECOND = "llama-server-b.service"
+UNIT = "llama-server.service"
+#: the name of this module's own bed (the imported ``system`` fixture boots it)
+BED = "lls"
+
+
+@pytest.fixture(scope="module")
+def paired(placed: System) -> dict[str, Any]:
+    """README steps 1 and 2, then install with the front and the second instance."""
+    rc, out = placed.cli_json(
+        "install", *placed.flags(), "-c", "4096", "-np", "2", "--front", "haproxy",
+        "--second-instance",
+    )  # fmt: skip
+    assert (rc, out.get("outcome")) == (0, "deployed"), out
+    return out
+
+
+def test_a_deploy_is_bridged_by_the_second_instance_as_the_units_own_user(
+    system: System, paired: dict[str, Any]
+) -> None:
+    code, body = system.bed.chat(PORT)
+    assert code == 200 and body["usage"]["completion_tokens"] > 0
+    # a turn in a slot, which the bridge carries into the second instance and back
+    rc, out = system.cli_json("set", "-t", "2")
+    assert (rc, out["outcome"], out["handover"]["mode"]) == (0, "deployed", "switch"), out
+    sw = out["handover"]["switch"]
+    assert sw["slots"]["restored"], sw  # it read the files the unit saved
+    assert system.bed.show(SECOND, "ActiveState")["ActiveState"] == "active"
+    assert system.uid_of(system.main_pid(SECOND)) == system.uid_of(system.main_pid(UNIT))
+    assert system.bed.chat(PORT)[0] == 200
+
+
+def test_a_rollback_in_the_warm_period_is_a_switch(system: System, paired: dict[str, Any]) -> None:
+    rc, out = system.cli_json("rollback")
+    assert (rc, out["outcome"], out["handover"]["mode"]) == (0, "deployed", "switch"), out
+    assert out["handover"]["switch"]["started"].startswith("warm"), out["handover"]
+    assert system.bed.show(SECOND, "ActiveState")["ActiveState"] == "inactive"
+    assert system.bed.chat(PORT)[0] == 200
+
+
+def test_uninstall_purge_removes_the_second_instance(
+    system: System, paired: dict[str, Any]
+) -> None:
+    rc, out = system.cli_json("uninstall", "--purge")
+    assert rc == 0, out
+    assert "/etc/systemd/system/llama-server-b.service" in out["removed_second_instance"]
+    assert system.bed.show(SECOND, "LoadState")["LoadState"] == "not-found"
