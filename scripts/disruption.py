@@ -221,6 +221,9 @@ def run_mode(mode: str, tmp: Path, model: Path, server: str) -> dict[str, Any]:
             deploys.append(d)
             time.sleep(BETWEEN_DEPLOYS)
         rollback = timed_rollback(env, url, extra)
+        if mode == "switch":  # and outside the warm period: the rollback holds
+            late = timed_rollback({**env, "LLAMA_LAUNCHER_KEEP_WARM": "1"}, url, extra, unit)
+            rollback.update({f"late_{k}": v for k, v in late.items()})
     finally:
         stop.set()
         for a in agents:
@@ -229,14 +232,28 @@ def run_mode(mode: str, tmp: Path, model: Path, server: str) -> dict[str, Any]:
     return {**summarize(mode, turns, deploys), **rollback}
 
 
-def timed_rollback(env: dict[str, str], url: str, extra: list[str]) -> dict[str, Any]:
+def timed_rollback(
+    env: dict[str, str], url: str, extra: list[str], cooled: str | None = None
+) -> dict[str, Any]:
     """A deploy that renames the model (``--alias``), then ``rollback``: seconds from the
     rollback's start until ``/v1/models`` names the old model again, and until the command
-    returned."""
-    new = "bench-after"
+    returned. ``cooled``: the unit whose second instance is waited for to stop first (its
+    warm period over)."""
+    new = "bench-after" if cooled is None else "bench-after-late"
     out = cli(env, "set", "--alias", new, *extra)
     assert out["outcome"] == "deployed", out
     time.sleep(BETWEEN_DEPLOYS / 2)
+    if cooled is not None:
+        second = cooled.removesuffix(".service") + "-b.service"
+        deadline = time.monotonic() + 60
+        while (
+            time.monotonic() < deadline
+            and subprocess.run(
+                ["systemctl", "--user", "is-active", "--quiet", second], check=False
+            ).returncode
+            == 0
+        ):
+            time.sleep(0.2)
     served: list[float] = []
     done = threading.Event()
 
@@ -269,6 +286,8 @@ def timed_rollback(env: dict[str, str], url: str, extra: list[str]) -> dict[str,
 
 def summarize(mode: str, turns: list[Turn], deploys: list[Deploy]) -> dict[str, Any]:
     cut = [t for t in turns if t.ttft is not None and not t.complete]
+    first = min(d.start for d in deploys) if deploys else float("inf")
+    normal = [(t.end or 0) - t.start for t in turns if t.complete and (t.end or 0) < first]
     refused = [t for t in turns if t.ttft is None and not t.complete]
     waits = [t.ttft if t.ttft is not None else (t.end or 0) - t.start for t in turns]
     ratios, shares = [], []
@@ -303,6 +322,7 @@ def summarize(mode: str, turns: list[Turn], deploys: list[Deploy]) -> dict[str, 
         "failed": len(refused),
         "cut": len(cut),
         "longest_wait_s": max(waits) if waits else 0.0,
+        "normal_turn_s": statistics.median(normal) if normal else None,
         "ttft_ratio_median": statistics.median(ratios) if ratios else None,
         "ttft_ratio_max": max(ratios) if ratios else None,
         "ratios": len(ratios),
@@ -355,17 +375,27 @@ def main() -> None:
             f"{r['longest_wait_s']:14.2f} {med:>18} {mx:>7} {share:>12}  "
             f"{'/'.join(r['outcomes'])}; {r['deploy_s']}; {r['slots_restored']}"
         )
-    print(f"{'mode':6} {'rollback: old config serves after s':>36} {'command s':>10}  outcome")
+    print(
+        f"{'mode':6} {'normal turn s':>13} {'rollback: old config serves after s':>36} "
+        f"{'command s':>10}  outcome"
+    )
     for r in rows:
-        serves = r["rollback_serves_s"]
-        print(
-            f"{r['mode']:6} {(f'{serves:.2f}' if serves is not None else '-'):>36} "
-            f"{r['rollback_s']:10.2f}  {r['rollback']}"
-        )
+        normal = f"{r['normal_turn_s']:.2f}" if r["normal_turn_s"] is not None else "-"
+        for late in ("", "late_"):
+            if f"{late}rollback" not in r:
+                continue
+            serves = r[f"{late}rollback_serves_s"]
+            print(
+                f"{'' if late else r['mode']:6} {'' if late else normal:>13} "
+                f"{(f'{serves:.2f}' if serves is not None else '-'):>36} "
+                f"{r[f'{late}rollback_s']:10.2f}  {r[f'{late}rollback']}"
+                + (" after the warm period" if late else "")
+            )
     print(
         "TTFT after/before: each agent's first turn after a deploy / the median of its last "
         "three turns before it, in the same conversation (median and max over agents and "
-        "deploys); cached after: the share of that turn's prompt the server had cached"
+        "deploys); cached after: the share of that turn's prompt the server had cached; "
+        "normal turn: the median turn, first request to last token, before the first deploy"
     )
     print(
         "goals: front and switch 0 failed or cut; carry TTFT after/before <= 1.3; switch: "

@@ -18,9 +18,11 @@ from test_deploy import BAD_TEMPLATE
 from test_front_hold import front_of, with_fault
 from test_front_switch import Agents
 from test_handover import installed
+from test_watch import take
 
-from launcher.deploy import standby
+from launcher.deploy import standby, store
 from launcher.deploy.front import SERVERS
+from launcher.watch import bake
 
 
 @pytest.fixture
@@ -194,6 +196,24 @@ def test_a_warm_instance_that_crashed_is_started_again_before_a_rollback_switche
     assert (rc, back["outcome"], back["handover"]["mode"]) == (0, "deployed", "switch"), back
     assert not failed(agents), failed(agents)[:3]
     assert " -t 2 " not in paired.env_file.read_text()
+
+
+def test_a_bakes_revert_is_a_switch_to_the_instance_kept_warm(paired: Host) -> None:
+    env = {"LLAMA_LAUNCHER_BAKE_INTERVAL": "2", "LLAMA_LAUNCHER_BAKE_WARMUP": "0"}
+    rc, out = paired.cli_json("set", "-t", "2", "--bake", "10m", env=env)
+    assert (rc, out["handover"]["mode"]) == (0, "switch"), out
+    assert out["handover"]["switch"]["warm"]["warm_until"] > time.time() + 500  # the bake's
+    os.kill(int(paired.state()["MainPID"]), signal.SIGKILL)  # a hard failure: a restart
+    baked = store.Store(paired.state_dir).get(out["generation"])
+    deadline = time.monotonic() + 120
+    while (record := bake.load(baked.path)) is None or record.state == "baking":
+        assert time.monotonic() < deadline, "the bake did not end"
+        take(paired, env=env)
+        time.sleep(1)
+    assert record.state == "reverted", record
+    assert (record.revert or {})["handover"]["mode"] == "switch", record.revert["handover"]
+    assert " -t 2 " not in paired.env_file.read_text()
+    assert active(paired, second(paired)) == "inactive"
 
 
 def test_uninstall_removes_the_second_instance(host: Host) -> None:

@@ -461,15 +461,15 @@ class Deployer:
         """Why the restart is held rather than switched (None: it switches)."""
         if mode == "hold":
             return "the setting handover is hold"
-        if not before.running or text is None or meta is None:
-            return f"{self.systemd.unit} is not running: there is nothing to serve meanwhile"
-        if target is not None:
+        if target is not None:  # the unit may be down (a crashed config): the warm one serves
             if not sb.keeps(text):
                 return (
                     f"{sb.name} does not keep generation {target.number} warm (its warm "
                     "period is over, or another generation is there)"
                 )
             return None
+        if not before.running or text is None or meta is None:
+            return f"{self.systemd.unit} is not running: there is nothing to serve meanwhile"
         missing = sb.missing()
         if missing is not None:
             return missing
