@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,9 +16,9 @@ from typing import Any
 import pytest
 from conftest import Host
 from test_deploy import BAD_TEMPLATE
-from test_front_hold import front_of, with_fault
-from test_front_switch import Agents
-from test_handover import installed
+from test_front_hold import front_of, in_background, with_fault
+from test_front_switch import Agents, Answer, stream
+from test_handover import installed, result_of
 from test_watch import take
 
 from launcher.deploy import standby, store
@@ -87,6 +88,53 @@ def test_status_says_the_second_instance_keeps_the_previous_config_warm(paired: 
     assert (b["unit"], b["active"], b["serving"]) == (second(paired), "active", False), b
     assert b["warm_until"] > time.time()
     assert "keeps the previous config warm" in paired.cli("status").stdout
+
+
+def test_a_long_answer_on_the_unit_finishes_whole_before_the_unit_restarts(
+    paired: Host,
+) -> None:
+    long: list[Answer] = []
+    t = threading.Thread(target=lambda: long.append(stream(paired.url, 1500)), daemon=True)
+    t.start()
+    time.sleep(1)  # it is generating on the unit
+    rc, out = paired.cli_json("set", "-t", "2")
+    t.join(120)
+    assert (rc, out["handover"]["mode"]) == (0, "switch"), out
+    assert long and long[0].ok and long[0].finish == "length", long
+    assert not out["handover"]["drain"].get("cut"), out["handover"]["drain"]
+
+
+@pytest.mark.parametrize("phase", ["restore", "released"])
+def test_a_signal_during_the_switch_back_rolls_back_behind_the_second_instance(
+    paired: Host, phase: str
+) -> None:
+    with Agents(paired.url) as agents:
+        time.sleep(0.5)
+        p = in_background(paired, f"{phase}:pause", "set", "-t", "2")
+        store_ = store.Store(paired.state_dir)
+        deadline = time.monotonic() + 120
+        while (store_.txn() or {}).get("phase") != phase:
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+            time.sleep(0.05)
+        p.send_signal(signal.SIGTERM)
+        rc, out = result_of(p)
+        time.sleep(0.5)
+    assert (rc, out["outcome"]) == (3, "rolled_back"), out
+    assert "served meanwhile" in out["handover"]["switch"]["rollback"], out["handover"]
+    assert not failed(agents), failed(agents)[:3]
+    assert " -t 2 " not in paired.env_file.read_text()
+    assert serving(paired) == {SERVERS["a"]: "UP", SERVERS["b"]: "MAINT"}
+    assert active(paired, second(paired)) == "inactive"
+
+
+def test_a_held_restart_stops_a_warm_second_instance_first(paired: Host) -> None:
+    rc, out = paired.cli_json("set", "-t", "2")
+    assert (rc, out["handover"]["mode"]) == (0, "switch"), out
+    rc, out = paired.cli_json("set", "-t", "1", env={"LLAMA_LAUNCHER_HANDOVER": "hold"})
+    assert (rc, out["handover"]["mode"]) == (0, "hold"), out
+    assert "stopped before the restart" in out["handover"]["second_instance"]
+    assert active(paired, second(paired)) == "inactive"
+    assert serving(paired) == {SERVERS["a"]: "UP", SERVERS["b"]: "MAINT"}
 
 
 def test_a_rollback_in_the_warm_period_is_a_switch_to_the_warm_instance(paired: Host) -> None:

@@ -63,6 +63,13 @@ def test_the_second_instance_shares_the_units_user_and_state_directory() -> None
     assert "DynamicUser=yes" in lines
 
 
+def test_a_second_instance_of_a_unit_of_another_name_shares_its_state_directory() -> None:
+    lines = units.render_standby("chat.service", 8089).splitlines()
+    assert "User=chat" in lines
+    assert "StateDirectory=llama-server" in lines  # the unit's own, whatever its name
+    assert "LoadCredential=api-key:/var/lib/llama-launcher/chat/standby-api-key" in lines
+
+
 def spec(serving: str = "a") -> FrontSpec:
     return FrontSpec("127.0.0.1", 8080, "127.0.0.1", 8081, standby_port=8082, serving=serving)
 

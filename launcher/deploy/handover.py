@@ -106,6 +106,9 @@ class Bridge:
     where: list[str]
     #: why the switch was chosen (the result's ``handover.switch.why``)
     why: str = ""
+    #: it runs what a failed restart puts back (a deploy's bridge; a rollback's runs its
+    #: target), so a rollback's restart can be bridged by it too
+    restores: bool = True
 
     @property
     def endpoint(self) -> Endpoint:
@@ -135,6 +138,9 @@ class Handover:
     bridge: Bridge | None = None
     #: the front's spec while the second instance serves (``switch``'s return)
     bridged: FrontSpec | None = None
+    #: the unit's second instance when this restart holds instead: stopped before the
+    #: restart (after the drain), so that its memory is free for the new config
+    standby: Standby | None = None
 
     # -- before the restart ----------------------------------------------------------------
 
@@ -151,6 +157,7 @@ class Handover:
             self._hold()
             self._drain(drain_timeout, running, say)
             self._save(drain_timeout)
+            self._stop_standby()
         except BaseException:
             self.release()
             raise
@@ -160,36 +167,44 @@ class Handover:
     def _bridge_in(self, drain_timeout: float, running: UnitState) -> bool:
         """The second instance serves the bridge's config, gated on its port, with the
         unit's slots carried into it (where the layout allows), and the front switched to
-        it; False (and why, in the report) when it cannot: the restart is held instead."""
+        it; False (and why, in the report) when it cannot: the restart is held instead. On a
+        signal the front is put back on the unit (if it had switched) before it goes on."""
         b = self.bridge
         assert b is not None and self.front is not None
         sw: dict[str, Any] = {"instance": b.standby.name, "why": b.why}
         self.report["switch"] = sw
+        spec = self.front.spec()
+        assert spec is not None and spec.standby_port is not None
         try:
-            spec = self.front.spec()
-            assert spec is not None and spec.standby_port is not None
-            if spec.serving == "b" and b.standby.running_with(b.text):
-                sw["serving"] = "already"  # a killed deploy's bridge, or a failed rollback
-                self.bridged = spec
+            if _serves_live(self.front) and b.standby.running_with(b.text):
+                sw["started"] = "already serving"  # a killed deploy's bridge, a failed rollback
+                self.bridged = replace(spec, serving="b")
+                self.report["front"] = {"held": False, "serving": b.standby.name}
                 return True
             t0 = time.monotonic()
             # if this deployer dies, the timer's stop-warm recovers its transaction (under
-            # the lock) and stops the second instance, as the release watcher does a hold
+            # the lock) and stops the second instance
             b.standby.keep_warm(2 * self.hold_seconds + b.warm, b.generation, b.where)
             if b.standby.running_with(b.text) and b.standby.healthy():
                 sw["started"] = "warm: it kept this config since the last deploy"
             else:
                 b.serve()
-                sw["started"] = round(time.monotonic() - t0, 3)
+                sw["started"] = f"started and gated in {time.monotonic() - t0:.3f}s"
             self._mark("bridge")
             if running.running and self.old is not None:
                 phase, self.phase = self.phase, None  # "restore" is a phase after the restart
-                try:
-                    self._carry(self.old, self.old_meta or {}, b.endpoint, b.meta, sw, "bridge")
+                try:  # a restore that takes it down fails the bridge: the restart holds
+                    self._carry(self.old, self.old_meta or {}, b.endpoint, b.meta, sw, "b", True)
                 finally:
                     self.phase = phase
-            with b.endpoint.client() as c:
-                self.bridged, report = self.front.switch(spec, _slots(b.meta), drain_timeout, c)
+            if not b.standby.healthy():
+                raise FrontError(f"{b.standby.name} stopped answering /health")
+            old = self.old.client() if running.running and self.old is not None else None
+            try:
+                self.bridged, report = self.front.switch(spec, _slots(b.meta), drain_timeout, old)
+            finally:
+                if old is not None:
+                    old.close()
             sw["switched_after"] = round(time.monotonic() - t0, 3)
             self.report["drain"] = {**report.to_dict(), "message": report.describe()}
             self.report["front"] = {"held": False, "serving": b.standby.name}
@@ -201,11 +216,25 @@ class Handover:
                 "restart holds the front instead"
             )
             sw["failed"] = str(e)
-            self.bridge = None
-            with contextlib.suppress(LauncherError, OSError):
-                if self.front.spec() == spec and spec is not None and spec.serving == "a":
-                    b.standby.stop()
+            self._bridge_back(spec)
             return False
+        except BaseException:
+            self._bridge_back(spec)
+            raise
+
+    def _bridge_back(self, spec: FrontSpec) -> None:
+        """A bridge that did not come to be: the front serves the unit as ``spec`` says
+        (the switch put back if it happened), and the second instance is stopped."""
+        b, front = self.bridge, self.front
+        assert b is not None and front is not None
+        self.bridge, self.bridged = None, None
+        with contextlib.suppress(LauncherError, OSError):
+            if front.spec() != spec:
+                front.swap(front.render(spec, _slots(self.old_meta or {})), backup=False)
+                front.save_spec(spec)
+            front.apply(spec, _slots(self.old_meta or {}))
+        with contextlib.suppress(LauncherError, OSError):
+            b.standby.stop()
 
     def _carry(
         self,
@@ -259,11 +288,30 @@ class Handover:
         sw["back"] = {**report.to_dict(), "message": report.describe()}
         if b.warm > 0:
             sw["warm"] = b.standby.keep_warm(b.warm, b.generation, b.where)
+        elif report.timed_out:  # its requests still run: the timer stops it after them
+            sw["warm"] = b.standby.keep_warm(max(self.drain_timeout, 1.0), None, b.where)
         else:
             problem = b.standby.stop()
-            sw["stopped"] = problem or True
+            sw["stopped"] = problem is None
             if problem:
                 self.warnings.append(problem)
+
+    def _stop_standby(self) -> None:
+        """A held restart of a unit with a second instance: the second instance stopped
+        (what the front sent it has finished in the drain), its memory free for the new
+        config; a warm previous config is gone, so a later rollback holds."""
+        sb = self.standby
+        if sb is None:
+            return
+        try:
+            if not sb.systemd.state().running:
+                return
+        except LauncherError:
+            return
+        problem = sb.stop()
+        self.report["second_instance"] = problem or f"{sb.name} stopped before the restart"
+        if problem:
+            self.warnings.append(problem)
 
     def _hold(self) -> None:
         if self.front is None:
@@ -285,7 +333,11 @@ class Handover:
         """Before a rollback's restart: the front held for the rollback's budget, again if
         a signal came after the release (every restart of a fronted unit holds), and what
         it let in finished first."""
-        if self.front is None or not (self.report.get("front") or {}).get("held"):
+        if self.bridged is not None and self._rebridge():
+            return
+        if self.bridged is not None and self.front is not None:
+            self.report.setdefault("front", {})["held"] = True  # every restart holds
+        elif self.front is None or not (self.report.get("front") or {}).get("held"):
             return
         try:
             self._recheck()
@@ -296,6 +348,32 @@ class Handover:
             self.warnings.append(f"the rollback's restart was not held: {e}")
             return
         self.report["front"]["rollback_drain"] = front_drain(self.front, self.drain_timeout)
+
+    def _rebridge(self) -> bool:
+        """Before a rollback's restart of a bridged deploy: the second instance, when it
+        runs the config the rollback restores (a deploy's bridge) and answers, serves
+        while the unit restarts (the front switched to it again if the switch back had
+        begun, and the disk naming it); False: the restart holds."""
+        b, front = self.bridge, self.front
+        assert b is not None and front is not None and self.bridged is not None
+        if not b.restores or not b.standby.healthy():
+            return False
+        try:
+            spec = self.change.old_spec if self.change is not None else self.bridged
+            if not _serves_live(front):
+                back = replace(spec, serving="a")
+                with self.old.client() if self.old is not None else contextlib.nullcontext() as c:
+                    front.switch(back, _slots(b.meta), self.drain_timeout, c)
+            else:
+                front.swap(front.render(replace(spec, serving="b"), _slots(b.meta)), backup=False)
+                front.save_spec(replace(spec, serving="b"))
+        except (LauncherError, OSError) as e:
+            self.warnings.append(
+                f"the rollback's restart could not switch to {b.standby.name}: {e}"
+            )
+            return False
+        self.report.setdefault("switch", {})["rollback"] = f"{b.standby.name} served meanwhile"
+        return True
 
     def _recheck(self) -> None:
         """HAProxy restarted during the hold: paused again, what it let through recorded."""
@@ -418,6 +496,7 @@ class Handover:
                 "`llama-launcher rollback` (or the next deploy) switches back"
             )
             sw["left_serving"] = b.standby.name
+            self.release()
             return self.finish()
         try:
             self.bridge = replace(b, warm=0.0)
@@ -426,6 +505,8 @@ class Handover:
             self._bridge_out(self.old, self.old_meta, spec, crash_fails=False)
         except (LauncherError, OSError) as e:
             self.warnings.append(f"the switch back to {front.unit} failed: {e}")
+        finally:
+            self.release()  # a rollback's restart the second instance could not bridge held
         return self.finish()
 
     def _apply_front(self) -> None:
@@ -575,6 +656,16 @@ class Handover:
         return self.report
 
 
+def _serves_live(front: Front) -> bool:
+    """Whether the running HAProxy sends requests to the second instance (``llama_b`` up,
+    the unit's server not)."""
+    try:
+        states = front.server_states()
+    except FrontError:
+        return False
+    return states.get(SERVERS["b"]) == "UP" and states.get(SERVERS["a"]) != "UP"
+
+
 def _slots(meta: dict[str, Any]) -> int:
     return int((meta.get("planned") or {}).get("n_slots") or 1)
 
@@ -651,6 +742,7 @@ def front_change(
         old_spec,
         private_host=str(cfg.get("host") or old_spec.private_host),
         private_port=int(cfg.get("port") or old_spec.private_port),
+        serving="a",  # a transaction ends with the unit serving (launcher.deploy.standby)
     )
     n = int(planned_slots or 1)
     old_n = int(((old_meta or {}).get("planned") or {}).get("n_slots") or n)
@@ -674,6 +766,7 @@ def prepare(
     say: Say | None = None,
     phase: Phase | None = None,
     bridge: Bridge | None = None,
+    standby: Standby | None = None,
 ) -> Handover:
     """The handover of one restart, begun: the front held (the release watcher releases it
     after ``hold_seconds`` if this process is gone or still holding), the server drained,
@@ -681,6 +774,7 @@ def prepare(
     serving instead."""
     front = change.front if change is not None else None
     h = Handover(old, old_meta, front, change=change, hold_seconds=hold_seconds, bridge=bridge)
+    h.standby = standby
     h.phase, h.drain_timeout = phase, drain_timeout
     h.before_restart(drain_timeout, running, say)
     return h
@@ -730,7 +824,12 @@ def left_held(state_dir: Path, unit: str, scope: Scope) -> bool:
 
 
 def recover(
-    state_dir: Path, unit: str, scope: Scope, txn: dict[str, Any], drain_timeout: float = 120.0
+    state_dir: Path,
+    unit: str,
+    scope: Scope,
+    txn: dict[str, Any],
+    drain_timeout: float = 120.0,
+    restored: bool = True,
 ) -> dict[str, Any]:
     """After a recovery (or a deployer killed while holding): the front pointed at the
     restored server config (the record's old spec) and released if it is held; a second
@@ -741,6 +840,13 @@ def recover(
         if spec is None:
             return {}
         old = txn.get("front") or {}
+        if not restored and txn and _serves_live(front):
+            # the restored config failed its gate, and the second instance serves it: it
+            # goes on serving (the disk naming it) until a rollback or a deploy switches back
+            spec = replace(spec, serving="b")
+            front.swap(front.render(spec, int(old.get("old_slots") or 1)), backup=False)
+            front.save_spec(spec)
+            return {"second_instance": "serves the previous config: the unit's restart failed"}
         hold = front.holding()
         held = hold is not None or front.held()
         if hold is not None:
@@ -753,7 +859,7 @@ def recover(
             out["front"] = "released the requests a killed deployer left held"
             if hold is not None and hold.restarts:
                 out["front_restarted"] = list(hold.restarts)
-        bridged = _stop_bridge(front, spec, drain_timeout)
+        bridged = _stop_bridge(front, spec, drain_timeout) if txn else None
         if bridged:
             out["second_instance"] = bridged
         return out
@@ -774,9 +880,15 @@ def _stop_bridge(front: Front, spec: FrontSpec, drain_timeout: float) -> str | N
         return None
     if not running:
         return None
-    count = _safe_count(functools.partial(front.in_flight, SERVERS["b"]))
-    waited = drain.wait_idle(None, drain_timeout, front_in_flight=count).describe()
+    waited = drain_side(front, "b", drain_timeout)
     return sb.stop() or f"{sb.name} stopped (the killed deploy's bridge; {waited})"
+
+
+def drain_side(front: Front, side: str, timeout: float) -> str:
+    """Wait until the front has nothing in flight on ``side``'s server (at most
+    ``timeout``); what was waited for."""
+    count = _safe_count(functools.partial(front.in_flight, SERVERS[side]))
+    return drain.wait_idle(None, timeout, front_in_flight=count).describe()
 
 
 def bridging(state_dir: Path, unit: str, scope: Scope, text: str | None) -> bool:

@@ -644,10 +644,19 @@ def _uninstall_standby(settings: config.ToolSettings, systemd: Systemd) -> dict[
     if not unit_file.exists():
         return {}
     ctl = sock_ctl(systemd)
-    stop = name.removesuffix(".service") + "-stop.timer"
-    systemd.run([*ctl, "stop", "--", stop, name], check=False, env=systemd.env)
+    stop = name.removesuffix(".service") + "-stop"
+    systemd.run(
+        [*ctl, "stop", "--", f"{stop}.timer", f"{stop}.service", name],
+        check=False,
+        env=systemd.env,
+    )
     state = home.state_dir(settings)
-    files = [unit_file, standby.env_path(state), state / "front" / "warm.json"]
+    files = [
+        unit_file,
+        standby.env_path(state),
+        state / "front" / "warm.json",
+        standby.key_stage_path(state),
+    ]
     for f in files:
         f.unlink(missing_ok=True)
     return {"removed_second_instance": [str(f) for f in files[:2]]}

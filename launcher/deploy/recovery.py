@@ -303,9 +303,15 @@ class Reverter:
         if txn.get("to"):
             self._mark(int(txn["to"]), outcome="interrupted")
         # handover: the front pointed at the restored config, and released
+        restored = bool(report.get("gate", {"ok": True}).get("ok"))
         report.update(
             handover.recover(
-                self.store.root, self.systemd.unit, self.systemd.scope, txn, self.drain_timeout
+                self.store.root,
+                self.systemd.unit,
+                self.systemd.scope,
+                txn,
+                self.drain_timeout,
+                restored,
             )
         )
         if not report.get("gate", {"ok": True}).get("ok") and txn.get("from") is not None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,10 @@ def unit_name(unit: str) -> str:
 
 def env_path(state_dir: Path) -> Path:
     return state_dir / "standby.env"
+
+
+def key_stage_path(state_dir: Path) -> Path:
+    return state_dir / "standby-api-key"
 
 
 @dataclass(frozen=True)
@@ -84,6 +89,18 @@ class Standby:
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
+
+    @property
+    def stop_unit(self) -> str:
+        """The transient timer (and its service) that ends the warm period, without suffix."""
+        return self.name.removesuffix(".service") + "-stop"
+
+    @property
+    def key_stage(self) -> Path:
+        """Its own copy of the API key of the config it runs (system scope: the unit's
+        ``LoadCredential=api-key:``), written before each start: a restart after a crash
+        reads the key of its own config, not the unit's."""
+        return key_stage_path(self.state_dir)
 
     @property
     def warm_path(self) -> Path:
@@ -151,6 +168,8 @@ class Standby:
         b = self.systemd
         before = b.state()
         store.atomic_write(self.env_file, text.encode(), 0o600)
+        if self.scope == "system":
+            store.atomic_write(self.key_stage, (api_key or "").encode(), 0o600)
         b.cancel_auto_restart(before)
         b.reset_failed()
         cursor = b.cursor()
@@ -176,11 +195,13 @@ class Standby:
         unit). Returns what the result says of it."""
         until = time.time() + seconds
         store.write_json(self.warm_path, {"until": until, "generation": generation})
-        timer = self.name.removesuffix(".service") + "-stop"
+        timer = self.stop_unit
         ctl = ["systemctl", *(["--user"] if self.scope == "user" else [])]
         with contextlib.suppress(LauncherError):
-            proc.run([*ctl, "stop", "--", f"{timer}.timer"], check=False, timeout=30)
-            proc.run([*ctl, "reset-failed", "--", f"{timer}.service"], check=False, timeout=30)
+            # the one before (a stop-warm waiting for the lock this deployer holds, too)
+            both = [f"{timer}.timer", f"{timer}.service"]
+            proc.run([*ctl, "stop", "--", *both], check=False, timeout=30)
+            proc.run([*ctl, "reset-failed", "--", *both], check=False, timeout=30)
         from launcher.host import units
 
         python, package_dir = units.this_python()
@@ -216,15 +237,23 @@ class Standby:
             return None
 
 
-def stop_due(standby: Standby, spec: FrontSpec, now: float | None = None) -> dict[str, Any]:
+def stop_due(
+    standby: Standby,
+    spec: FrontSpec,
+    now: float | None = None,
+    idle: Callable[[], Any] | None = None,
+) -> dict[str, Any]:
     """``stop-warm``, under the unit's lock: the second instance stopped when its warm period
-    is over and it does not serve (a rollback in the warm period may have switched to it)."""
+    is over and it does not serve (a rollback in the warm period may have switched to it),
+    after ``idle`` (a wait until what the front sent it has finished)."""
     if spec.serving == "b":
         return {"stopped": False, "why": f"{standby.name} serves (the front points at it)"}
     until = standby.warm_until()
     now = time.time() if now is None else now
     if until is not None and now < until:
         return {"stopped": False, "why": f"warm for {until - now:.0f}s more"}
+    if idle is not None:
+        idle()
     problem = standby.stop()
     if problem is not None:
         return {"stopped": False, "why": problem}

@@ -90,6 +90,8 @@ class Deployer:
         self.pending: dict[Path, str | None] = {}
         #: why a unit with a second instance holds this restart instead of switching
         self.held_because: str | None = None
+        #: that second instance, stopped before the held restart (``Handover.standby``)
+        self.idle_standby: standby.Standby | None = None
 
     def require_unit(self) -> None:
         """A deploy restarts the unit: the next verb refuses, before anything changes, when
@@ -384,6 +386,7 @@ class Deployer:
                 self.gate.say,
                 self._phase,
                 bridge,
+                self.idle_standby,
             )
             if bridge is not None or self.held_because is not None:
                 switched = self.handover.bridge is not None
@@ -421,7 +424,7 @@ class Deployer:
             text, meta, number = target.env_text, target.meta, target.number
         why = self._no_switch(mode, sb, before, text, meta, target, result)
         if why is not None:
-            self.held_because = f"{sb.name}: {why}"
+            self.held_because, self.idle_standby = f"{sb.name}: {why}", sb
             return None
         assert text is not None and meta is not None
         argv = self.reverter.argv_of(text)
@@ -442,7 +445,8 @@ class Deployer:
             warm,
             number,
             _where(self.settings),
-            "the second instance keeps it warm"
+            restores=target is None,
+            why="the second instance keeps it warm"
             if target is not None
             else f"handover = {mode}"
             + (": it fits beside the running one" if mode == "auto" else ""),
@@ -487,7 +491,8 @@ class Deployer:
             sb = standby.Standby.of(self.store.root, self.systemd.unit, self.systemd.scope, spec)
             if sb is None or spec is None:
                 return {"stopped": False, "why": "the unit has no second instance"}
-            out = standby.stop_due(sb, spec)
+            timeout = self.settings.drain_timeout
+            out = standby.stop_due(sb, spec, idle=lambda: handover.drain_side(front, "b", timeout))
             if recovered:
                 out["recovered"] = recovered
             return out

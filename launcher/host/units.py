@@ -325,10 +325,11 @@ def render_standby(
     name = unit.removesuffix(".service")
     state = state_dir or f"/var/lib/llama-launcher/{name}"
     system = scope == "system"
-    key_stage = key_stage_path(state)
+    key_stage = f"{state}/standby-api-key"  # its own (launcher.deploy.standby.key_stage)
     hardening = _USER_HARDENING
     if system:
-        hardening = _system_hardening(env_file, key_stage, name, site or Site()).replace(
+        shared = state_directory(False)  # the unit's own StateDirectory=, whatever its name
+        hardening = _system_hardening(env_file, key_stage, shared, site or Site()).replace(
             "DynamicUser=yes\n",
             f"DynamicUser=yes\n# the unit's own user: its StateDirectory (the saved slots) is "
             f"shared\nUser={name}\n",
