@@ -17,7 +17,8 @@ After the three deploys, one more (``--alias``, which the answers name as their 
 ``rollback`` at once: how long after the rollback began the old config answered again (a
 client asks ``/v1/models`` every 20 ms), and how long the rollback command took. In
 ``switch`` mode the rollback is inside the warm period (the second instance still runs the
-old config); in ``front`` it restarts.
+old config); in ``front`` it restarts. ``switch`` then does it once more after the warm
+period (a held rollback; the turns from then on are not counted in its row).
 
 It prints requests failed or cut, the longest wait for a first token any agent saw, and
 each agent's first-turn time to first token after a deploy / its last turn's before it, in
@@ -211,6 +212,7 @@ def run_mode(mode: str, tmp: Path, model: Path, server: str) -> dict[str, Any]:
     for a in agents:
         a.start()
     deploys = []
+    cutoff = float("inf")
     try:
         time.sleep(BETWEEN_DEPLOYS * 1.5)  # every agent's conversation has grown a while
         for change in changes:
@@ -221,7 +223,9 @@ def run_mode(mode: str, tmp: Path, model: Path, server: str) -> dict[str, Any]:
             deploys.append(d)
             time.sleep(BETWEEN_DEPLOYS)
         rollback = timed_rollback(env, url, extra)
-        if mode == "switch":  # and outside the warm period: the rollback holds
+        cutoff = time.monotonic()
+        if mode == "switch":  # and outside the warm period: the rollback holds (its turns
+            # are not counted above: the row is the switch's)
             late = timed_rollback({**env, "LLAMA_LAUNCHER_KEEP_WARM": "1"}, url, extra, unit)
             rollback.update({f"late_{k}": v for k, v in late.items()})
     finally:
@@ -229,7 +233,8 @@ def run_mode(mode: str, tmp: Path, model: Path, server: str) -> dict[str, Any]:
         for a in agents:
             a.join(180)
         cli(env, "uninstall", "--purge")
-    return {**summarize(mode, turns, deploys), **rollback}
+    counted = [t for t in turns if t.start < cutoff]
+    return {**summarize(mode, counted, deploys), **rollback}
 
 
 def timed_rollback(
