@@ -231,6 +231,34 @@ def test_the_timer_of_a_killed_switch_recovers_it_and_stops_the_second_instance(
     assert paired.chat()["usage"]["completion_tokens"] > 0
 
 
+def test_a_restored_config_that_fails_leaves_the_second_instance_serving_it(
+    paired: Host,
+) -> None:
+    p = with_fault(paired, "gate:kill", "set", "-t", "2")
+    assert p.returncode == -9, p.stderr
+    aside = paired.model.with_name(paired.model.name + ".aside")
+    paired.model.rename(aside)  # the unit cannot start the restored config: no model file
+    try:
+        with Agents(paired.url) as agents:
+            time.sleep(0.5)
+            rc, out = paired.cli_json("recover")
+            time.sleep(0.5)
+    finally:
+        aside.rename(paired.model)
+    assert rc == 4, out
+    assert not failed(agents), failed(agents)[:3]  # the second instance served them
+    assert serving(paired)[SERVERS["b"]] == "UP"
+    assert front_of(paired).spec().serving == "b"  # type: ignore[union-attr]
+    # the next deploy is bridged by it as it stands, and ends with the unit serving
+    with Agents(paired.url) as agents:
+        rc, out = paired.cli_json("set", "-t", "2")
+        time.sleep(0.5)
+    assert (rc, out["handover"]["mode"]) == (0, "switch"), out
+    assert out["handover"]["switch"]["started"] == "already serving"
+    assert not failed(agents), failed(agents)[:3]
+    assert serving(paired) == {SERVERS["a"]: "UP", SERVERS["b"]: "MAINT"}
+
+
 def test_a_warm_instance_that_crashed_is_started_again_before_a_rollback_switches(
     paired: Host,
 ) -> None:

@@ -472,13 +472,18 @@ class Deployer:
                     "period is over, or another generation is there)"
                 )
             return None
-        if not before.running or text is None or meta is None:
+        if text is None or meta is None:
+            return "there is no previous config to serve meanwhile"
+        where = (self.store.root, self.systemd.unit, self.systemd.scope)
+        # the second instance serves this config already (a failed rollback left it so)
+        already = handover.bridging(*where, text)
+        if not before.running and not already:
             return f"{self.systemd.unit} is not running: there is nothing to serve meanwhile"
         missing = sb.missing()
         if missing is not None:
             return missing
         beside = result.memory.get("beside") or {}
-        if mode == "auto" and beside.get("fits") is not True:
+        if mode == "auto" and not already and beside.get("fits") is not True:
             return f"the second instance may not fit: {beside.get('why') or 'not measured'}"
         return None
 
