@@ -17,10 +17,12 @@ unit itself always ends a transaction serving; the second instance only bridges 
               and switched back as above, and b stopped
 
 So a generation, its history, ``status``, the sampler and a boot all stay the unit's, and a
-killed deployer leaves what any deploy leaves (the recovery restarts the unit under the
-front's hold, and stops b). b's warm period ends with ``llama-launcher stop-warm`` (a
-transient timer ``systemd-run`` starts), which stops b under the unit's lock unless it
-serves.
+killed deployer leaves what any deploy leaves: a transaction record, which the next command
+recovers (the unit restarted into the old config, unheld while b serves it, then b stopped
+once its requests finished). b's warm period ends with ``llama-launcher stop-warm``, run by
+a transient timer (``systemd-run``) that the bridge sets when it starts, for two deploys'
+budgets plus the warm period, and moves when the deploy ends: it takes the unit's lock
+(recovering a dead deployer's transaction first) and stops b unless it serves.
 """
 
 from __future__ import annotations
