@@ -18,7 +18,9 @@ after, each split by kind: ``context_exceeded`` (the baked config's shared pool 
 longer than the good config's slots: "exceeds the available context size"; the agent then
 begins a new session, as one that compacts its history does), ``cut`` (no answer: the
 connection cut by the switch, or the front's own 5xx), ``other``.
-``BENCH_FRONT=haproxy`` installs the HAProxy front (the agents talk to it).
+``BENCH_FRONT=haproxy`` installs the HAProxy front (the agents talk to it);
+``BENCH_FRONT=switch`` the front and a second instance (``--second-instance``), which keeps
+the good config warm through the bake, so the revert is a switch to it.
 
 ``BENCH_SESSIONS``: ``fresh`` (the default: seed 000's case, a change made at one time and
 the pool filled later) has each agent begin a new session at the deploy, so the histories
@@ -142,7 +144,10 @@ def main() -> None:
             "--llama-server",
             realserver.server_binary(),
         ]
-        rc, out = cli(env, "install", *where, *GOOD, "--front", FRONT)
+        front = (
+            ["--front", "haproxy", "--second-instance"] if FRONT == "switch" else ["--front", FRONT]
+        )
+        rc, out = cli(env, "install", *where, *GOOD, *front)
         if rc != 0:
             raise SystemExit(f"install failed: {out}")
         try:
@@ -189,6 +194,10 @@ def run(env: dict[str, str], url: str, where: list[str], state: Path) -> None:
     # verdict itself (the pool watch's look: the overflow had not come)
     first = min([*overflows, ended])
     serving = bake.served_from(live)
+    # a revert that switched to the warm second instance served the old config from then on
+    switched = ((the_bake.revert or {}).get("handover") or {}).get("switch", {}).get("switched_at")
+    if switched:
+        serving = min(serving, float(switched))
     watch = (
         f"pool watch {policy.pool_limit:.0%} every {policy.pool_poll:g} s"
         if policy.pool_limit
@@ -206,6 +215,8 @@ def run(env: dict[str, str], url: str, where: list[str], state: Path) -> None:
         print(f"first 'Context size has been exceeded' -> verdict: {ended - min(overflows):+.1f} s")
     else:
         print("'Context size has been exceeded': none before the old config served")
+    mode = ((the_bake.revert or {}).get("handover") or {}).get("mode", "hold")
+    print(f"the revert: a {mode} (handover.mode)")
     print(f"verdict -> the old config serving (generation {live.number}): {serving - ended:.1f} s")
     print(f"first hard signal -> the old config serving: {serving - first:.1f} s")
     lost = sum(1 for t, ok in agents.done if not ok and first <= t <= serving)

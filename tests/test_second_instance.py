@@ -154,6 +154,17 @@ def test_a_rollback_in_the_warm_period_is_a_switch_to_the_warm_instance(paired: 
     assert serving(paired)[SERVERS["a"]] == "UP"
 
 
+def test_a_rollback_across_a_kv_layout_change_saves_no_slot_before_it_switches(
+    paired: Host,
+) -> None:
+    rc, out = paired.cli_json("set", "-c", "4096")  # another pool: another KV layout
+    assert (rc, out["handover"]["mode"]) == (0, "switch"), out
+    rc, back = paired.cli_json("rollback")
+    carried = back["handover"]["switch"]["slots"]
+    assert (rc, back["handover"]["mode"]) == (0, "switch"), back
+    assert carried["saved"] == [] and "KV layout changed" in carried["note"], carried
+
+
 def test_a_new_config_that_fails_its_gate_never_stops_the_old_one_serving(
     paired: Host, tmp_path: Path
 ) -> None:

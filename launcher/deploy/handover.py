@@ -206,6 +206,7 @@ class Handover:
                 if old is not None:
                     old.close()
             sw["switched_after"] = round(time.monotonic() - t0, 3)
+            sw["switched_at"] = time.time()
             self.report["drain"] = {**report.to_dict(), "message": report.describe()}
             self.report["front"] = {"held": False, "serving": b.standby.name}
             self._mark("bridged")
@@ -255,6 +256,10 @@ class Handover:
             self.save_dir = slots.save_path(src_meta.get("config") or {})
             if self.save_dir is None:
                 carried["note"] = "no --slot-save-path: no cache is carried"
+                return
+            why = slots.differences(slots.fingerprint(src_meta), slots.fingerprint(dst_meta))
+            if why:  # nothing could be restored: nothing is saved (a revert switches at once)
+                carried["note"] = "KV layout changed: " + "; ".join(why) + "; nothing saved"
                 return
             with src.client() as client:
                 self.saved, skipped = slots.save_all(client, self.save_dir)
