@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from test_system_front import killed_at_gate, recovered
 from test_system_scope import (  # noqa: F401 (the fixtures placed, `system`, tool, wheelhouse)
     PORT,
     System,
@@ -55,6 +56,22 @@ def test_a_rollback_in_the_warm_period_is_a_switch(system: System, paired: dict[
     assert (rc, out["outcome"], out["handover"]["mode"]) == (0, "deployed", "switch"), out
     assert out["handover"]["switch"]["started"].startswith("warm"), out["handover"]
     assert system.bed.show(SECOND, "ActiveState")["ActiveState"] == "inactive"
+    assert system.bed.chat(PORT)[0] == 200
+
+
+def test_a_reboot_after_a_deployer_killed_mid_switch_comes_up_on_the_unit_alone(
+    system: System, paired: dict[str, Any]
+) -> None:
+    env = "/etc/llama-launcher/llama-server.env"
+    good = system.bed.read(env)
+    killed_at_gate(system, "set", "-t", "3")  # the second instance served the old config
+    assert system.bed.show(SECOND, "ActiveState")["ActiveState"] == "active"
+    system.bed.reboot()
+    assert system.wait_serving(PORT) == 200
+    recovered(system)
+    assert system.bed.read(env) == good
+    assert system.bed.show(SECOND, "ActiveState")["ActiveState"] == "inactive"
+    assert system.cli_json("status")[1]["front"]["second_instance"]["serving"] is False
     assert system.bed.chat(PORT)[0] == 200
 
 
