@@ -497,8 +497,9 @@ class Handover:
                 front.save_spec(self.bridged)
                 front.swap(front.render(self.bridged, _slots(b.meta)), backup=False)
             self.warnings.append(
-                f"{b.standby.name} serves the previous config while {front.unit} cannot; "
-                "`llama-launcher rollback` (or the next deploy) switches back"
+                f"{b.standby.name} serves generation {b.generation}'s config while "
+                f"{front.unit} cannot; `llama-launcher rollback` (or the next deploy) "
+                "switches back"
             )
             sw["left_serving"] = b.standby.name
             self.release()
