@@ -151,3 +151,18 @@ def claim(settings: ToolSettings, root: Path) -> None:
     }
     # 0644 like the env folder's other files: it holds paths, no secrets
     store.atomic_write(record_path(env_file), (json.dumps(data, indent=2) + "\n").encode(), 0o644)
+
+
+def where(settings: ToolSettings) -> list[str]:
+    """The settings options that name this unit's files, for a command another unit runs
+    (the words; a unit's text quotes each)."""
+    return [
+        "--unit",
+        settings.unit_name,
+        "--scope",
+        settings.scope,
+        "--env-file",
+        str(settings.resolved_env_file()),
+        "--state-dir",
+        str(state_dir(settings)),
+    ]

@@ -293,7 +293,7 @@ def install(
     result = deployer.deploy(cfg, origin="install")
     if front_kind == "haproxy" and spec is not None:
         slots = int((result.planned or {}).get("n_slots") or 1)
-        watcher = the_front.release_service_text(*units.this_python(), _where(settings))
+        watcher = the_front.release_service_text(*units.this_python(), home.where(settings))
         result.handover = {
             **(result.handover or {}),
             "front": install_front(
@@ -382,21 +382,6 @@ def _front_spec(
     while second and spec.standby_port in (None, spec.private_port):
         spec = dataclasses.replace(spec, standby_port=front.free_port(host))
     return spec
-
-
-def _where(settings: config.ToolSettings) -> list[str]:
-    """The settings options that name this unit's files, for a unit that runs the CLI (the
-    words; the unit's text quotes each)."""
-    return [
-        "--unit",
-        settings.unit_name,
-        "--scope",
-        settings.scope,
-        "--env-file",
-        str(settings.resolved_env_file()),
-        "--state-dir",
-        str(home.state_dir(settings)),
-    ]
 
 
 def install_front(

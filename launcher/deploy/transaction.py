@@ -444,7 +444,7 @@ class Deployer:
             serve,
             warm,
             number,
-            _where(self.settings),
+            home.where(self.settings),
             restores=target is None,
             why="the second instance keeps it warm"
             if target is not None
@@ -504,17 +504,3 @@ class Deployer:
 
     def _window(self, checked: validate.Validated, number: int | None) -> dict[str, Any]:
         return window.window_data(self.settings.unit_name, checked, number)
-
-
-def _where(settings: config.ToolSettings) -> list[str]:
-    """The settings options that name this unit's files, for a command another unit runs."""
-    return [
-        "--unit",
-        settings.unit_name,
-        "--scope",
-        settings.scope,
-        "--env-file",
-        str(settings.resolved_env_file()),
-        "--state-dir",
-        str(home.state_dir(settings)),
-    ]
