@@ -10,14 +10,16 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from conftest import Host
 from test_deploy import BAD_TEMPLATE
 from test_front_hold import front_of, in_background, with_fault
-from test_front_switch import Agents, Answer, stream
+from test_front_switch import Agents, Answer, stream, until
 from test_handover import installed, result_of
 from test_watch import take
 
@@ -179,6 +181,72 @@ def test_a_new_config_that_fails_its_gate_never_stops_the_old_one_serving(
     assert not failed(agents), failed(agents)[:3]
     assert active(paired, second(paired)) == "inactive"
     assert serving(paired) == {SERVERS["a"]: "UP", SERVERS["b"]: "MAINT"}
+
+
+@contextmanager
+def memory_limit(host: Host, limit: int) -> Iterator[Path]:
+    """The unit's process (the unit's, not its second instance's) in a kernel memory cgroup of
+    its own that allows ``limit`` bytes: a fault passed in, since this host's user manager
+    enforces no ``MemoryMax=`` (the cgroup-v1 memory controller is not delegated to it); what
+    kills a process past the limit is the kernel's own OOM killer. Yields the cgroup."""
+    line = next(x for x in Path("/proc/self/cgroup").read_text().splitlines() if ":memory:" in x)
+    parent = Path("/sys/fs/cgroup/memory") / line.split(":", 2)[2].lstrip("/")
+    cgroup = parent / f"oom-{host.unit}"
+    dropin = host.sandbox.unit_dir / f"{host.unit}.d" / "memory-limit.conf"
+    unit_file = host.sandbox.unit_dir / host.unit
+    exec_start = next(x for x in unit_file.read_text().splitlines() if x.startswith("ExecStart="))
+    command = exec_start.removeprefix("ExecStart=")
+    cgroup.mkdir()
+    try:
+        (cgroup / "memory.limit_in_bytes").write_text(str(limit))
+        dropin.parent.mkdir(exist_ok=True)
+        dropin.write_text(  # `$$` is a `$` to systemd: the shell joins the cgroup, then execs
+            f"[Service]\nExecStart=\nExecStart=/bin/sh -c 'echo $$$$ > {cgroup}/cgroup.procs && "
+            f'exec "$$@"\' sh {command}\n'
+        )
+        host.sandbox.systemctl("daemon-reload")
+        host.sandbox.systemctl("reset-failed", host.unit, check=False)
+        host.sandbox.systemctl("restart", host.unit)
+        until(lambda: answers(host))  # serving again, now inside the limit
+        yield cgroup
+    finally:
+        dropin.unlink(missing_ok=True)
+        host.sandbox.systemctl("daemon-reload")
+        for pid in (cgroup / "cgroup.procs").read_text().split():
+            (parent / "cgroup.procs").write_text(pid)
+        cgroup.rmdir()
+
+
+def answers(host: Host) -> bool:
+    try:
+        return host.chat()["usage"]["completion_tokens"] > 0
+    except httpx.HTTPError:
+        return False
+
+
+def oom_kills(cgroup: Path) -> int:
+    """How many processes of ``cgroup`` the kernel's OOM killer ended."""
+    fields = dict(x.split() for x in (cgroup / "memory.oom_control").read_text().splitlines())
+    return int(fields["oom_kill"])
+
+
+def test_a_new_config_the_kernel_kills_for_its_memory_never_stops_the_old_one_serving(
+    paired: Host,
+) -> None:
+    # the guard finds room for a pool of 1 GiB on this host; the unit's cgroup allows 300 MiB
+    with memory_limit(paired, 300 << 20) as cgroup:
+        with Agents(paired.url) as agents:
+            time.sleep(1)
+            rc, out = paired.cli_json("set", "-c", str(1 << 21))
+            time.sleep(1)
+        killed = oom_kills(cgroup)
+        assert paired.state()["ActiveState"] == "active"  # the old config, within the limit
+    assert (rc, out["outcome"], out["handover"]["mode"]) == (3, "rolled_back", "switch"), out
+    assert killed == 1
+    assert "killed by SIGKILL" in out["failure"]["message"] and "OOM" in out["failure"]["message"]
+    assert not failed(agents), failed(agents)[:3]
+    assert serving(paired) == {SERVERS["a"]: "UP", SERVERS["b"]: "MAINT"}
+    assert "-c 8192" in paired.env_file.read_text()
 
 
 def test_the_warm_period_ends_with_the_second_instance_stopped(paired: Host) -> None:

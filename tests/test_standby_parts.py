@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 from payloads import REPO
 
-from launcher.deploy import standby
+from launcher import config
+from launcher.deploy import install, standby
 from launcher.deploy.front import FrontSpec
+from launcher.errors import ConfigInvalid
 from launcher.host import launch, units
 
 
@@ -68,6 +70,23 @@ def test_a_second_instance_of_a_unit_of_another_name_shares_its_state_directory(
     assert "User=chat" in lines
     assert "StateDirectory=llama-server" in lines  # the unit's own, whatever its name
     assert "LoadCredential=api-key:/var/lib/llama-launcher/chat/standby-api-key" in lines
+
+
+def test_a_second_instance_of_a_template_instance_runs_as_the_templates_dynamic_user() -> None:
+    lines = units.render_standby("llama-server@chat.service", 8089).splitlines()
+    assert "User=llama-server" in lines  # systemd names it after the unit up to its @
+    assert "StateDirectory=llama-server@chat" in lines  # that instance's, %i written out
+
+
+@pytest.mark.parametrize("unit", ["9lives.service", "chat.v2.service", "a" * 32 + ".service"])
+def test_a_unit_whose_dynamic_user_systemd_hashes_has_no_name(unit: str) -> None:
+    assert units.dynamic_user(unit) is None
+
+
+def test_second_instance_is_refused_in_system_scope_for_a_hashed_dynamic_user() -> None:
+    settings = config.ToolSettings(scope="system", unit="chat.v2.service")
+    with pytest.raises(ConfigInvalid, match=r"'chat\.v2' is no valid user name"):
+        install.require_second_instance(settings, "haproxy")
 
 
 def spec(serving: str = "a") -> FrontSpec:

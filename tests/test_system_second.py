@@ -2,7 +2,8 @@
 bed for the module, the unit installed once with ``--front haproxy --second-instance``; the
 tests walk it in file order: a deploy is bridged by ``llama-server-b.service`` running as the
 unit's own dynamic user (so it reads the slots the unit saved), the rollback in the warm
-period is a switch to it, and uninstall removes it."""
+period is a switch to it, an instance of the template gets one too, and uninstall removes
+it."""
 
 from __future__ import annotations
 
@@ -73,6 +74,28 @@ def test_a_reboot_after_a_deployer_killed_mid_switch_comes_up_on_the_unit_alone(
     assert system.bed.show(SECOND, "ActiveState")["ActiveState"] == "inactive"
     assert system.cli_json("status")[1]["front"]["second_instance"]["serving"] is False
     assert system.bed.chat(PORT)[0] == 200
+
+
+def test_an_instance_of_the_template_gets_a_second_instance_as_the_templates_user(
+    system: System, paired: dict[str, Any]
+) -> None:
+    unit, second = "llama-server@chat.service", "llama-server-chat-b.service"
+    flags = [*system.flags(8081), "-c", "2048", "-np", "1"]
+    rc, out = system.cli_json(
+        "install", "--instance", "chat", *flags, "--front", "haproxy", "--second-instance"
+    )
+    assert (rc, out.get("outcome")) == (0, "deployed"), out
+    assert system.bed.chat(8081)[0] == 200  # a turn in its slot, to carry
+    rc, out = system.cli_json("set", "--instance", "chat", "-t", "2")
+    assert (rc, out["outcome"], out["handover"]["mode"]) == (0, "deployed", "switch"), out
+    assert out["handover"]["switch"]["slots"]["restored"], out["handover"]["switch"]
+    assert system.uid_of(system.main_pid(second)) == system.uid_of(system.main_pid(unit))
+    rc, out = system.cli_json("rollback", "--instance", "chat")
+    assert (rc, out["handover"]["mode"]) == (0, "switch"), out
+    assert system.bed.chat(8081)[0] == 200
+    rc, out = system.cli_json("uninstall", "--instance", "chat", "--purge")
+    assert rc == 0, out
+    assert system.bed.show(second, "LoadState")["LoadState"] == "not-found"
 
 
 def test_uninstall_purge_removes_the_second_instance(

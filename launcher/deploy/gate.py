@@ -509,8 +509,8 @@ def _dead(state: UnitState, before: UnitState, started: bool) -> str | None:
     """Why the unit is not running after our restart, or None while it still may be fine."""
     if state.n_restarts > before.n_restarts:
         return (
-            f"llama-server exited with status {state.exec_main_status} and systemd "
-            f"restarted it ({state.n_restarts - before.n_restarts} restart(s))"
+            f"{ended(state)} and systemd restarted it "
+            f"({state.n_restarts - before.n_restarts} restart(s))"
         )
     if not started:
         return None
@@ -518,8 +518,30 @@ def _dead(state: UnitState, before: UnitState, started: bool) -> str | None:
         status = state.exec_main_status
         if status == envfile.EX_CONFIG:
             return f"the launcher refused the env file (status {status})"
-        return f"llama-server exited with status {status} ({state.result})"
+        return ended(state)
     return None
+
+
+#: what systemd says of a process that a SIGKILL ended (ExecMainStatus is the signal's number)
+_SIGKILL = 9
+
+
+def ended(state: UnitState) -> str:
+    """How llama-server ended, in words: an OOM kill named as one. Where systemd sees the
+    memory controller (cgroup v2) it says ``Result=oom-kill``; elsewhere (cgroup v1, a limit
+    outside the unit) the kernel's OOM killer shows only as a SIGKILL."""
+    status = state.exec_main_status
+    if state.result == "oom-kill":
+        return (
+            "the kernel's OOM killer ended llama-server (Result=oom-kill): the config needs "
+            "more memory than the unit may use (MemoryMax=) or the host has"
+        )
+    if state.result == "signal" and status == _SIGKILL:
+        return (
+            "llama-server was killed by SIGKILL (status 9): the kernel's OOM killer sends it "
+            "when memory runs out (`journalctl -k` says 'Killed process'), as does a kill -9"
+        )
+    return f"llama-server exited with status {status} ({state.result})"
 
 
 def together(*calls: Callable[[], Any]) -> list[Any]:

@@ -245,7 +245,7 @@ def install(
     if front_kind == "haproxy":
         require_haproxy()
     if second_instance:
-        require_second_instance(settings, front_kind, template)
+        require_second_instance(settings, front_kind)
     require_root(settings)
     require_linger(settings)
     the_front = front.Front(home.state_dir(settings), settings.unit_name, settings.scope)
@@ -307,18 +307,22 @@ def install(
     return result
 
 
-def require_second_instance(settings: config.ToolSettings, front_kind: str, template: bool) -> None:
+def require_second_instance(settings: config.ToolSettings, front_kind: str) -> None:
     """``--second-instance`` needs the front (it switches between the two) and, in system
-    scope, a unit of its own name (the second instance shares its dynamic user)."""
+    scope, a unit whose dynamic user has a name (the second instance runs as that user, so
+    each reads the slots the other saved): systemd names it after the unit, up to its ``@``,
+    unless that is no valid user name."""
     if front_kind != "haproxy":
         raise ConfigInvalid(
             "--second-instance needs --front haproxy: the front switches between the two"
         )
-    if settings.scope == "system" and (template or "@" in settings.unit_name):
+    if settings.scope == "system" and units.dynamic_user(settings.unit_name) is None:
+        prefix = settings.unit_name.removesuffix(".service").split("@", 1)[0]
         raise ConfigInvalid(
-            f"--second-instance: {settings.unit_name} is an instance of the template; in "
-            "system scope a second instance is built for a unit of its own name only "
-            "(install --unit NAME.service)"
+            f"--second-instance: systemd gives {settings.unit_name} a hashed dynamic user "
+            f"({prefix!r} is no valid user name: a letter or _ first, then letters, digits, _ "
+            "or -, 31 at most), which a second instance cannot share; install it under a "
+            "unit name that is one (--unit NAME.service)"
         )
 
 

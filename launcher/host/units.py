@@ -16,6 +16,7 @@ config ungated) and stages the API key for the credential.
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -207,6 +208,19 @@ def state_directory(template: bool) -> str:
     return "llama-server@%i" if template else "llama-server"
 
 
+#: systemd's strict user name (src/basic/user-util.c ``valid_user_group_name``): what a name
+#: must be for ``DynamicUser=`` to take the unit's own name rather than a hash of it
+_USER_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,30}")
+
+
+def dynamic_user(unit: str) -> str | None:
+    """The user ``DynamicUser=yes`` without ``User=`` gives ``unit``: its name up to the
+    ``@`` (src/core/unit.c ``user_from_unit_name``: every instance of a template shares it),
+    or None where systemd would hash the name (``_du...``), which no other unit can name."""
+    prefix = unit.removesuffix(".service").split("@", 1)[0]
+    return prefix if _USER_NAME.fullmatch(prefix) else None
+
+
 #: The file of one instance's own site settings, in ``llama-server@NAME.service.d/``: the
 #: template is shared by every instance, so what ``install --instance NAME`` is given for
 #: that one instance goes here (systemd reads it after the template).
@@ -328,11 +342,18 @@ def render_standby(
     key_stage = f"{state}/standby-api-key"  # its own (launcher.deploy.standby.key_stage)
     hardening = _USER_HARDENING
     if system:
-        shared = state_directory(False)  # the unit's own StateDirectory=, whatever its name
+        user = dynamic_user(unit)
+        if user is None:
+            raise ValueError(
+                f"{unit}: systemd gives it a hashed dynamic user, which no unit can name"
+            )
+        # the unit's own StateDirectory=, whatever its name; an instance's has its name in it
+        _, at, instance = name.partition("@")
+        shared = state_directory(bool(at)).replace("%i", instance)
         hardening = _system_hardening(env_file, key_stage, shared, site or Site()).replace(
             "DynamicUser=yes\n",
             f"DynamicUser=yes\n# the unit's own user: its StateDirectory (the saved slots) is "
-            f"shared\nUser={name}\n",
+            f"shared\nUser={user}\n",
             1,
         )
     return _TEMPLATE.format(
