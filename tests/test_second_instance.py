@@ -189,7 +189,10 @@ def memory_limit(host: Host, limit: int) -> Iterator[Path]:
     its own that allows ``limit`` bytes: a fault passed in, since this host's user manager
     enforces no ``MemoryMax=`` (the cgroup-v1 memory controller is not delegated to it); what
     kills a process past the limit is the kernel's own OOM killer. Yields the cgroup."""
-    line = next(x for x in Path("/proc/self/cgroup").read_text().splitlines() if ":memory:" in x)
+    lines = [x for x in Path("/proc/self/cgroup").read_text().splitlines() if ":memory:" in x]
+    if not lines:  # on cgroup v2 alone a process moved out of its unit's cgroup is lost to it
+        pytest.skip("needs the cgroup-v1 memory hierarchy (this host's) to limit one process")
+    line = lines[0]
     parent = Path("/sys/fs/cgroup/memory") / line.split(":", 2)[2].lstrip("/")
     cgroup = parent / f"oom-{host.unit}"
     dropin = host.sandbox.unit_dir / f"{host.unit}.d" / "memory-limit.conf"
