@@ -17,7 +17,9 @@ after, each split by kind: ``context_exceeded`` (the baked config's shared pool 
 "Context size has been exceeded", in the stream or the body), ``too_long`` (a history
 longer than the good config's slots: "exceeds the available context size"; the agent then
 begins a new session, as one that compacts its history does), ``cut`` (no answer: the
-connection cut by the switch, or the front's own 5xx), ``other``.
+connection cut by the switch, or the front's own 5xx), ``other``; and how many of those
+lost in between were sent before the verdict (on the failing config already) or after it
+(sent while the revert was on its way, before the front held or switched).
 ``BENCH_FRONT=haproxy`` installs the HAProxy front (the agents talk to it);
 ``BENCH_FRONT=switch`` the front and a second instance (``--second-instance``), which keeps
 the good config warm through the bake, so the revert is a switch to it.
@@ -99,6 +101,8 @@ class Agents:
         self.begin_again: set[int] = set()
         self.done: list[tuple[float, bool]] = []
         self.why: list[tuple[float, str]] = []
+        #: each failed request's (start, end)
+        self.lost: list[tuple[float, float]] = []
 
     def agent(self, i: int) -> None:
         history = [{"role": "user", "content": repro.prompt(20, 90 + i)}]
@@ -107,6 +111,7 @@ class Agents:
                 self.begin_again.discard(i)
                 history[:] = [{"role": "user", "content": repro.prompt(20, 300 + i)}]
             body = {"messages": history, "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+            began = time.time()
             try:
                 r = httpx.post(self.url + "/v1/chat/completions", json=body, timeout=120)
                 ok = r.status_code == 200 and "choices" in r.text
@@ -117,6 +122,7 @@ class Agents:
             self.done.append((now, ok))
             if why is not None:
                 self.why.append((now, why))
+                self.lost.append((began, now))
             if ok:
                 reply = r.json()["choices"][0]["message"]["content"]
                 history.append({"role": "assistant", "content": reply})
@@ -225,6 +231,11 @@ def run(env: dict[str, str], url: str, where: list[str], state: Path) -> None:
     answered = sum(1 for t, ok in agents.done if ok and t > serving)
     print(f"requests lost from the first hard signal to the old config serving: {lost}")
     print(f"lost in between, by kind: {split(agents.why, first, serving)}")
+    sent = [b for b, e in agents.lost if first <= e <= serving]
+    print(
+        f"lost in between, sent before the verdict: {sum(1 for b in sent if b < ended)}, "
+        f"after it: {sum(1 for b in sent if b >= ended)}"
+    )
     print(f"lost from the baked config's gate to the old config serving: {since}")
     print(f"lost from the gate on, by kind: {split(agents.why, gated, serving)}")
     print(f"failed after: {after}; answered after: {answered}")

@@ -413,6 +413,7 @@ class Deployer:
         """Whether this restart is bridged by the unit's second instance (``switch``), and
         with what; None: the front holds (or there is no front), and the result's notes say
         why when a second instance is installed."""
+        self.held_because, self.idle_standby = None, None  # this transaction's own
         spec = change.old_spec if change is not None else None
         sb = standby.Standby.of(self.store.root, self.systemd.unit, self.systemd.scope, spec)
         if sb is None:
