@@ -29,6 +29,9 @@ milliseconds; a real one takes tens of seconds from the page cache and minutes f
 The bench then runs llama-server through a wrapper script (written into its temporary folder)
 that sleeps that long before it execs the real binary, whenever it is started to serve (its
 arguments have ``--port``); the binary's probes (``--version``, ``--help``) run at once.
+
+``BENCH_DUMP=PATH``: every turn and deploy of a mode to ``PATH.MODE.json``, and each timed
+rollback's result (its timings, its handover) to ``PATH.ALIAS.rollback.json``.
 """
 
 from __future__ import annotations
@@ -282,6 +285,9 @@ def timed_rollback(
     w.join(30)
     done.set()
     mode = (back.get("handover") or {}).get("mode", "hold")
+    if os.environ.get("BENCH_DUMP"):  # the rollback's own result, its timings with it
+        with open(os.environ["BENCH_DUMP"] + f".{new}.rollback.json", "w") as f:
+            json.dump({"serves_s": served[0] if served else None, "result": back}, f)
     return {
         "rollback_serves_s": served[0] if served else None,
         "rollback_s": took,

@@ -182,12 +182,19 @@ class Handover:
                 self.report["front"] = {"held": False, "serving": b.standby.name}
                 return True
             t0 = time.monotonic()
+
             # if this deployer dies, the timer's stop-warm recovers its transaction (under
-            # the lock) and stops the second instance
-            b.standby.keep_warm(2 * self.hold_seconds + b.warm, b.generation, b.where)
-            if b.standby.running_with(b.text) and b.standby.healthy():
+            # the lock) and stops the second instance; a warm one has the timer of the last
+            # deploy until the switch, after which this one's is set (a rollback's switch
+            # waits for no timer)
+            def keep() -> None:
+                b.standby.keep_warm(2 * self.hold_seconds + b.warm, b.generation, b.where)
+
+            warm = b.standby.running_with(b.text) and b.standby.healthy()
+            if warm:
                 sw["started"] = "warm: it kept this config since the last deploy"
             else:
+                keep()
                 b.serve()
                 sw["started"] = f"started and gated in {time.monotonic() - t0:.3f}s"
             self._mark("bridge")
@@ -207,6 +214,8 @@ class Handover:
                     old.close()
             sw["switched_after"] = round(time.monotonic() - t0, 3)
             sw["switched_at"] = time.time()
+            if warm:
+                keep()
             self.report["drain"] = {**report.to_dict(), "message": report.describe()}
             self.report["front"] = {"held": False, "serving": b.standby.name}
             self._mark("bridged")
