@@ -5,6 +5,7 @@ llama-server b11434, Debian's HAProxy 2.6; agents stream through the front all t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -194,18 +195,21 @@ def memory_limit(host: Host, limit: int) -> Iterator[Path]:
         pytest.skip("needs the cgroup-v1 memory hierarchy (this host's) to limit one process")
     line = lines[0]
     parent = Path("/sys/fs/cgroup/memory") / line.split(":", 2)[2].lstrip("/")
-    cgroup = parent / f"oom-{host.unit}"
+    cgroup = parent / f"oom-{os.getpid()}-{host.unit}"
     dropin = host.sandbox.unit_dir / f"{host.unit}.d" / "memory-limit.conf"
     unit_file = host.sandbox.unit_dir / host.unit
     exec_start = next(x for x in unit_file.read_text().splitlines() if x.startswith("ExecStart="))
     command = exec_start.removeprefix("ExecStart=")
+    # the path as systemd reads it: `\`, `%` and `$` written out
+    where = str(cgroup).replace("\\", "\\\\").replace("%", "%%").replace("$", "$$")
     cgroup.mkdir()
     try:
         (cgroup / "memory.limit_in_bytes").write_text(str(limit))
         dropin.parent.mkdir(exist_ok=True)
-        dropin.write_text(  # `$$` is a `$` to systemd: the shell joins the cgroup, then execs
-            f"[Service]\nExecStart=\nExecStart=/bin/sh -c 'echo $$$$ > {cgroup}/cgroup.procs && "
-            f'exec "$$@"\' sh {command}\n'
+        dropin.write_text(  # `$$` is a `$` to systemd: the shell joins the cgroup, then execs;
+            # no restart of its own, so the gate reads how the killed one ended
+            f"[Service]\nRestartSec=30\nExecStart=\nExecStart=/bin/sh -c "
+            f"'echo $$$$ > {where}/cgroup.procs && exec \"$$@\"' sh {command}\n"
         )
         host.sandbox.systemctl("daemon-reload")
         host.sandbox.systemctl("reset-failed", host.unit, check=False)
@@ -213,11 +217,27 @@ def memory_limit(host: Host, limit: int) -> Iterator[Path]:
         until(lambda: answers(host))  # serving again, now inside the limit
         yield cgroup
     finally:
-        dropin.unlink(missing_ok=True)
-        host.sandbox.systemctl("daemon-reload")
+        try:
+            dropin.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                dropin.parent.rmdir()  # when the test made it
+            host.sandbox.systemctl("daemon-reload", check=False)
+        finally:
+            _remove(cgroup, parent)
+
+
+def _remove(cgroup: Path, parent: Path) -> None:
+    """``cgroup`` gone, its processes moved to ``parent`` (one that starts meanwhile too)."""
+    for _ in range(50):
         for pid in (cgroup / "cgroup.procs").read_text().split():
-            (parent / "cgroup.procs").write_text(pid)
-        cgroup.rmdir()
+            with contextlib.suppress(ProcessLookupError):
+                (parent / "cgroup.procs").write_text(pid)
+        try:
+            cgroup.rmdir()
+            return
+        except OSError:  # EBUSY: a process came in
+            time.sleep(0.1)
+    cgroup.rmdir()
 
 
 def answers(host: Host) -> bool:

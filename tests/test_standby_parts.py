@@ -86,7 +86,14 @@ def test_a_unit_whose_dynamic_user_systemd_hashes_has_no_name(unit: str) -> None
 def test_second_instance_is_refused_in_system_scope_for_a_hashed_dynamic_user() -> None:
     settings = config.ToolSettings(scope="system", unit="chat.v2.service")
     with pytest.raises(ConfigInvalid, match=r"'chat\.v2' is no valid user name"):
-        install.require_second_instance(settings, "haproxy")
+        install.require_second_instance(settings, "haproxy", False)
+
+
+def test_second_instance_is_refused_for_an_at_name_installed_as_a_unit_of_its_own() -> None:
+    settings = config.ToolSettings(scope="system", unit="llama-server@x.service")
+    with pytest.raises(ConfigInvalid, match="install the instance with --instance NAME"):
+        install.require_second_instance(settings, "haproxy", False)
+    install.require_second_instance(settings, "haproxy", True)  # the template's instance
 
 
 def spec(serving: str = "a") -> FrontSpec:

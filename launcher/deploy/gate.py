@@ -508,8 +508,8 @@ def _compare_props(plan: kvlayout.PoolPlan | None, props: dict[str, Any], log: l
 def _dead(state: UnitState, before: UnitState, started: bool) -> str | None:
     """Why the unit is not running after our restart, or None while it still may be fine."""
     if state.n_restarts > before.n_restarts:
-        return (
-            f"{ended(state)} and systemd restarted it "
+        return (  # the state is the restarted process's: how the first one ended is the journal's
+            f"llama-server exited and systemd restarted it "
             f"({state.n_restarts - before.n_restarts} restart(s))"
         )
     if not started:

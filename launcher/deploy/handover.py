@@ -214,8 +214,14 @@ class Handover:
                     old.close()
             sw["switched_after"] = round(time.monotonic() - t0, 3)
             sw["switched_at"] = time.time()
-            if warm:
-                keep()
+            if warm:  # the switch stands: a timer that cannot be set is a warning
+                try:
+                    keep()
+                except (LauncherError, OSError) as e:
+                    self.warnings.append(
+                        f"no timer ends {b.standby.name}'s warm period ({e}); "
+                        "`llama-launcher stop-warm` does"
+                    )
             self.report["drain"] = {**report.to_dict(), "message": report.describe()}
             self.report["front"] = {"held": False, "serving": b.standby.name}
             self._mark("bridged")

@@ -245,7 +245,7 @@ def install(
     if front_kind == "haproxy":
         require_haproxy()
     if second_instance:
-        require_second_instance(settings, front_kind)
+        require_second_instance(settings, front_kind, template)
     require_root(settings)
     require_linger(settings)
     the_front = front.Front(home.state_dir(settings), settings.unit_name, settings.scope)
@@ -307,7 +307,7 @@ def install(
     return result
 
 
-def require_second_instance(settings: config.ToolSettings, front_kind: str) -> None:
+def require_second_instance(settings: config.ToolSettings, front_kind: str, template: bool) -> None:
     """``--second-instance`` needs the front (it switches between the two) and, in system
     scope, a unit whose dynamic user has a name (the second instance runs as that user, so
     each reads the slots the other saved): systemd names it after the unit, up to its ``@``,
@@ -315,6 +315,11 @@ def require_second_instance(settings: config.ToolSettings, front_kind: str) -> N
     if front_kind != "haproxy":
         raise ConfigInvalid(
             "--second-instance needs --front haproxy: the front switches between the two"
+        )
+    if settings.scope == "system" and "@" in settings.unit_name and not template:
+        raise ConfigInvalid(
+            f"--second-instance: {settings.unit_name} names an instance of a template but "
+            "is installed as a unit of its own; install the instance with --instance NAME"
         )
     if settings.scope == "system" and units.dynamic_user(settings.unit_name) is None:
         prefix = settings.unit_name.removesuffix(".service").split("@", 1)[0]

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -211,7 +212,7 @@ class Standby:
             "systemd-run",
             *(["--user"] if self.scope == "user" else []),
             f"--unit={timer}",
-            f"--on-active={max(seconds, 1):.0f}s",
+            f"--on-active={max(math.ceil(seconds), 1)}s",  # never before ``until``
             "--timer-property=AccuracySec=1s",
             f"--setenv=PYTHONPATH={package_dir}",
             "--collect",
