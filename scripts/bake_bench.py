@@ -17,9 +17,14 @@ after, each split by kind: ``context_exceeded`` (the baked config's shared pool 
 "Context size has been exceeded", in the stream or the body), ``too_long`` (a history
 longer than the good config's slots: "exceeds the available context size"; the agent then
 begins a new session, as one that compacts its history does), ``cut`` (no answer: the
-connection cut by the switch, or the front's own 5xx), ``other``; and how many of those
-lost in between were sent before the verdict (on the failing config already) or after it
-(sent while the revert was on its way, before the front held or switched).
+connection cut by the switch, or the front's own 5xx), ``other``; and when those lost in
+between were sent: before the first hard signal (in flight when it came: the failure the
+bake reverts on, which no revert can undo), after it and before the verdict (sent to the
+failing config while the bake had not yet judged), or after the verdict (while the revert
+was on its way, before the front held or switched). The requests sent after the first hard
+signal and lost before the old config served, less those too long for any slot (the
+client's: the old config refuses them too), are what the revert could have saved: the
+issue's goal is 0 of them behind the front.
 ``BENCH_FRONT=haproxy`` installs the HAProxy front (the agents talk to it);
 ``BENCH_FRONT=switch`` the front and a second instance (``--second-instance``), which keeps
 the good config warm through the bake, so the revert is a switch to it.
@@ -100,9 +105,8 @@ class Agents:
         #: set at the deploy: each agent's next turn begins a new session (SESSIONS=fresh)
         self.begin_again: set[int] = set()
         self.done: list[tuple[float, bool]] = []
-        self.why: list[tuple[float, str]] = []
-        #: each failed request's (start, end)
-        self.lost: list[tuple[float, float]] = []
+        #: each failed request's (sent, ended, why: ``kind_of``)
+        self.lost: list[tuple[float, float, str]] = []
 
     def agent(self, i: int) -> None:
         history = [{"role": "user", "content": repro.prompt(20, 90 + i)}]
@@ -121,8 +125,7 @@ class Agents:
             now = time.time()
             self.done.append((now, ok))
             if why is not None:
-                self.why.append((now, why))
-                self.lost.append((began, now))
+                self.lost.append((began, now, why))
             if ok:
                 reply = r.json()["choices"][0]["message"]["content"]
                 history.append({"role": "assistant", "content": reply})
@@ -195,7 +198,7 @@ def run(env: dict[str, str], url: str, where: list[str], state: Path) -> None:
     # the overflows the baked generation's record has, and those only its clients saw (a
     # revert decided on a look can come before the sample that would have read them)
     overflows = [f["t"] for f in rec.failures if f["kind"] == "context_exceeded"]
-    overflows += [t for t, w in agents.why if w == "context_exceeded" and t >= gated]
+    overflows += [e for _, e, w in agents.lost if w == "context_exceeded" and e >= gated]
     # the first hard signal: the first overflow (before the sample that saw it), else the
     # verdict itself (the pool watch's look: the overflow had not come)
     first = min([*overflows, ended])
@@ -230,22 +233,32 @@ def run(env: dict[str, str], url: str, where: list[str], state: Path) -> None:
     after = sum(1 for t, ok in agents.done if not ok and t > serving)
     answered = sum(1 for t, ok in agents.done if ok and t > serving)
     print(f"requests lost from the first hard signal to the old config serving: {lost}")
-    print(f"lost in between, by kind: {split(agents.why, first, serving)}")
-    sent = [b for b, e in agents.lost if first <= e <= serving]
+    print(f"lost in between, by kind: {split(agents.lost, first, serving)}")
+    between = [x for x in agents.lost if first <= x[1] <= serving]
+    struck = sum(1 for b, _, _ in between if b < first)
+    before = sum(1 for b, _, _ in between if first <= b < ended)
+    later = sum(1 for b, _, _ in between if b >= ended)
     print(
-        f"lost in between, sent before the verdict: {sum(1 for b in sent if b < ended)}, "
-        f"after it: {sum(1 for b in sent if b >= ended)}"
+        f"lost in between, sent before the first hard signal (in flight when it came): {struck}, "
+        f"after it and before the verdict: {before}, after the verdict: {later}"
+    )
+    saveable = [x for x in between if x[0] >= first]
+    print(
+        f"requests sent after the first hard signal and lost before the old config served, "
+        f"a history too long for any slot aside: {sum(1 for x in saveable if x[2] != 'too_long')} "
+        f"({split(saveable, first, serving)})"
     )
     print(f"lost from the baked config's gate to the old config serving: {since}")
-    print(f"lost from the gate on, by kind: {split(agents.why, gated, serving)}")
+    print(f"lost from the gate on, by kind: {split(agents.lost, gated, serving)}")
     print(f"failed after: {after}; answered after: {answered}")
-    print(f"failed after, by kind: {split(agents.why, serving, float('inf'))}")
+    print(f"failed after, by kind: {split(agents.lost, serving, float('inf'))}")
     print(f"verdict: {why['reason']}")
 
 
-def split(why: list[tuple[float, str]], start: float, end: float) -> str:
+def split(lost: list[tuple[float, float, str]], start: float, end: float) -> str:
+    """The failed requests that ended from ``start`` to ``end``, by kind."""
     kinds = ("context_exceeded", "too_long", "cut", "other")
-    n = {k: sum(1 for t, w in why if w == k and start <= t <= end) for k in kinds}
+    n = {k: sum(1 for _, e, w in lost if w == k and start <= e <= end) for k in kinds}
     return ", ".join(f"{k} {v}" for k, v in n.items())
 
 

@@ -157,6 +157,50 @@ def test_a_rollback_in_the_warm_period_is_a_switch_to_the_warm_instance(paired: 
     assert serving(paired)[SERVERS["a"]] == "UP"
 
 
+def no_timers(tmp_path: Path) -> dict[str, str]:
+    """An environment whose ``systemd-run`` refuses every transient unit, as a manager
+    that denies them would (the fault passed in: a script on PATH before the real one)."""
+    shim = tmp_path / "no-systemd-run"
+    shim.mkdir()
+    fake = shim / "systemd-run"
+    fake.write_text(
+        "#!/bin/sh\necho 'Failed to start transaction: Access denied (the test refuses it)' >&2\n"
+        "exit 1\n"
+    )
+    fake.chmod(0o755)
+    return {"PATH": f"{shim}:{os.environ['PATH']}"}
+
+
+def test_a_warm_rollback_whose_timer_cannot_be_set_switches_and_warns(
+    paired: Host, tmp_path: Path
+) -> None:
+    rc, out = paired.cli_json("set", "-t", "2")
+    assert (rc, out["handover"]["mode"]) == (0, "switch"), out
+    with Agents(paired.url) as agents:
+        time.sleep(1)
+        rc, back = paired.cli_json("rollback", env=no_timers(tmp_path))
+        time.sleep(1)
+    assert (rc, back["outcome"]) == (0, "deployed"), back
+    assert back["handover"]["switch"]["started"].startswith("warm"), back["handover"]
+    warned = [w for w in back["warnings"] if "no timer stops it" in w]
+    assert warned and "Access denied" in warned[0] and "stop-warm" in warned[0], back["warnings"]
+    assert not failed(agents), failed(agents)[:3]
+    assert " -t 2 " not in paired.env_file.read_text()
+    assert active(paired, second(paired)) == "inactive"
+
+
+def test_a_deploy_whose_bridge_would_have_no_timer_holds_instead(
+    paired: Host, tmp_path: Path
+) -> None:
+    rc, out = paired.cli_json("set", "-t", "2", env=no_timers(tmp_path))
+    assert (rc, out["outcome"]) == (0, "deployed"), out
+    assert out["handover"]["switch"]["failed"].startswith("no timer stops it"), out["handover"]
+    assert any("holds the front instead" in w for w in out["warnings"]), out["warnings"]
+    assert active(paired, second(paired)) == "inactive"
+    assert serving(paired) == {SERVERS["a"]: "UP", SERVERS["b"]: "MAINT"}
+    assert " -t 2 " in paired.env_file.read_text()
+
+
 def test_a_rollback_across_a_kv_layout_change_saves_no_slot_before_it_switches(
     paired: Host,
 ) -> None:

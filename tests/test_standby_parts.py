@@ -96,6 +96,30 @@ def test_second_instance_is_refused_for_an_at_name_installed_as_a_unit_of_its_ow
     install.require_second_instance(settings, "haproxy", True)  # the template's instance
 
 
+def test_install_refuses_a_hashed_second_instance_under_json_and_writes_nothing(
+    tmp_path: Path,
+) -> None:
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    env = {
+        "PATH": "/usr/sbin:/usr/bin:/sbin:/bin",
+        "LLAMA_LAUNCHER_STATE_DIR": str(tmp_path / "state"),
+        "LLAMA_LAUNCHER_ENV_FILE": str(tmp_path / "etc" / "chat.env"),
+        "LLAMA_LAUNCHER_UNIT_DIR": str(tmp_path / "units"),
+    }
+    p = subprocess.run(
+        [sys.executable, "-m", "launcher", "install", "--scope", "system", "--unit",
+         "chat.v2.service", "-m", str(model), "--front", "haproxy", "--second-instance",
+         "--json"],
+        capture_output=True, text=True, cwd=REPO, env=env, timeout=60,
+    )  # fmt: skip
+    assert p.returncode == 2, (p.stdout, p.stderr)
+    out = json.loads(p.stdout)
+    assert out["ok"] is False and "'chat.v2' is no valid user name" in out["message"], out
+    assert "--unit NAME.service" in out["message"]
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["m.gguf"]
+
+
 def spec(serving: str = "a") -> FrontSpec:
     return FrontSpec("127.0.0.1", 8080, "127.0.0.1", 8081, standby_port=8082, serving=serving)
 

@@ -186,15 +186,16 @@ class Handover:
             # if this deployer dies, the timer's stop-warm recovers its transaction (under
             # the lock) and stops the second instance; a warm one has the timer of the last
             # deploy until the switch, after which this one's is set (a rollback's switch
-            # waits for no timer)
-            def keep() -> None:
-                b.standby.keep_warm(2 * self.hold_seconds + b.warm, b.generation, b.where)
-
+            # waits for no timer: one that cannot be set then is a warning); a bridge that
+            # would have no timer is not begun (the restart holds)
+            seconds = 2 * self.hold_seconds + b.warm
             warm = b.standby.running_with(b.text) and b.standby.healthy()
             if warm:
                 sw["started"] = "warm: it kept this config since the last deploy"
             else:
-                keep()
+                kept = self._keep_warm(seconds, b.generation, warn=False)
+                if kept.get("note"):
+                    raise FrontError(kept["note"])
                 b.serve()
                 sw["started"] = f"started and gated in {time.monotonic() - t0:.3f}s"
             self._mark("bridge")
@@ -215,13 +216,7 @@ class Handover:
             sw["switched_after"] = round(time.monotonic() - t0, 3)
             sw["switched_at"] = time.time()
             if warm:  # the switch stands: a timer that cannot be set is a warning
-                try:
-                    keep()
-                except (LauncherError, OSError) as e:
-                    self.warnings.append(
-                        f"no timer ends {b.standby.name}'s warm period ({e}); "
-                        "`llama-launcher stop-warm` does"
-                    )
+                self._keep_warm(seconds, b.generation)
             self.report["drain"] = {**report.to_dict(), "message": report.describe()}
             self.report["front"] = {"held": False, "serving": b.standby.name}
             self._mark("bridged")
@@ -307,14 +302,31 @@ class Handover:
             )
         sw["back"] = {**report.to_dict(), "message": report.describe()}
         if b.warm > 0:
-            sw["warm"] = b.standby.keep_warm(b.warm, b.generation, b.where)
+            sw["warm"] = self._keep_warm(b.warm, b.generation)
         elif report.timed_out:  # its requests still run: the timer stops it after them
-            sw["warm"] = b.standby.keep_warm(max(self.drain_timeout, 1.0), None, b.where)
+            sw["warm"] = self._keep_warm(max(self.drain_timeout, 1.0), None)
         else:
             problem = b.standby.stop()
             sw["stopped"] = problem is None
             if problem:
                 self.warnings.append(problem)
+
+    def _keep_warm(
+        self, seconds: float, generation: int | None, warn: bool = True
+    ) -> dict[str, Any]:
+        """The second instance kept running ``seconds`` (``Standby.keep_warm``); with
+        ``warn``, a timer that cannot be set is a warning (then only a command ends the
+        warm period: ``stop-warm``, the next deploy); its ``note`` says why."""
+        b = self.bridge
+        assert b is not None
+        try:
+            kept = b.standby.keep_warm(seconds, generation, b.where)
+        except OSError as e:  # the warm period's record: no timer is set without it
+            why = e.strerror or str(e)
+            kept = {"note": f"no timer stops it: {why}; `llama-launcher stop-warm` does"}
+        if warn and kept.get("note"):
+            self.warnings.append(f"{b.standby.name}: {kept['note']}")
+        return kept
 
     def _stop_standby(self) -> None:
         """A held restart of a unit with a second instance: the second instance stopped

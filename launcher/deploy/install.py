@@ -322,7 +322,7 @@ def require_second_instance(settings: config.ToolSettings, front_kind: str, temp
             "is installed as a unit of its own; install the instance with --instance NAME"
         )
     if settings.scope == "system" and units.dynamic_user(settings.unit_name) is None:
-        prefix = settings.unit_name.removesuffix(".service").split("@", 1)[0]
+        prefix = units.unit_prefix(settings.unit_name)
         raise ConfigInvalid(
             f"--second-instance: systemd gives {settings.unit_name} a hashed dynamic user "
             f"({prefix!r} is no valid user name: a letter or _ first, then letters, digits, _ "

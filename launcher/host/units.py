@@ -217,8 +217,13 @@ def dynamic_user(unit: str) -> str | None:
     """The user ``DynamicUser=yes`` without ``User=`` gives ``unit``: its name up to the
     ``@`` (src/core/unit.c ``user_from_unit_name``: every instance of a template shares it),
     or None where systemd would hash the name (``_du...``), which no other unit can name."""
-    prefix = unit.removesuffix(".service").split("@", 1)[0]
+    prefix = unit_prefix(unit)
     return prefix if _USER_NAME.fullmatch(prefix) else None
+
+
+def unit_prefix(unit: str) -> str:
+    """``unit``'s name up to its ``@`` (the whole name, less ``.service``, without one)."""
+    return unit.removesuffix(".service").split("@", 1)[0]
 
 
 #: The file of one instance's own site settings, in ``llama-server@NAME.service.d/``: the
