@@ -288,3 +288,56 @@ def test_a_sample_counts_the_main_process_even_when_it_logged_before_the_deploy(
     # an adopted hand edit: the generation is younger than the process that serves it
     lines = [journalread.Line(T0 - 5, 12, "a"), journalread.Line(T0 + 2, 12, "b")]
     assert [x.text for x in sample.own_lines(lines, set(), T0, 12, 1)] == ["a", "b"]
+
+
+class Journal:
+    """A journal that reports a hard failure at the given waits (their count from 1), on
+    the test's clock: a wait it does not cut runs its whole time."""
+
+    def __init__(self, clock: Clock, at: set[int]) -> None:
+        self.clock, self.at, self.waits = clock, at, 0
+
+    def __call__(self, seconds: float) -> bool:
+        self.waits += 1
+        if self.waits in self.at:
+            self.clock.now += 0.01  # the line comes 10 ms into the wait
+            return True
+        self.clock.sleep(seconds)
+        return False
+
+
+def test_a_hard_failure_in_the_journal_between_two_looks_samples_at_once(tmp_path: Path) -> None:
+    st = watched(tmp_path)
+    got, sample_once = samples_until(st, 2)
+    clock = Clock()
+    journal = Journal(clock, at={3})
+    bake.carry(
+        st, 2, sample_once, clock.sleep, lambda: pool((100, True)), clock, lambda: T0,
+        wake=journal,
+    )  # fmt: skip
+    assert len(got) == 2 and clock.now == pytest.approx(0.51)  # two looks, then the line
+
+
+def test_a_second_hard_failure_in_the_journal_in_a_row_waits_for_the_intervals_sample(
+    tmp_path: Path,
+) -> None:
+    st = watched(tmp_path, bake_interval=1)
+    _, sample_once = samples_until(st, 3)
+    clock = Clock()
+    journal = Journal(clock, at={1, 2})
+    bake.carry(
+        st, 2, sample_once, clock.sleep, lambda: pool((100, True)), clock, lambda: T0,
+        wake=journal,
+    )  # fmt: skip
+    # the first cut the wait short; the second only a look's pause: the interval ran to its end
+    assert clock.now == pytest.approx(0.01 + 1.0) and journal.waits > 2
+
+
+def test_a_bake_without_a_pool_watch_is_woken_by_the_journal_too(tmp_path: Path) -> None:
+    st = generations(tmp_path, GUARANTEED, GUARANTEED)  # nothing to look at
+    bake.begin(config.load_settings(bake="10m"), st, 2, 1)
+    got, sample_once = samples_until(st, 2)
+    clock = Clock()
+    bake.carry(st, 2, sample_once, clock.sleep, lambda: pool((100, True)), clock, lambda: T0,
+               wake=Journal(clock, at={1}))  # fmt: skip
+    assert got == [None, None] and clock.now == pytest.approx(0.01)

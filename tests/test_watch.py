@@ -525,3 +525,26 @@ def test_a_sample_on_every_build(host: Host, build: int) -> None:
         assert "slots" not in out["unread"]
         held = sum(s.get("n_prompt_tokens", 0) for s in server_slots(host))
         assert out["pressure"]["used"] == held > 0
+
+
+def logged(unit: str, line: str) -> None:
+    """``line`` in the journal as unit ``unit`` logs it (a transient unit that echoes it)."""
+    subprocess.run(
+        ["systemd-run", "--user", "--quiet", "--collect", f"--unit={unit}", "-p", "Type=oneshot",
+         "/bin/echo", line],
+        check=True, timeout=60,
+    )  # fmt: skip
+
+
+def test_the_journal_wakes_a_bake_at_a_request_the_server_failed_and_not_at_the_clients(
+    sandbox: Sandbox,
+) -> None:
+    """``sample.hard_failures`` on this systemd's journalctl (``-f --grep``, PCRE2)."""
+    unit = f"llw-wake-{os.getpid()}.service"
+    with sample.hard_failures(Systemd(unit, "user")) as wake:
+        assert wake is not None
+        logged(unit, "srv    send_error: task id = 5, error: request (1100 tokens) exceeds the "
+               "available context size (1024 tokens), try increasing it")  # fmt: skip
+        assert wake(1.0) is False
+        logged(unit, "srv    send_error: task id = 12, error: Context size has been exceeded.")
+        assert wake(30.0) is True

@@ -114,13 +114,15 @@ def _through_bake(target: Any, systemd: Any, as_json: bool) -> int:
         return out
 
     gen = found[0]
-    final = bake.carry(
-        st,
-        gen.number,
-        once,
-        look=lambda: sample.look(target, gen),
-        lock=lambda: sample.own_lock(target.folder),
-    )
+    with sample.hard_failures(systemd) as wake:
+        final = bake.carry(
+            st,
+            gen.number,
+            once,
+            look=lambda: sample.look(target, gen),
+            lock=lambda: sample.own_lock(target.folder),
+            wake=wake,
+        )
     if final is not None and final.verdict is not None and final.verdict.signal == bake.UNJUDGED:
         _warn(bake.say(final))  # no sample said it: the carry ended it
     return worst[0]

@@ -223,11 +223,15 @@ class Systemd:
             lines.extend(entry_lines(entry, skip_pid))
         return lines, cursor
 
-    def follow(self, after_cursor: str | None, skip_pid: int = 0) -> JournalFollower:
+    def follow(
+        self, after_cursor: str | None, skip_pid: int = 0, grep: str | None = None
+    ) -> JournalFollower:
         """Follow the unit's journal from ``after_cursor`` (``journalctl -f``), without what
-        process ``skip_pid`` logs."""
+        process ``skip_pid`` logs; ``grep``: only the messages that match it (journalctl's
+        ``--grep``, a PCRE2 pattern: a journalctl built without PCRE2 exits at once)."""
         args = ["-f", "-o", "json"]
         args += ["--after-cursor", after_cursor] if after_cursor else ["-n", "all"]
+        args += ["--grep", grep] if grep else []
         return JournalFollower(self._journal_argv(*args), self.env, skip_pid)
 
     def tail(self, n: int = 30) -> list[str]:
@@ -246,6 +250,8 @@ class JournalFollower:
         self.fd = self.proc.stdout.fileno()
         os.set_blocking(self.fd, False)
         self.buffer = b""
+        #: journalctl ended (its output closed): ``read`` returns at once from then on
+        self.ended = False
 
     def read(self, timeout: float) -> list[str]:
         """Messages that arrived within ``timeout`` seconds (possibly none)."""
@@ -256,6 +262,7 @@ class JournalFollower:
             chunk = os.read(self.fd, 1 << 16)
         except BlockingIOError:
             return []
+        self.ended = self.ended or not chunk
         self.buffer += chunk
         *complete, self.buffer = self.buffer.split(b"\n")
         lines: list[str] = []

@@ -365,6 +365,13 @@ OTHER_DECODE_FAILED = _compile(r"update_slots: (?:pre|post)_decode\(\) failed: "
 CONTEXT_EXCEEDED = "Context size has been exceeded"
 #: The 500 body of such a request, when something logs response bodies (-v, a proxy).
 CONTEXT_EXCEEDED_BODY = '"message":"Context size has been exceeded'
+#: The lines of a request failed by the server itself (the pool ran out, a decode failure;
+#: not a request too long for its slot), as a pattern for ``journalctl --grep`` (PCRE2):
+#: ``DECODE_ERROR``'s, the ``send_error`` lines after it, ``OTHER_DECODE_FAILED``'s.
+HARD_FAILURE_GREP = (
+    r"Context size has been exceeded|Invalid input batch|Compute error|"
+    r"update_slots: (pre|post)_decode\(\) failed"
+)
 
 # server-context.cpp:3395-3424: request-time rejections, HTTP 400 exceed_context_size_error.
 REQUEST_TOO_LONG = _compile(

@@ -474,9 +474,17 @@ def carry(
     clock: Callable[[], float] = time.monotonic,
     wall: Callable[[], float] = time.time,
     lock: Callable[[], contextlib.AbstractContextManager[bool]] | None = None,
+    wake: Callable[[float], bool] | None = None,
 ) -> Bake | None:
     """Sample every ``bake_interval`` while ``generation``'s bake runs and it is live (what
     the sampler's service and ``deploy --wait`` do); returns its bake as it ended.
+
+    Between two samples it waits on ``wake`` (``sample.hard_failures``: the unit's journal
+    followed) where it has one: a request the server failed itself (the pool ran out, a
+    decode failure) samples at once, so a hard failure is judged within a sample's time,
+    not at the next interval (once per interval, as a look at the limit, below, and apart
+    from it: a server that fails requests the judge does not hold against it, as its
+    baseline did, is not sampled at every failure).
 
     A bake that watches its pool (``Policy.pool_limit``) also looks at the slots every
     ``pool_poll`` seconds between samples (``look``: ``GET /slots`` alone, a few
@@ -507,7 +515,7 @@ def carry(
     first = bake_of()
     if first is None or not first.running:
         return first
-    looks = _Looks(first.policy, look, sleep, clock, lambda text: _note(st, generation, text))
+    looks = _Looks(first.policy, look, sleep, clock, lambda text: _note(st, generation, text), wake)
     patience = _Patience(st, generation, first.policy, clock, wall, lock)
 
     def again() -> bool:
@@ -612,7 +620,8 @@ def _note(st: store.Store, generation: int, text: str) -> None:
 class _Looks:
     """``carry``'s wait between two samples: with the pool watched, a look at the slots
     every ``pool_poll`` until the interval's end, the fullest kept for the next sample, and
-    the wait cut short by a look at the limit (see ``carry``)."""
+    the wait cut short by a look at the limit or, with ``wake``, by the journal's word of a
+    hard failure (see ``carry``)."""
 
     def __init__(
         self,
@@ -621,19 +630,22 @@ class _Looks:
         sleep: Callable[[float], None],
         clock: Callable[[], float],
         note: Callable[[str], None],
+        wake: Callable[[float], bool] | None = None,
     ) -> None:
-        self.policy, self.look, self.sleep, self.clock, self.note = (
+        self.policy, self.look, self.sleep, self.clock, self.note, self.wake = (
             policy,
             look,
             sleep,
             clock,
             note,
+            wake,
         )
         self.on = look is not None and bool(policy.pool_limit and policy.pool_poll)
         self.fullest: slotstate.Pressure | None = None
         self.unread, self.why = 0, ""
-        #: the last wait ended on a look at the limit: the next one runs to its end
-        self.triggered = False
+        #: what ended the last wait early ("limit", "journal"): the next wait runs on past
+        #: it, to its end (each cuts one wait short in two)
+        self.triggered: set[str] = set()
         #: as long as the samples' own unread limit (``unread_limit`` intervals), in looks
         per = max(1, math.ceil(policy.interval / (policy.pool_poll or 1)))
         self.give_up = policy.unread_limit * per
@@ -644,29 +656,40 @@ class _Looks:
         return peak
 
     def wait(self, seconds: float) -> None:
-        if not self.on:
-            self.sleep(seconds)
-            return
-        end = self.clock() + seconds
-        for _ in range(max(1, math.ceil(seconds / self.policy.pool_poll))):
-            left = end - self.clock()
-            if left <= 0:
-                break
-            self.sleep(min(self.policy.pool_poll, left))
+        end, looking = self.clock() + seconds, self.on
+        while self.on and (left := end - self.clock()) > 1e-9:
+            if self._pause(min(self.policy.pool_poll, left)):
+                return
             now = self._one()
             if now is None:
-                if not self.on:  # the looks stopped: the rest of the interval as a sleep
-                    left = end - self.clock()
-                    if left > 0:
-                        self.sleep(left)
-                    return
                 continue
             if self.fullest is None or (now.need or 0.0) > (self.fullest.need or 0.0):
                 self.fullest = now
-            if (now.need or 0.0) >= self.policy.pool_limit and not self.triggered:
-                self.triggered = True
+            if (now.need or 0.0) >= self.policy.pool_limit and self._cut("limit"):
                 return
-        self.triggered = False
+        # no looks (or they stopped): the rest of the interval as one wait
+        rest = end - self.clock() if looking else seconds
+        while rest > 1e-9:
+            if self._pause(rest):
+                return
+            if self.wake is None:
+                break
+            rest = end - self.clock()  # the journal woke it once already: the rest
+        self.triggered.clear()
+
+    def _pause(self, seconds: float) -> bool:
+        """Wait ``seconds``; True when the journal's word of a hard failure cut it short."""
+        if self.wake is None:
+            self.sleep(seconds)
+            return False
+        return self.wake(seconds) and self._cut("journal")
+
+    def _cut(self, why: str) -> bool:
+        """Whether ``why`` may end this wait early (it did not end the one before)."""
+        if why in self.triggered:
+            return False
+        self.triggered.add(why)
+        return True
 
     def _one(self) -> slotstate.Pressure | None:
         """One look; None when it could not read the pool (counted: ``give_up``)."""

@@ -420,6 +420,33 @@ def look(
         )
 
 
+@contextlib.contextmanager
+def hard_failures(systemd: Systemd) -> Iterator[Callable[[float], bool] | None]:
+    """A wait that the unit's journal cuts short (``journalctl -f --grep``): ``wake(s)``
+    waits up to ``s`` seconds and returns True as soon as the server logs a request it
+    failed itself (``serverlog.HARD_FAILURE_GREP``), so a bake samples at once, not at its
+    next interval (``launcher.watch.bake.carry``). None when the journal cannot be followed;
+    a follower that ends (a journalctl without PCRE2) leaves plain sleeps."""
+    try:
+        follower = systemd.follow(systemd.cursor(), grep=serverlog.HARD_FAILURE_GREP)
+    except LauncherError:
+        yield None
+        return
+    with follower:
+
+        def wake(seconds: float) -> bool:
+            end = time.monotonic() + seconds
+            while (left := end - time.monotonic()) > 0:
+                if follower.ended:
+                    time.sleep(left)
+                    return False
+                if follower.read(left):
+                    return True
+            return False
+
+        yield wake
+
+
 def pressure_of(gen: store.Generation, reads: Reads) -> slotstate.Pressure | None:
     """The pool and the slots now, against the generation's planned pool."""
     if reads.slots is None:
