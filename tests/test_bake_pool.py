@@ -341,3 +341,15 @@ def test_a_bake_without_a_pool_watch_is_woken_by_the_journal_too(tmp_path: Path)
     bake.carry(st, 2, sample_once, clock.sleep, lambda: pool((100, True)), clock, lambda: T0,
                wake=Journal(clock, at={1}))  # fmt: skip
     assert got == [None, None] and clock.now == pytest.approx(0.01)
+
+
+def test_a_second_hard_failure_in_the_journal_lets_an_unwatched_interval_run_to_its_end(
+    tmp_path: Path,
+) -> None:
+    st = generations(tmp_path, GUARANTEED, GUARANTEED)
+    bake.begin(config.load_settings(bake="10m"), st, 2, 1)
+    _, sample_once = samples_until(st, 3)
+    clock = Clock()
+    bake.carry(st, 2, sample_once, clock.sleep, lambda: pool((100, True)), clock, lambda: T0,
+               wake=Journal(clock, at={1, 2}))  # fmt: skip
+    assert clock.now == pytest.approx(0.01 + 15.0)

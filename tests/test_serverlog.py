@@ -7,6 +7,7 @@ checked against the exact format string of its source line (LLAMA_SERVER_FACTS Â
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -164,3 +165,30 @@ def test_a_draft_model_failing_is_the_draft_not_the_model(
     upto: int, expected: tuple[str, str] | None
 ) -> None:
     assert serverlog.classify(DRAFT_FAILS[:upto]) == expected
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "srv        decode: Context size has been exceeded. off = 580, n_batch = 1, ret = 1",
+        "srv    send_error: task id = 11, error: Context size has been exceeded.",
+        "srv  update_slots: decode() failed: Context size has been exceeded.",
+        "srv    send_error: task id = 4, error: Compute error.",
+        "srv  update_slots: pre_decode() failed: Invalid input batch.",
+        "srv  update_slots: post_decode() failed: something else",
+    ],
+)
+def test_the_journals_hard_failure_pattern_takes_every_line_of_a_request_the_server_failed(
+    line: str,
+) -> None:
+    # PCRE2 (journalctl --grep) and Python's re read this pattern alike
+    assert re.search(serverlog.HARD_FAILURE_GREP, line)
+
+
+def test_the_journals_hard_failure_pattern_leaves_a_request_too_long_for_its_slot() -> None:
+    line = (
+        "srv    send_error: task id = 0, error: request (444 tokens) exceeds the available "
+        "context size (256 tokens), try increasing it"
+    )
+    assert serverlog.tally(line) == "failures" and serverlog.failure_kind(line) == "too_long"
+    assert not re.search(serverlog.HARD_FAILURE_GREP, line)

@@ -32,6 +32,7 @@ from conftest import Host, Sandbox
 from launcher.deploy import home, store
 from launcher.host import timer
 from launcher.host.systemd import Systemd
+from launcher.server import serverlog
 from launcher.watch import record, sample, textfile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
@@ -536,15 +537,34 @@ def logged(unit: str, line: str) -> None:
     )  # fmt: skip
 
 
-def test_the_journal_wakes_a_bake_at_a_request_the_server_failed_and_not_at_the_clients(
+TOO_LONG = (
+    "srv    send_error: task id = 5, error: request (1100 tokens) exceeds the available context "
+    "size (1024 tokens), try increasing it"
+)
+OVERFLOW = "srv    send_error: task id = 12, error: Context size has been exceeded."
+
+
+def test_the_journal_follower_of_a_bake_reads_the_servers_failures_not_the_clients(
     sandbox: Sandbox,
 ) -> None:
-    """``sample.hard_failures`` on this systemd's journalctl (``-f --grep``, PCRE2)."""
+    """``journalctl -f --grep`` (PCRE2) on this systemd, from the journal's end on."""
+    unit = f"llw-grep-{os.getpid()}.service"
+    logged(unit, OVERFLOW)  # before the follower: not read again
+    systemd = Systemd(unit, "user")
+    with systemd.follow(systemd.cursor(), grep=serverlog.HARD_FAILURE_GREP) as journal:
+        logged(unit, TOO_LONG)
+        logged(unit, OVERFLOW)
+        lines: list[str] = []
+        for _ in range(30):
+            lines += journal.read(1.0)
+            if lines:
+                break
+    assert lines == [OVERFLOW]  # the journal keeps order: the too-long line came first
+
+
+def test_the_journal_wakes_a_bake_at_a_request_the_server_failed(sandbox: Sandbox) -> None:
     unit = f"llw-wake-{os.getpid()}.service"
     with sample.hard_failures(Systemd(unit, "user")) as wake:
         assert wake is not None
-        logged(unit, "srv    send_error: task id = 5, error: request (1100 tokens) exceeds the "
-               "available context size (1024 tokens), try increasing it")  # fmt: skip
-        assert wake(1.0) is False
-        logged(unit, "srv    send_error: task id = 12, error: Context size has been exceeded.")
+        logged(unit, OVERFLOW)
         assert wake(30.0) is True

@@ -245,7 +245,9 @@ class Handover:
                 front.save_spec(spec)
             front.apply(spec, _slots(self.old_meta or {}))
         with contextlib.suppress(LauncherError, OSError):
-            b.standby.stop()
+            problem = b.standby.stop()
+            if problem:  # it may run on with no timer to stop it
+                self.warnings.append(problem)
 
     def _carry(
         self,

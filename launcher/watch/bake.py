@@ -669,20 +669,21 @@ class _Looks:
                 return
         # no looks (or they stopped): the rest of the interval as one wait
         rest = end - self.clock() if looking else seconds
-        while rest > 1e-9:
-            if self._pause(rest):
-                return
-            if self.wake is None:
-                break
-            rest = end - self.clock()  # the journal woke it once already: the rest
+        if rest > 1e-9 and self._pause(rest):
+            return
         self.triggered.clear()
 
     def _pause(self, seconds: float) -> bool:
-        """Wait ``seconds``; True when the journal's word of a hard failure cut it short."""
+        """Wait ``seconds``; True when the journal's word of a hard failure cut it short
+        (a line that may not cut it, the wait before having been cut, waits on)."""
         if self.wake is None:
             self.sleep(seconds)
             return False
-        return self.wake(seconds) and self._cut("journal")
+        end = self.clock() + seconds
+        while (left := end - self.clock()) > 1e-9:
+            if self.wake(left) and self._cut("journal"):
+                return True
+        return False
 
     def _cut(self, why: str) -> bool:
         """Whether ``why`` may end this wait early (it did not end the one before)."""

@@ -425,11 +425,15 @@ def hard_failures(systemd: Systemd) -> Iterator[Callable[[float], bool] | None]:
     """A wait that the unit's journal cuts short (``journalctl -f --grep``): ``wake(s)``
     waits up to ``s`` seconds and returns True as soon as the server logs a request it
     failed itself (``serverlog.HARD_FAILURE_GREP``), so a bake samples at once, not at its
-    next interval (``launcher.watch.bake.carry``). None when the journal cannot be followed;
-    a follower that ends (a journalctl without PCRE2) leaves plain sleeps."""
+    next interval (``launcher.watch.bake.carry``). None when the journal cannot be followed
+    (or its end not found); a follower that ends (a journalctl without PCRE2) leaves plain
+    sleeps."""
     try:
-        follower = systemd.follow(systemd.cursor(), grep=serverlog.HARD_FAILURE_GREP)
+        cursor = systemd.cursor()  # from now: without one, -f would replay the whole journal
+        follower = systemd.follow(cursor, grep=serverlog.HARD_FAILURE_GREP) if cursor else None
     except LauncherError:
+        follower = None
+    if follower is None:
         yield None
         return
     with follower:
