@@ -179,6 +179,13 @@ def watched(tmp_path: Path, **kw: Any) -> store.Store:
     return st
 
 
+def unwatched(tmp_path: Path) -> store.Store:
+    """A bake whose pool is not watched (the config before guaranteed no more)."""
+    st = generations(tmp_path, GUARANTEED, GUARANTEED)
+    bake.begin(config.load_settings(bake="10m"), st, 2, 1)
+    return st
+
+
 def test_a_look_at_the_limit_between_samples_samples_at_once_with_it(tmp_path: Path) -> None:
     st = watched(tmp_path)
     looks = iter([pool((100, True)), pool((300, True)), pool((950, True))])
@@ -334,8 +341,7 @@ def test_a_second_hard_failure_in_the_journal_in_a_row_waits_for_the_intervals_s
 
 
 def test_a_bake_without_a_pool_watch_is_woken_by_the_journal_too(tmp_path: Path) -> None:
-    st = generations(tmp_path, GUARANTEED, GUARANTEED)  # nothing to look at
-    bake.begin(config.load_settings(bake="10m"), st, 2, 1)
+    st = unwatched(tmp_path)  # nothing to look at
     got, sample_once = samples_until(st, 2)
     clock = Clock()
     bake.carry(st, 2, sample_once, clock.sleep, lambda: pool((100, True)), clock, lambda: T0,
@@ -346,8 +352,7 @@ def test_a_bake_without_a_pool_watch_is_woken_by_the_journal_too(tmp_path: Path)
 def test_a_second_hard_failure_in_the_journal_lets_an_unwatched_interval_run_to_its_end(
     tmp_path: Path,
 ) -> None:
-    st = generations(tmp_path, GUARANTEED, GUARANTEED)
-    bake.begin(config.load_settings(bake="10m"), st, 2, 1)
+    st = unwatched(tmp_path)
     _, sample_once = samples_until(st, 3)
     clock = Clock()
     bake.carry(st, 2, sample_once, clock.sleep, lambda: pool((100, True)), clock, lambda: T0,

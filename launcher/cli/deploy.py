@@ -492,15 +492,9 @@ def _wait(d: Deployer, result: Result, data: dict[str, Any]) -> Result:
     assert result.generation is not None
     target = sample.target_for(d.settings)
     gen = d.store.get(result.generation)
-    with sample.hard_failures(d.systemd) as wake:
-        final = bake.carry(
-            d.store,
-            gen.number,
-            lambda peak: sample.sample(target, d.systemd, peak=peak),
-            look=lambda: sample.look(target, gen),
-            lock=lambda: sample.own_lock(target.folder),
-            wake=wake,
-        )
+    final = sample.carry(
+        target, d.systemd, d.store, gen, lambda peak: sample.sample(target, d.systemd, peak=peak)
+    )
     if final is not None:
         data["verdict"] = final.view()
         if final.state in ("reverted", "revert_failed"):

@@ -113,16 +113,7 @@ def _through_bake(target: Any, systemd: Any, as_json: bool) -> int:
         notify.ready()  # after the first sample; systemd ignores the ones after
         return out
 
-    gen = found[0]
-    with sample.hard_failures(systemd) as wake:
-        final = bake.carry(
-            st,
-            gen.number,
-            once,
-            look=lambda: sample.look(target, gen),
-            lock=lambda: sample.own_lock(target.folder),
-            wake=wake,
-        )
+    final = sample.carry(target, systemd, st, found[0], once)
     if final is not None and final.verdict is not None and final.verdict.signal == bake.UNJUDGED:
         _warn(bake.say(final))  # no sample said it: the carry ended it
     return worst[0]

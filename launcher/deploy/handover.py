@@ -317,15 +317,10 @@ class Handover:
         self, seconds: float, generation: int | None, warn: bool = True
     ) -> dict[str, Any]:
         """The second instance kept running ``seconds`` (``Standby.keep_warm``); with
-        ``warn``, a timer that cannot be set is a warning (then only a command ends the
-        warm period: ``stop-warm``, the next deploy); its ``note`` says why."""
+        ``warn``, a timer that cannot be set (its ``note``) is a warning."""
         b = self.bridge
         assert b is not None
-        try:
-            kept = b.standby.keep_warm(seconds, generation, b.where)
-        except OSError as e:  # the warm period's record: no timer is set without it
-            why = e.strerror or str(e)
-            kept = {"note": f"no timer stops it: {why}; `llama-launcher stop-warm` does"}
+        kept = b.standby.keep_warm(seconds, generation, b.where)
         if warn and kept.get("note"):
             self.warnings.append(f"{b.standby.name}: {kept['note']}")
         return kept

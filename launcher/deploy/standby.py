@@ -195,9 +195,15 @@ class Standby:
     def keep_warm(self, seconds: float, generation: int | None, where: list[str]) -> dict[str, Any]:
         """Keep the second instance (the old config) running for ``seconds``, then stop it
         (``stop-warm``, run by a transient timer; ``where``: the settings options naming the
-        unit). Returns what the result says of it."""
+        unit). Returns what the result says of it: ``note`` when no timer was set (then only
+        a command ends the warm period)."""
         until = time.time() + seconds
-        store.write_json(self.warm_path, {"until": until, "generation": generation})
+        out: dict[str, Any] = {"instance": self.name, "generation": generation}
+        try:
+            store.write_json(self.warm_path, {"until": until, "generation": generation})
+        except OSError as e:  # the warm period's record: no timer is set without it
+            out["note"] = f"no timer stops it: {e.strerror or e}; `llama-launcher stop-warm` does"
+            return out
         timer = self.stop_unit
         ctl = ["systemctl", *(["--user"] if self.scope == "user" else [])]
         with contextlib.suppress(LauncherError):
@@ -225,7 +231,6 @@ class Standby:
             *where,
             "--json",
         ]
-        out: dict[str, Any] = {"instance": self.name, "generation": generation}
         out["warm_until"] = until
         try:
             proc.run(run, timeout=30)

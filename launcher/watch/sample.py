@@ -451,6 +451,27 @@ def hard_failures(systemd: Systemd) -> Iterator[Callable[[float], bool] | None]:
         yield wake
 
 
+def carry(
+    target: Target,
+    systemd: Systemd,
+    st: store.Store,
+    gen: store.Generation,
+    sample_once: Callable[[slotstate.Pressure | None], Any],
+) -> bake.Bake | None:
+    """``bake.carry`` of ``gen``'s bake on the live unit: its looks at the slots, the
+    sampler's lock, the journal's wake (what the sampler's service and ``deploy --wait``
+    carry it with)."""
+    with hard_failures(systemd) as wake:
+        return bake.carry(
+            st,
+            gen.number,
+            sample_once,
+            look=lambda: look(target, gen),
+            lock=lambda: own_lock(target.folder),
+            wake=wake,
+        )
+
+
 def pressure_of(gen: store.Generation, reads: Reads) -> slotstate.Pressure | None:
     """The pool and the slots now, against the generation's planned pool."""
     if reads.slots is None:
