@@ -21,7 +21,9 @@ connection cut by the switch, or the front's own 5xx), ``other``; and when those
 between were sent: before the first hard signal (in flight when it came: the failure the
 bake reverts on, which no revert can undo), after it and before the verdict (sent to the
 failing config while the bake had not yet judged), or after the verdict (while the revert
-was on its way, before the front held or switched). The requests sent after the first hard
+was on its way, before the front held or switched); and when the front was held at the
+journal's line of the first hard failure (the early hold), if it was. The requests sent
+after the first hard
 signal and lost before the old config served, less those too long for any slot (the
 client's: the old config refuses them too), are what the revert could have saved: the
 issue's goal is 0 of them behind the front.
@@ -226,6 +228,11 @@ def run(env: dict[str, str], url: str, where: list[str], state: Path) -> None:
         print("'Context size has been exceeded': none before the old config served")
     mode = ((the_bake.revert or {}).get("handover") or {}).get("mode", "hold")
     print(f"the revert: a {mode} (handover.mode)")
+    early = (the_bake.revert or {}).get("early_hold") or {}
+    if early.get("at"):
+        print(f"first hard signal -> the front held (the early hold): {early['at'] - first:+.2f} s")
+    else:
+        print("the early hold: none (the revert held or switched in its own time)")
     print(f"verdict -> the old config serving (generation {live.number}): {serving - ended:.1f} s")
     print(f"first hard signal -> the old config serving: {serving - first:.1f} s")
     lost = sum(1 for t, ok in agents.done if not ok and first <= t <= serving)

@@ -2,7 +2,8 @@
 deploy transaction, for the crash-safety tests (passed in as the deployer's ``on_phase``).
 
 ``PHASE:kill`` kills the process with SIGKILL when the transaction records PHASE;
-``PHASE:pause`` sleeps there (60 s), so a test can signal it at a known point;
+``PHASE:pause`` sleeps there until a signal comes (at most 60 s), so a test can signal it at
+a known point (a phase whose signals the deployer defers goes on at once, not after 60 s);
 ``PHASE:wait:FILE`` waits there until FILE exists (at most 600 s), holding what it holds, so
 a test decides when it goes on;
 ``PHASE:stop`` stops it there (SIGSTOP), so a test can do something at that point and then
@@ -15,6 +16,7 @@ goes on (a file damaged between save and restore).
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -63,6 +65,12 @@ def hook(fault: str) -> Callable[[str], None]:
     if action not in ACTIONS or (action == "wait") != bool(arg):
         raise SystemExit(f"faults.py: {fault!r} is not PHASE:{'|'.join(ACTIONS)} (wait:FILE)")
 
+    woken = -1
+    if action == "pause":  # here, in the main thread: the wakeup fd is set only there
+        woken, wake = os.pipe()
+        os.set_blocking(wake, False)
+        signal.set_wakeup_fd(wake)
+
     def on_phase(phase: str) -> None:
         if phase != at:
             return
@@ -71,7 +79,7 @@ def hook(fault: str) -> Callable[[str], None]:
         elif action == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
         elif action == "pause":
-            time.sleep(60)
+            pause(60, woken)
         elif action == "wait":
             wait_for(Path(arg))
         elif action == "kill-front":
@@ -80,6 +88,13 @@ def hook(fault: str) -> Callable[[str], None]:
             truncate_slots()
 
     return on_phase
+
+
+def pause(seconds: float, woken: int) -> None:
+    """Sleep until a signal comes (``woken``: the read end of the wakeup fd, which the
+    interpreter writes to on every handled signal, whatever handler the deployer installed
+    and in whichever thread the phase runs), at most ``seconds``."""
+    select.select([woken], [], [], seconds)
 
 
 if __name__ == "__main__":

@@ -152,8 +152,8 @@ def test_carry_samples_until_the_verdict(tmp_path: Path) -> None:
     clock = [T0 + 560.0]
     reverts = Reverts()
 
-    def sample_once(peak: object) -> None:
-        assert peak is None  # the pool is not watched: no look
+    def sample_once(peak: object, revert: object) -> None:
+        assert peak is None and revert is None  # the pool is not watched: no look
         clock[0] += 15
         step(st, clock[0], reverts)
 
@@ -178,7 +178,7 @@ class Skipped:
 
     def carry(self, st: store.Store, **kw: Any) -> Bake | None:
         return bake.carry(
-            st, 2, lambda peak: self.SAID, self.sleep, clock=lambda: self.now,
+            st, 2, lambda peak, revert: self.SAID, self.sleep, clock=lambda: self.now,
             wall=lambda: T0 + 2 + self.offset + self.now, **kw,
         )  # fmt: skip
 
@@ -238,7 +238,7 @@ def test_carry_of_a_bake_that_ended_samples_nothing(tmp_path: Path, state: str) 
     b.state = state
     bake.save(st.get(2).path, b)
     calls: list[int] = []
-    assert bake.carry(st, 2, lambda p: calls.append(1), lambda s: None) is not None
+    assert bake.carry(st, 2, lambda p, r: calls.append(1), lambda s: None) is not None
     assert calls == []
 
 

@@ -4,6 +4,9 @@ Pure, over a real store in tmp_path; its real run: tests/test_bake_server.py."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -156,7 +159,7 @@ def samples_until(st: store.Store, n: int) -> tuple[list[Pressure | None], Any]:
     """A sample_once that records what it got and ends the bake at its ``n``-th call."""
     got: list[Pressure | None] = []
 
-    def sample_once(peak: Pressure | None) -> None:
+    def sample_once(peak: Pressure | None, revert: object) -> None:
         got.append(peak)
         if len(got) == n:
             b = bake.load(st.get(2).path)
@@ -358,3 +361,116 @@ def test_a_second_hard_failure_in_the_journal_lets_an_unwatched_interval_run_to_
     bake.carry(st, 2, sample_once, clock.sleep, lambda: pool((100, True)), clock, lambda: T0,
                wake=Journal(clock, at={1, 2}))  # fmt: skip
     assert clock.now == pytest.approx(0.01 + 15.0)
+
+
+class Braces:
+    """A brace (``bake.carry``'s early hold) that records the bakes it was entered for and
+    yields ``REVERT`` as the revert to judge with."""
+
+    REVERT = object()
+
+    def __init__(self) -> None:
+        self.entered: list[int] = []
+        self.left = 0
+
+    @contextlib.contextmanager
+    def __call__(self, b: bake.Bake) -> Iterator[Any]:
+        self.entered.append(b.generation)
+        try:
+            yield self.REVERT
+        finally:
+            self.left += 1
+
+
+def revert_seen(st: store.Store, n: int) -> tuple[list[Any], Any]:
+    """A sample_once that records the revert it got and ends the bake at its ``n``-th call."""
+    reverts: list[Any] = []
+    _, ends = samples_until(st, n)
+
+    def sample_once(peak: Pressure | None, revert: Any) -> None:
+        reverts.append(revert)
+        ends(peak, revert)
+
+    return reverts, sample_once
+
+
+def test_the_sample_a_journal_line_woke_is_taken_inside_the_brace_with_its_revert(
+    tmp_path: Path,
+) -> None:
+    st = watched(tmp_path)
+    reverts, sample_once = revert_seen(st, 2)
+    clock, braces = Clock(), Braces()
+    bake.carry(
+        st, 2, sample_once, clock.sleep, lambda: pool((100, True)), clock, lambda: T0,
+        wake=Journal(clock, at={3}), brace=braces,
+    )  # fmt: skip
+    assert reverts == [None, Braces.REVERT]  # the first sample was no line's
+    assert (braces.entered, braces.left) == ([2], 1)
+
+
+def test_a_sample_a_look_at_the_limit_took_is_not_braced(tmp_path: Path) -> None:
+    st = watched(tmp_path)
+    reverts, sample_once = revert_seen(st, 2)
+    clock, braces = Clock(), Braces()
+    looks = iter([pool((100, True)), pool((950, True))])
+    bake.carry(st, 2, sample_once, clock.sleep, lambda: next(looks), clock, lambda: T0,
+               wake=Journal(clock, at=set()), brace=braces)  # fmt: skip
+    assert reverts == [None, None] and braces.entered == []
+
+
+def test_a_line_that_may_not_cut_the_wait_takes_no_brace_for_the_intervals_sample(
+    tmp_path: Path,
+) -> None:
+    st = watched(tmp_path, bake_interval=1)
+    reverts, sample_once = revert_seen(st, 3)
+    clock, braces = Clock(), Braces()
+    bake.carry(
+        st, 2, sample_once, clock.sleep, lambda: pool((100, True)), clock, lambda: T0,
+        wake=Journal(clock, at={2, 3}), brace=braces,  # the 1st: the look before the 1st sample
+    )  # fmt: skip
+    assert reverts == [None, Braces.REVERT, None] and braces.entered == [2]
+
+
+def test_a_line_logged_before_the_carry_began_braces_its_first_sample(tmp_path: Path) -> None:
+    # the follower reads the process's lines from its start: an overflow during the gate
+    st = watched(tmp_path)
+    reverts, sample_once = revert_seen(st, 2)
+    clock, braces = Clock(), Braces()
+    journal = Journal(clock, at={1})
+    bake.carry(st, 2, sample_once, clock.sleep, lambda: pool((100, True)), clock, lambda: T0,
+               wake=journal, brace=braces)  # fmt: skip
+    assert reverts == [Braces.REVERT, None] and braces.entered == [2]
+
+
+def test_a_carry_without_a_brace_does_not_look_at_the_journal_before_its_first_sample(
+    tmp_path: Path,
+) -> None:
+    st = unwatched(tmp_path)
+    _, sample_once = samples_until(st, 1)
+    journal = Journal(Clock(), at=set())
+    bake.carry(st, 2, sample_once, lambda s: None, wake=journal)
+    assert journal.waits == 0
+
+
+def baked(tmp_path: Path, baseline: verdict.Baseline | None, previous: int | None) -> bake.Bake:
+    b = bake.begin(config.load_settings(bake="10m"), generations(tmp_path, GUARANTEED, OVER), 2, 1)
+    return dataclasses.replace(b, baseline=baseline, previous=previous)
+
+
+def test_a_hard_failure_reverts_for_sure_when_the_baseline_failed_no_request_so(
+    tmp_path: Path,
+) -> None:
+    assert bake.certain(baked(tmp_path, verdict.Baseline(1, failures={}), 1))
+    assert bake.certain(baked(tmp_path, None, 1))  # no baseline: every hard failure counts
+
+
+@pytest.mark.parametrize("kind", verdict.POOL_FAILURES)
+def test_a_hard_failure_is_not_sure_to_revert_when_the_baseline_had_one_at_any_load(
+    tmp_path: Path, kind: str
+) -> None:
+    base = verdict.Baseline(1, failures={kind: {4: 1}})  # at 4 busy slots: a sample at 1 passes
+    assert not bake.certain(baked(tmp_path, base, 1))
+
+
+def test_a_hard_failure_is_not_sure_to_revert_with_nothing_to_put_back(tmp_path: Path) -> None:
+    assert not bake.certain(baked(tmp_path, None, None))

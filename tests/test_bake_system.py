@@ -159,7 +159,7 @@ def test_a_sampler_killed_mid_bake_is_resumed_by_the_next_timer_run_which_says_s
 def test_a_sampler_killed_and_away_past_the_deadline_ends_inconclusive_and_says_so(
     system: System,
 ) -> None:
-    baked = system.baking("-t", "1", "--bake", "60s")
+    baked = system.baking("-t", "1", "--bake", "30s")
     system.kill_sampler()
     first = system.bake(baked)
     assert first is not None and first["state"] == "baking", first

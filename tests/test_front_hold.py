@@ -162,7 +162,7 @@ def test_a_hold_outliving_its_budget_is_released_and_status_says_who_held(
     fronted: Host,
 ) -> None:
     host = fronted
-    # one deploy's budget here: no drain + the stop (TimeoutStopSec 30 + 5) + 2 + 2 + 2 s;
+    # one deploy's budget here: no drain + the stop (TimeoutStopSec 10 + 5) + 2 + 2 + 2 s;
     # the deployer waits at "swap", holding, alive, until the test lets it go on
     go = host.root / "go"
     short = ["--no-drain", "--start-timeout", "2", "--health-timeout", "2"]

@@ -174,7 +174,7 @@ def test_drain_waits_for_a_generation_and_cuts_nothing(host: Host) -> None:
 
 def test_drain_timeout_restarts_and_names_the_request_it_cut(host: Host) -> None:
     installed(slow_host(host), "-c", "8192", "-np", "1", "-t", "1")
-    # a busy llama-server lingers after SIGTERM until systemd's TimeoutStopSec (30 s)
+    # a busy llama-server lingers after SIGTERM until systemd's TimeoutStopSec (10 s)
     flags = ("set", "-t", "2", "--drain-timeout", "0.2", "--start-timeout", "120")
     with stopped_before_the_drain(host, *flags) as deploy:
         stream = Stream(host.url, 2000)

@@ -26,7 +26,7 @@ from test_watch import take
 
 from launcher.deploy import standby, store
 from launcher.deploy.front import SERVERS
-from launcher.watch import bake
+from launcher.watch import bake, revert, verdict
 
 
 @pytest.fixture
@@ -436,6 +436,28 @@ def test_a_bakes_revert_is_a_switch_to_the_instance_kept_warm(paired: Host) -> N
     assert (record.revert or {})["handover"]["mode"] == "switch", record.revert["handover"]
     assert " -t 2 " not in paired.env_file.read_text()
     assert active(paired, second(paired)) == "inactive"
+
+
+def test_an_early_hold_ends_as_soon_as_a_bakes_revert_switches_to_the_warm_instance(
+    paired: Host,
+) -> None:
+    rc, out = paired.cli_json("set", "-t", "2", "--bake", "10m")
+    assert (rc, out["handover"]["mode"]) == (0, "switch"), out
+    b = bake.load(store.Store(paired.state_dir).get(out["generation"]).path)
+    assert b is not None
+    early = revert.EarlyHold.of(b)
+    assert early is not None
+    why = verdict.Verdict("revert", "context_exceeded", "the test's", hard=True)
+    with early(b) as rev:
+        assert rev is not None
+        done = rev(b, why)
+        still = early.front.holding()
+    switch = done["handover"]["switch"]
+    assert (done["outcome"], done["handover"]["mode"]) == ("reverted", "switch"), done
+    assert still is None  # ended by the switch, not by the early hold's own end
+    assert "early_hold_ended_at" in switch, done["handover"]
+    assert switch["early_hold_ended_at"] <= switch["switched_at"], switch  # before the drain
+    assert " -t 2 " not in paired.env_file.read_text()
 
 
 def test_uninstall_removes_the_second_instance(host: Host) -> None:

@@ -97,7 +97,7 @@ def test_a_load_inside_its_budget_is_deployed_and_its_time_recorded(
     started = gate.get("startup_line", gate["healthy"])
     assert load["stop"] == gate["stopped"]
     assert load["start"] == pytest.approx(started - gate["stopped"], abs=0.0015)
-    assert load["stop_budget"] == 30 + 5  # the unit's TimeoutStopSec=30 and the grace
+    assert load["stop_budget"] == 10 + 5  # the unit's TimeoutStopSec=10 and the grace
 
 
 def test_progress_shows_the_load_against_the_last_measured_one(host: Host, tmp_path: Path) -> None:

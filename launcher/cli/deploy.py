@@ -493,7 +493,11 @@ def _wait(d: Deployer, result: Result, data: dict[str, Any]) -> Result:
     target = sample.target_for(d.settings)
     gen = d.store.get(result.generation)
     final = sample.carry(
-        target, d.systemd, d.store, gen, lambda peak: sample.sample(target, d.systemd, peak=peak)
+        target,
+        d.systemd,
+        d.store,
+        gen,
+        lambda peak, revert: sample.sample(target, d.systemd, peak=peak, revert=revert),
     )
     if final is not None:
         data["verdict"] = final.view()

@@ -107,8 +107,8 @@ def _through_bake(target: Any, systemd: Any, as_json: bool) -> int:
         return code
     worst = [0]
 
-    def once(peak: Any) -> Outcome:
-        out = sample.sample(target, systemd, peak=peak)
+    def once(peak: Any, revert: Any) -> Outcome:
+        out = sample.sample(target, systemd, peak=peak, revert=revert)
         worst[0] = max(worst[0], _report(out, as_json))
         notify.ready()  # after the first sample; systemd ignores the ones after
         return out

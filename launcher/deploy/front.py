@@ -499,6 +499,7 @@ RestartSec=5
         drain_timeout: float,
         old_server: httpx.Client | None = None,
         sleep: Callable[[float], None] = time.sleep,
+        serving: Callable[[], None] | None = None,
     ) -> tuple[FrontSpec, drain.DrainReport]:
         """Send new requests to the server that does not serve (the second instance, gated,
         with ``slots``; the caller holds the unit's deploy lock): the config and spec that
@@ -508,9 +509,10 @@ RestartSec=5
         no slot processing (at most ``drain_timeout``; the front's count alone when
         ``/slots`` cannot be read), then ``maint``. The new server is ready before the old
         one drains: with no usable server HAProxy 2.6 answers 503 at once, so there is never
-        such a moment. From the first write on, the disk names the new server, so a HAProxy
-        restarted then serves it, and ``apply`` of the saved spec puts a running HAProxy the
-        switch left half-way as the disk says. A runtime command that fails puts the old
+        such a moment; ``serving`` is called then, before the drain. From the first write
+        on, the disk names the new server, so a HAProxy restarted then serves it, and
+        ``apply`` of the saved spec puts a running HAProxy the switch left half-way as the
+        disk says. A runtime command that fails puts the old
         config, spec and states back before it raises. ``maint`` cuts nothing: what the
         timeout left runs to its end on the old server (the report names it). Returns the
         spec that serves now and the drain's report."""
@@ -536,6 +538,8 @@ RestartSec=5
                 self.save_spec(spec)
                 self.apply(spec, slots)
             raise
+        if serving is not None:
+            serving()
         in_flight = functools.partial(self.in_flight, old)
         report = drain.wait_idle(old_server, drain_timeout, in_flight, sleep=sleep)
         if report.skipped is not None and old_server is not None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -209,7 +210,9 @@ class Handover:
                 raise FrontError(f"{b.standby.name} stopped answering /health")
             old = self.old.client() if running.running and self.old is not None else None
             try:
-                self.bridged, report = self.front.switch(spec, _slots(b.meta), drain_timeout, old)
+                self.bridged, report = self.front.switch(
+                    spec, _slots(b.meta), drain_timeout, old, serving=self._end_early_hold
+                )
             finally:
                 if old is not None:
                     old.close()
@@ -232,6 +235,19 @@ class Handover:
         except BaseException:
             self._bridge_back(spec)
             raise
+
+    def _end_early_hold(self) -> None:
+        """A hold of this process that no restart of this handover took (a bake's, taken at
+        the journal's line of a hard failure before its revert: ``launcher.watch.revert``)
+        ends when the switch serves: the requests it held go to the instance that took over,
+        not after the old one's drain."""
+        if self.front is None or self.hold is not None:
+            return
+        with contextlib.suppress(FrontError, OSError):
+            held = self.front.holding()
+            if held is not None and held.pid == os.getpid():
+                self.front.release()
+                self.report.setdefault("switch", {})["early_hold_ended_at"] = time.time()
 
     def _bridge_back(self, spec: FrontSpec) -> None:
         """A bridge that did not come to be: the front serves the unit as ``spec`` says
@@ -843,10 +859,12 @@ def front_drain(front: Front, timeout: float) -> str:
 def left_held(state_dir: Path, unit: str, scope: Scope) -> bool:
     """Whether the front is held with no transaction to recover: a hold recorded (its
     holder died after the transaction ended, or could not release), or a front paused with
-    no record (``status`` says the next run that takes the lock releases it)."""
+    no record (``status`` says the next run that takes the lock releases it). Not a hold
+    this process recorded: a bake's early hold, whose revert now takes it over (releasing
+    it here would let requests through to the failing config until the revert holds)."""
     front = Front(state_dir, unit, scope)
-    if front.holding() is not None:
-        return True
+    if (hold := front.holding()) is not None:
+        return hold.pid != os.getpid()
     try:
         return front.spec() is not None and front.held()
     except FrontError:

@@ -92,6 +92,9 @@ class Deployer:
         self.held_because: str | None = None
         #: that second instance, stopped before the held restart (``Handover.standby``)
         self.idle_standby: standby.Standby | None = None
+        #: the caller holds the unit's deploy lock already (a bake's revert under its early
+        #: hold, ``launcher.watch.revert.early_hold``): the verbs do not take it again
+        self.lock_held = False
 
     def require_unit(self) -> None:
         """A deploy restarts the unit: the next verb refuses, before anything changes, when
@@ -175,7 +178,8 @@ class Deployer:
             yield None
             return
         wait = budgets.lock_wait(self.settings, self.gate.waits, budgets.last_load(self.store))
-        with self.store.lock(wait), self.signals.installed():
+        lock = contextlib.nullcontext() if self.lock_held else self.store.lock(wait)
+        with lock, self.signals.installed():
             if when is not None and not when():
                 yield None
                 return

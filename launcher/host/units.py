@@ -94,7 +94,10 @@ RestartSec=2
 # 78 (EX_CONFIG): the launcher refused the env file; restarting cannot fix that.
 RestartPreventExitStatus=78
 TimeoutStartSec=30
-TimeoutStopSec=30
+# llama-server does not drain: a busy one cuts its streams at SIGTERM, then lingers (~30 s
+# measured, b11434) with nothing left to finish; idle it exits in ~20 ms. A deploy saves the
+# slots before its restart, so the SIGKILL at 10 s loses nothing and serves again sooner.
+TimeoutStopSec=10
 KillMode=mixed
 SyslogIdentifier={ident}
 {hardening}{install}"""

@@ -30,7 +30,7 @@ import dataclasses
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -58,6 +58,9 @@ REVERTING = "reverting"
 STATES = (RUNNING, REVERTING, *FINAL)
 #: The verdict's signal when ``carry`` ended a bake no sample could judge (``_Patience``).
 UNJUDGED = "unjudged"
+#: How long ``carry`` waits for the journal's lines of a hard failure logged before it
+#: began, before its first sample (with an early hold: ``_Looks.peek``), seconds.
+PEEK = 0.1
 
 #: The revert: given the bake and its verdict, puts the previous generation back and says
 #: how it went (``launcher.watch.revert.revert``'s result as a dict: outcome, ...).
@@ -465,16 +468,36 @@ class Sampled(Protocol):
     errors: list[str]
 
 
+#: What ``carry`` takes a sample with: the fullest look since the sample before, and the
+#: revert to judge it with (None: the default one).
+SampleOnce = Callable[[slotstate.Pressure | None, "Revert | None"], "Sampled | None"]
+#: Around a sample the journal's line woke, given the bake: yields the revert to judge it
+#: with (``launcher.watch.revert.EarlyHold``: the front held at once), or None.
+Brace = Callable[["Bake"], contextlib.AbstractContextManager["Revert | None"]]
+
+
+def certain(b: Bake) -> bool:
+    """Whether a request the server failed itself (the journal's line: the pool ran out, a
+    decode failure) reverts ``b`` for sure: there is a generation to put back, and its
+    baseline failed no request so at any load (or there is none: then every hard failure
+    counts)."""
+    base = b.baseline
+    return b.previous is not None and (
+        base is None or not any(base.had(kind, None) for kind in verdict.POOL_FAILURES)
+    )
+
+
 def carry(
     st: store.Store,
     generation: int,
-    sample_once: Callable[[slotstate.Pressure | None], Sampled | None],
+    sample_once: SampleOnce,
     sleep: Callable[[float], None] = time.sleep,
     look: Callable[[], slotstate.Pressure | None] | None = None,
     clock: Callable[[], float] = time.monotonic,
     wall: Callable[[], float] = time.time,
     lock: Callable[[], contextlib.AbstractContextManager[bool]] | None = None,
     wake: Callable[[float], bool] | None = None,
+    brace: Brace | None = None,
 ) -> Bake | None:
     """Sample every ``bake_interval`` while ``generation``'s bake runs and it is live (what
     the sampler's service and ``deploy --wait`` do); returns its bake as it ended.
@@ -484,7 +507,10 @@ def carry(
     decode failure) samples at once, so a hard failure is judged within a sample's time,
     not at the next interval (once per interval, as a look at the limit, below, and apart
     from it: a server that fails requests the judge does not hold against it, as its
-    baseline did, is not sampled at every failure).
+    baseline did, is not sampled at every failure). The sample a line woke is taken inside
+    ``brace`` (the early hold of a failure ``certain`` to revert, ``launcher.watch.revert``),
+    with the revert it yields; with one, a line already in the journal when the carry begins
+    (``wake`` follows the process's lines from its start) braces the first sample.
 
     A bake that watches its pool (``Policy.pool_limit``) also looks at the slots every
     ``pool_poll`` seconds between samples (``look``: ``GET /slots`` alone, a few
@@ -519,15 +545,25 @@ def carry(
     patience = _Patience(st, generation, first.policy, clock, wall, lock)
 
     def again() -> bool:
-        peak = looks.take()
-        said = sample_once(peak if st.live_number() == generation else None)
+        peak, woke = looks.take(), looks.cut_by == "journal"
+        live = st.live_number() == generation
+        b = bake_of() if woke and brace is not None and live else None
+        with brace(b) if brace is not None and b is not None else _unbraced() as rev:
+            said = sample_once(peak if live else None, rev)
         now = bake_of()
         if now is None or not now.running or st.live_number() != generation:
             return False
         return not patience.gave_up(now, said)
 
+    if brace is not None:
+        looks.peek(PEEK)  # a line logged before the carry began braces its first sample
     waits.every_while(first.policy.interval, looks.wait)(again)
     return patience.ended or bake_of()
+
+
+@contextlib.contextmanager
+def _unbraced() -> Iterator[Revert | None]:
+    yield None
 
 
 class _Patience:
@@ -646,9 +682,18 @@ class _Looks:
         #: what ended the last wait early ("limit", "journal"): the next wait runs on past
         #: it, to its end (each cuts one wait short in two)
         self.triggered: set[str] = set()
+        #: what cut the last wait short (None: it ran to its end)
+        self.cut_by: str | None = None
         #: as long as the samples' own unread limit (``unread_limit`` intervals), in looks
         per = max(1, math.ceil(policy.interval / (policy.pool_poll or 1)))
         self.give_up = policy.unread_limit * per
+
+    def peek(self, seconds: float) -> None:
+        """Before the first sample: the journal's word of a hard failure within ``seconds``
+        (one the server logged before the carry began: the follower reads the process's
+        lines from its start) counts as a wait it cut short."""
+        if self.wake is not None and self.wake(seconds):
+            self._cut("journal")
 
     def take(self) -> slotstate.Pressure | None:
         """The fullest look since the sample before (and none kept for the next)."""
@@ -657,6 +702,7 @@ class _Looks:
 
     def wait(self, seconds: float) -> None:
         end, looking = self.clock() + seconds, self.on
+        self.cut_by = None
         while self.on and (left := end - self.clock()) > 1e-9:
             if self._pause(min(self.policy.pool_poll, left)):
                 return
@@ -690,6 +736,7 @@ class _Looks:
         if why in self.triggered:
             return False
         self.triggered.add(why)
+        self.cut_by = why
         return True
 
     def _one(self) -> slotstate.Pressure | None:

@@ -425,11 +425,16 @@ def hard_failures(systemd: Systemd) -> Iterator[Callable[[float], bool] | None]:
     """A wait that the unit's journal cuts short (``journalctl -f --grep``): ``wake(s)``
     waits up to ``s`` seconds and returns True as soon as the server logs a request it
     failed itself (``serverlog.HARD_FAILURE_GREP``), so a bake samples at once, not at its
-    next interval (``launcher.watch.bake.carry``). None when the journal cannot be followed
-    (or its end not found); a follower that ends (a journalctl without PCRE2) leaves plain
-    sleeps."""
+    next interval (``launcher.watch.bake.carry``). It follows the running process's lines
+    from its start (its invocation's first entry), so one it logged before the carry began
+    (an overflow during the gate) wakes it at once; journald tells a follower of new lines
+    only every 250 ms or so (measured here: 0.3 s from a line to the follower), a line
+    already in the journal at once. None when the journal cannot be followed (or no cursor
+    found: -f would replay the whole journal); a follower that ends (a journalctl without
+    PCRE2) leaves plain sleeps."""
     try:
-        cursor = systemd.cursor()  # from now: without one, -f would replay the whole journal
+        invocation = systemd.state().invocation_id
+        cursor = systemd.invocation_cursor(invocation) if invocation else systemd.cursor()
         follower = systemd.follow(cursor, grep=serverlog.HARD_FAILURE_GREP) if cursor else None
     except LauncherError:
         follower = None
@@ -456,11 +461,12 @@ def carry(
     systemd: Systemd,
     st: store.Store,
     gen: store.Generation,
-    sample_once: Callable[[slotstate.Pressure | None], Any],
+    sample_once: bake.SampleOnce,
 ) -> bake.Bake | None:
     """``bake.carry`` of ``gen``'s bake on the live unit: its looks at the slots, the
-    sampler's lock, the journal's wake (what the sampler's service and ``deploy --wait``
-    carry it with)."""
+    sampler's lock, the journal's wake and, when a hard failure reverts it for sure
+    (``bake.certain``) and the unit has a front, the early hold at the journal's line
+    (what the sampler's service and ``deploy --wait`` carry it with)."""
     with hard_failures(systemd) as wake:
         return bake.carry(
             st,
@@ -469,7 +475,19 @@ def carry(
             look=lambda: look(target, gen),
             lock=lambda: own_lock(target.folder),
             wake=wake,
+            brace=_early_hold(gen) if wake is not None else None,
         )
+
+
+def _early_hold(gen: store.Generation) -> bake.Brace | None:
+    """The early hold for ``gen``'s bake (``launcher.watch.revert.EarlyHold``), when one may
+    come: made now, the deployer's modules imported now, not at the journal's line."""
+    b = bake.load(gen.path)
+    if b is None or not b.running or not bake.certain(b):
+        return None
+    from launcher.watch import revert
+
+    return revert.EarlyHold.of(b)
 
 
 def pressure_of(gen: store.Generation, reads: Reads) -> slotstate.Pressure | None:
