@@ -93,7 +93,7 @@ class Deployer:
         #: that second instance, stopped before the held restart (``Handover.standby``)
         self.idle_standby: standby.Standby | None = None
         #: the caller holds the unit's deploy lock already (a bake's revert under its early
-        #: hold, ``launcher.watch.revert.early_hold``): the verbs do not take it again
+        #: hold, ``launcher.watch.revert.EarlyHold``): the verbs do not take it again
         self.lock_held = False
 
     def require_unit(self) -> None:

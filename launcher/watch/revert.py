@@ -10,11 +10,12 @@ generation it makes records ``reverted_from`` and the verdict that decided it. A
 fails is the rollback's own failure: ``rolled_back`` (the old config failed its gate; the
 baked one serves again) or ``rollback_failed`` (the double fault: neither serves).
 
-The early hold (``early_hold``): when the journal's line of a hard failure wakes the bake
-and that failure is certain to revert (``certain``), the front is held at once, under the
-unit's deploy lock, before the sample that judges it reads anything: the agents' next
-requests (a client sends again a moment after its stream failed) wait at the front instead
-of reaching the failing config while the sample reads and the revert validates. The revert
+The early hold (``EarlyHold``): when the journal's line of a hard failure wakes the bake
+and that failure is certain to revert (``launcher.watch.bake.certain``), the front is held
+at once, under the unit's deploy lock, before the sample that judges it reads anything: the
+agents' next requests (a client sends again a moment after its stream failed) wait at the
+front instead of reaching the failing config while the sample reads and the revert
+validates. The revert
 then runs under that lock (``Deployer.lock_held``) and its handover takes the hold over
 (a hold) or ends it at its switch (a warm second instance); a sample that does not revert
 after all releases it. A holder that dies lets go of the lock, and the release watcher
@@ -54,7 +55,7 @@ def revert(
 ) -> dict[str, Any]:
     """Put ``previous`` back in the place of ``generation`` after ``why``, with the tool
     settings ``tool`` (the deploy's) and, on a hard failure, a drain of ``drain`` seconds
-    at most; ``locked``: the caller holds the unit's deploy lock (``early_hold``). Returns
+    at most; ``locked``: the caller holds the unit's deploy lock (``EarlyHold``). Returns
     the result's essentials (``outcome``: ``reverted``, else what the rollback ended in,
     with ``message``)."""
     settings = config.load_settings(**tool)
