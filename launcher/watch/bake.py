@@ -330,7 +330,7 @@ def step(
     gen: store.Generation,
     rec: record.Record,
     seen_now: Callable[[Bake], verdict.Seen],
-    revert: Revert | None = None,
+    revert: Revert,
 ) -> Bake | None:
     """Judge the live generation's running bake on one sample (the sampler calls it after
     the sample is recorded); a revert verdict puts the previous generation back through
@@ -369,20 +369,11 @@ def step(
     # the verdict first: a sampler killed mid-revert leaves a bake that says what it did
     bake.finish(REVERTING, why, seen.t)
     save(gen.path, bake)
-    done = (revert or _default_revert)(bake, why)
+    done = revert(bake, why)
     bake.revert = done
     bake.state = "reverted" if done.get("outcome") == "reverted" else "revert_failed"
     save(gen.path, bake)
     return bake
-
-
-def _default_revert(bake: Bake, why: Verdict) -> dict[str, Any]:
-    # imported when a revert is decided: the deployer's typed config is most of a sample's
-    # CPU time otherwise (the sampler's timer runs a sample a minute)
-    from launcher.watch import revert
-
-    assert bake.previous is not None
-    return revert.revert(bake.generation, bake.previous, bake.settings, bake.policy.drain, why)
 
 
 # -- a revert its sampler did not live to record -------------------------------------------

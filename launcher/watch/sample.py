@@ -334,7 +334,7 @@ def _judge(
         )
 
     try:
-        judged = bake.step(gen, rec, seen, revert)
+        judged = bake.step(gen, rec, seen, revert or default_revert)
     except OSError as e:
         out.errors.append(f"the bake record was not updated (it stays as it was): {_why(e)}")
         return
@@ -488,6 +488,16 @@ def _early_hold(gen: store.Generation) -> bake.Brace | None:
     from launcher.watch import revert
 
     return revert.EarlyHold.of(b)
+
+
+def default_revert(b: bake.Bake, why: verdict.Verdict) -> dict[str, Any]:
+    """The revert a bake's revert verdict runs (``launcher.watch.revert.revert``): imported
+    when a revert is decided, since the deployer's typed config is most of a sample's CPU
+    time otherwise (the sampler's timer runs a sample a minute)."""
+    from launcher.watch import revert
+
+    assert b.previous is not None
+    return revert.revert(b.generation, b.previous, b.settings, b.policy.drain, why)
 
 
 def pressure_of(gen: store.Generation, reads: Reads) -> slotstate.Pressure | None:
