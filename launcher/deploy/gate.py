@@ -28,7 +28,7 @@ from launcher import waits
 from launcher.deploy import budgets, drain
 from launcher.errors import GateFailure, LauncherError, ProbeError
 from launcher.host import envfile
-from launcher.host.systemd import JournalFollower, Systemd, UnitState
+from launcher.host.systemd import Follower, Systemd, UnitState
 from launcher.server import binary, kvlayout, serverlog
 from launcher.server.httpclient import url_from_argv
 
@@ -351,7 +351,7 @@ class _Watch:
             assert ready is not None
             return ready
 
-    def step(self, journal: JournalFollower) -> _Ready | None:
+    def step(self, journal: Follower) -> _Ready | None:
         lines = journal.read(self.w.journal_poll)
         self.log.extend(lines)
         self.scan.feed_all(lines)

@@ -1,6 +1,8 @@
 """systemctl and journalctl, read in their machine-readable forms.
 
-``systemctl show -p ...`` (never ``status`` prose) and ``journalctl -o json --after-cursor``.
+``systemctl show -p ...`` (never ``status`` prose) and ``journalctl -o json --after-cursor``;
+a journal followed is read in place (``launcher.host.sdjournal``), ``journalctl -f`` where
+it cannot be.
 The journal is matched with ``_SYSTEMD_UNIT=U + _SYSTEMD_USER_UNIT=U`` so the same query finds
 a system unit and a user unit. The runner is passed in (default: ``launcher.host.proc.run``), so
 tests hand in the real sandbox, never a patched module.
@@ -15,10 +17,10 @@ import re
 import select
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import IO, Any, Literal
+from typing import IO, Any, Literal, Protocol
 
 from launcher.errors import CommandError, ConfigInvalid, SystemdError
-from launcher.host import proc
+from launcher.host import proc, sdjournal
 
 Runner = Callable[..., proc.Result]
 Scope = Literal["system", "user"]
@@ -225,10 +227,14 @@ class Systemd:
 
     def follow(
         self, after_cursor: str | None, skip_pid: int = 0, grep: str | None = None
-    ) -> JournalFollower:
-        """Follow the unit's journal from ``after_cursor`` (``journalctl -f``), without what
-        process ``skip_pid`` logs; ``grep``: only the messages that match it (journalctl's
+    ) -> Follower:
+        """Follow the unit's journal from ``after_cursor``, without what process
+        ``skip_pid`` logs; ``grep``: only the messages that match it. Read in place
+        (``launcher.host.sdjournal``: a new line within 20 ms), else with ``journalctl -f``
+        (journald tells it of new lines every 250 ms; ``grep`` is then journalctl's
         ``--grep``, a PCRE2 pattern: a journalctl built without PCRE2 exits at once)."""
+        with contextlib.suppress(sdjournal.Unavailable):
+            return sdjournal.Poller(unit_matches(self.unit), after_cursor, skip_pid, grep)
         args = ["-f", "-o", "json"]
         args += ["--after-cursor", after_cursor] if after_cursor else ["-n", "all"]
         args += ["--grep", grep] if grep else []
@@ -237,6 +243,21 @@ class Systemd:
     def tail(self, n: int = 30) -> list[str]:
         """The unit's last ``n`` journal messages."""
         return self.messages(None, limit=n)[0]
+
+
+class Follower(Protocol):
+    """A unit's journal followed (``Systemd.follow``): ``read`` waits up to its timeout
+    for new messages; ``ended`` once no more can come."""
+
+    ended: bool
+
+    def read(self, timeout: float) -> list[str]: ...
+
+    def close(self) -> None: ...
+
+    def __enter__(self) -> Follower: ...
+
+    def __exit__(self, *exc: object) -> None: ...
 
 
 class JournalFollower:

@@ -427,11 +427,11 @@ def hard_failures(systemd: Systemd) -> Iterator[Callable[[float], bool] | None]:
     failed itself (``serverlog.HARD_FAILURE_GREP``), so a bake samples at once, not at its
     next interval (``launcher.watch.bake.carry``). It follows the running process's lines
     from its start (its invocation's first entry), so one it logged before the carry began
-    (an overflow during the gate) wakes it at once; journald tells a follower of new lines
-    only every 250 ms or so (measured here: 0.3 s from a line to the follower), a line
-    already in the journal at once. None when the journal cannot be followed (or no cursor
-    found: -f would replay the whole journal); a follower that ends (a journalctl without
-    PCRE2) leaves plain sleeps."""
+    (an overflow during the gate) wakes it at once. The journal is read in place, so a new
+    line wakes it within ``launcher.host.sdjournal.POLL`` (journalctl -f, the fallback,
+    hears of one only every 250 ms: ``scripts/bench-journal``). None when the journal
+    cannot be followed (or no cursor found: it would replay the whole journal); a follower
+    that ends (a journalctl without PCRE2) leaves plain sleeps."""
     try:
         invocation = systemd.state().invocation_id
         cursor = systemd.invocation_cursor(invocation) if invocation else systemd.cursor()
