@@ -101,13 +101,15 @@ class Waits:
     # ~100 ms of its start), then it is doubled to the cap
     # capped at 0.05 s: twenty requests a second (each a millisecond of the server's HTTP
     # thread), and a server ready while the gate waits is seen within 0.05 s; the startup
-    # line that makes the polls fast again reaches a journal follower up to 0.25 s late
+    # line that makes the polls fast again reaches the journal's follower within its poll
+    # (20 ms; journalctl -f, the fallback, up to 0.25 s late)
     # (bench-deploy's "restart -> serving, gated" shows what the cap costs)
     health_polls: tuple[float, float] = (0.01, 0.05)
     health_fast_for: float = 0.5
 
-    # journald tells followers about new entries every 250 ms, its files have them before;
-    # a dead process's last lines may still be on their way into them
+    # a follower may be a poll behind (journalctl -f, the fallback: journald tells it of
+    # new entries every 250 ms), the files have them before; a dead process's last lines
+    # may still be on their way into them
     journal_catchup: float = 2.0
     # read until the lines name the cause; 0.5 s was too short on a busy 2-core machine (a
     # taken port reported as a bare exit, 2026-12-02); under the unit's RestartSec (2 s),

@@ -8,6 +8,7 @@ Nothing here skips: if a real part is missing, the test that needs it fails with
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -112,6 +113,23 @@ class Sandbox:
             timeout=60,
         ).stdout
         return str(json.loads(out.splitlines()[-1])["__CURSOR"]) if out.strip() else ""
+
+    def log_as(self, unit: str, *lines: str) -> None:
+        """``lines`` in the journal as unit ``unit`` logs them, then ``pid N`` (its pid): a
+        transient oneshot prints them and waits (10 s at most) until journald has its last
+        line under the unit's name. journald reads a process's unit from its cgroup as it
+        takes its lines in, so the lines of a process already gone would have none."""
+        match = f"_SYSTEMD_UNIT={unit} + _SYSTEMD_USER_UNIT={unit}"
+        script = (
+            f"printf '%s\\n' {' '.join(shlex.quote(line) for line in lines)}; echo \"pid $$\"; "
+            f'n=0; until journalctl -q --no-pager -o cat {match} | grep -qx "pid $$" '
+            "|| [ $n -ge 200 ]; do n=$((n + 1)); sleep 0.05; done"
+        )
+        subprocess.run(
+            ["systemd-run", "--user", "--quiet", "--collect", f"--unit={unit}",
+             "-p", "Type=oneshot", "/bin/sh", "-c", script.replace("$", "$$")],
+            check=True, timeout=60, capture_output=True,
+        )  # fmt: skip
 
     def journal(self, unit: str, after: str = "") -> str:
         """The unit's messages (after the cursor ``after``: unit names recur across runs)."""

@@ -1,6 +1,7 @@
 """The journal read in place (``launcher.host.sdjournal``) on the sandbox's real journal,
-with ``journalctl -f -o json --after-cursor``'s meaning; ``journalctl -f`` where it cannot be
-read so. How soon a line arrives is ``scripts/bench-journal``'s to measure, not a test's."""
+with ``journalctl -f -o json --after-cursor``'s meaning (as systemd 252's journalctl
+ought to read it: see ``launcher.host.systemd``); ``journalctl -f`` where it cannot be read
+so. How soon a line arrives is ``scripts/bench-journal``'s to measure, not a test's."""
 
 from __future__ import annotations
 
@@ -12,16 +13,6 @@ from conftest import Sandbox
 
 from launcher.host import sdjournal
 from launcher.host.systemd import JournalFollower, Systemd
-
-
-def logged(unit: str, *script: str) -> None:
-    """Run ``script`` (sh; it ends saying ``pid`` and its pid: systemd reads ``$$`` as
-    ``$``) as unit ``unit``, to its end."""
-    subprocess.run(
-        ["systemd-run", "--user", "--quiet", "--collect", f"--unit={unit}",
-         "-p", "Type=oneshot", "/bin/sh", "-c", "; ".join([*script, "echo pid $$$$"])],
-        check=True, timeout=60, capture_output=True,
-    )  # fmt: skip
 
 
 def matches(unit: str) -> list[str]:
@@ -51,18 +42,18 @@ def test_the_follower_reads_the_journal_in_place(sandbox: Sandbox) -> None:
 def test_the_poller_reads_what_comes_after_its_cursor_in_order(sandbox: Sandbox) -> None:
     u = unit("after")
     systemd = Systemd(u, "user")
-    logged(u, "echo before")
+    sandbox.log_as(u, "before")
     _, cursor = systemd.messages(None)  # the unit's own last entry
     assert cursor is not None
     with sdjournal.Poller(matches(u), cursor) as p:
-        logged(u, "echo one", "echo two")
+        sandbox.log_as(u, "one", "two")
         lines = read_until(p, "pid")
     assert [line for line in lines if not line.startswith("pid")] == ["one", "two"]
 
 
 def test_the_poller_from_no_cursor_reads_the_units_whole_journal(sandbox: Sandbox) -> None:
     u = unit("head")
-    logged(u, "echo first")
+    sandbox.log_as(u, "first")
     with sdjournal.Poller(matches(u), None) as p:
         assert "first" in read_until(p, "first")
 
@@ -71,18 +62,77 @@ def test_the_poller_keeps_only_the_messages_its_pattern_matches(sandbox: Sandbox
     u = unit("grep")
     systemd = Systemd(u, "user")
     with sdjournal.Poller(matches(u), systemd.cursor(), grep=r"ke(ep)") as p:
-        logged(u, "echo drop", "echo keep me", "echo dropped too", "echo keep")
+        sandbox.log_as(u, "drop", "keep me", "dropped too", "keep")
         lines = read_until(p, "keep")
         lines += p.read(0.5)
     assert lines == ["keep me", "keep"]
+
+
+def test_a_lowercase_pattern_ignores_case_as_journalctls_grep_does(sandbox: Sandbox) -> None:
+    u = unit("case")
+    with sdjournal.Poller(matches(u), Systemd(u, "user").cursor(), grep="keep") as p:
+        sandbox.log_as(u, "KEEP it", "drop", "Keep")
+        lines = read_until(p, "pid") + p.read(0.5)
+    assert lines == ["KEEP it", "Keep"]
+
+
+def test_a_pattern_python_cannot_compile_is_followed_with_journalctl(sandbox: Sandbox) -> None:
+    # \K (PCRE2's "keep what matched so far out of the match"): Python's re refuses it
+    u = unit("pcre")
+    systemd = Systemd(u, "user")
+    with systemd.follow(systemd.cursor(), grep=r"ke\Kep") as follower:
+        assert isinstance(follower, JournalFollower)
+        sandbox.log_as(u, "drop", "keep")
+        assert read_until(follower, "keep") == ["keep"]
+
+
+def test_a_poller_read_in_a_forked_child_has_ended(sandbox: Sandbox) -> None:
+    # sd-journal(3): a handle is its process's; libsystemd answers -ECHILD in a child
+    u = unit("fork")
+    with sdjournal.Poller(matches(u), None) as p:
+        r, w = os.pipe()
+        child = os.fork()
+        if child == 0:  # never back into pytest
+            try:
+                p.read(0.1)
+                os.write(w, b"ended" if p.ended else b"reading")
+            finally:
+                os._exit(0)
+        os.waitpid(child, 0)
+        assert os.read(r, 16) == b"ended"
+        assert not p.ended  # the parent's reads on
+
+
+@pytest.mark.parametrize("kind", ["messages", "journalctl -f"])
+def test_what_comes_after_another_units_cursor_begins_with_the_units_first_line(
+    sandbox: Sandbox, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    # the cursor of the journal's end is another unit's entry: systemd 252's journalctl
+    # --after-cursor skipped the unit's first line after it
+    monkeypatch.setattr(sdjournal, "Poller", _unavailable)
+    u = unit("first" + kind[-1])
+    systemd = Systemd(u, "user")
+    cursor = systemd.cursor()
+    sandbox.log_as(u, "first", "second")
+    if kind == "messages":
+        lines = systemd.messages(cursor)[0]
+    else:
+        with systemd.follow(cursor) as follower:
+            assert isinstance(follower, JournalFollower)
+            lines = read_until(follower, "pid")
+    assert lines[:2] == ["first", "second"]
+
+
+def _unavailable(*args: object, **kw: object) -> None:
+    raise sdjournal.Unavailable("libsystemd.so.0 cannot be loaded: (passed in by the test)")
 
 
 def test_the_poller_leaves_out_the_lines_of_the_process_it_skips(sandbox: Sandbox) -> None:
     # two starts of one unit, as a restart's: the first process's lines are left out
     u = unit("skip")
     cursor = Systemd(u, "user").cursor()
-    logged(u, "echo from the first")
-    logged(u, "echo from the second")
+    sandbox.log_as(u, "from the first")
+    sandbox.log_as(u, "from the second")
     with sdjournal.Poller(matches(u), cursor) as p:
         both = read_until(p, "from the second")
     first = int(both[1].split()[-1])  # the first start's "pid N"
@@ -95,15 +145,12 @@ def test_a_journal_the_poller_cannot_open_is_followed_with_journalctl(
     sandbox: Sandbox, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # libsystemd missing or refusing cannot be made here: its error is passed in
-    def unavailable(*args: object, **kw: object) -> None:
-        raise sdjournal.Unavailable("libsystemd.so.0 cannot be loaded: (passed in by the test)")
-
-    monkeypatch.setattr(sdjournal, "Poller", unavailable)
+    monkeypatch.setattr(sdjournal, "Poller", _unavailable)
     u = unit("fallback")
     systemd = Systemd(u, "user")
     with systemd.follow(systemd.cursor()) as follower:
         assert isinstance(follower, JournalFollower)
-        logged(u, "echo through journalctl")
+        sandbox.log_as(u, "through journalctl")
         assert "through journalctl" in read_until(follower, "through journalctl")
 
 
@@ -111,5 +158,5 @@ def test_the_poller_reads_on_in_the_file_journald_rotates_to(sandbox: Sandbox) -
     u = unit("rotate")
     with sdjournal.Poller(matches(u), Systemd(u, "user").cursor()) as p:
         subprocess.run(["journalctl", "--rotate"], check=True, timeout=60, capture_output=True)
-        logged(u, "echo in the new file")
+        sandbox.log_as(u, "in the new file")
         assert "in the new file" in read_until(p, "in the new file")

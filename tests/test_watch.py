@@ -30,7 +30,7 @@ import realserver
 from conftest import Host, Sandbox
 
 from launcher.deploy import home, store
-from launcher.host import timer
+from launcher.host import sdjournal, timer
 from launcher.host.systemd import Systemd
 from launcher.server import serverlog
 from launcher.watch import record, sample, textfile
@@ -528,15 +528,6 @@ def test_a_sample_on_every_build(host: Host, build: int) -> None:
         assert out["pressure"]["used"] == held > 0
 
 
-def logged(unit: str, line: str) -> None:
-    """``line`` in the journal as unit ``unit`` logs it (a transient unit that echoes it)."""
-    subprocess.run(
-        ["systemd-run", "--user", "--quiet", "--collect", f"--unit={unit}", "-p", "Type=oneshot",
-         "/bin/echo", line],
-        check=True, timeout=60,
-    )  # fmt: skip
-
-
 TOO_LONG = (
     "srv    send_error: task id = 5, error: request (1100 tokens) exceeds the available context "
     "size (1024 tokens), try increasing it"
@@ -544,16 +535,24 @@ TOO_LONG = (
 OVERFLOW = "srv    send_error: task id = 12, error: Context size has been exceeded."
 
 
+@pytest.mark.parametrize("kind", ["in place", "journalctl"])
 def test_the_journal_follower_of_a_bake_reads_the_servers_failures_not_the_clients(
-    sandbox: Sandbox,
+    sandbox: Sandbox, monkeypatch: pytest.MonkeyPatch, kind: str
 ) -> None:
-    """``journalctl -f --grep`` (PCRE2) on this systemd, from the journal's end on."""
+    """From the journal's end on: read in place (``launcher.host.sdjournal``, Python's
+    ``re``) or, where it cannot be, ``journalctl -f --grep`` (PCRE2) on this systemd."""
+    if kind == "journalctl":
+
+        def unavailable(*args: object, **kw: object) -> None:
+            raise sdjournal.Unavailable("libsystemd.so.0: (passed in by the test)")
+
+        monkeypatch.setattr(sdjournal, "Poller", unavailable)
     unit = f"llw-grep-{os.getpid()}.service"
-    logged(unit, OVERFLOW)  # before the follower: not read again
+    sandbox.log_as(unit, OVERFLOW)  # before the follower: not read again
     systemd = Systemd(unit, "user")
     with systemd.follow(systemd.cursor(), grep=serverlog.HARD_FAILURE_GREP) as journal:
-        logged(unit, TOO_LONG)
-        logged(unit, OVERFLOW)
+        sandbox.log_as(unit, TOO_LONG)
+        sandbox.log_as(unit, OVERFLOW)
         lines: list[str] = []
         for _ in range(30):
             lines += journal.read(1.0)
@@ -566,5 +565,5 @@ def test_the_journal_wakes_a_bake_at_a_request_the_server_failed(sandbox: Sandbo
     unit = f"llw-wake-{os.getpid()}.service"
     with sample.hard_failures(Systemd(unit, "user")) as wake:
         assert wake is not None
-        logged(unit, OVERFLOW)
+        sandbox.log_as(unit, OVERFLOW)
         assert wake(30.0) is True

@@ -249,8 +249,9 @@ class Gate:
     def _startup_line(
         self, ready: _Ready, cursor: str | None
     ) -> tuple[serverlog.StartupScan, list[str]]:
-        """The startup line, once the server is healthy. It is in the journal file already;
-        journald only tells followers about new entries every 250 ms, so read the file."""
+        """The startup line, once the server is healthy. It is in the journal file already
+        while the follower may be a poll behind it (journalctl -f, the fallback, 250 ms),
+        so read the file."""
         if ready.scan.startup is not None:
             return ready.scan, ready.log
         old_pid = ready.before.main_pid

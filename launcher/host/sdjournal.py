@@ -11,7 +11,10 @@ kept. ``open`` raises ``Unavailable`` where libsystemd cannot be loaded or the j
 opened (then ``launcher.host.systemd`` follows with journalctl).
 
 The journal is opened as journalctl opens it by default (``SD_JOURNAL_LOCAL_ONLY``: what
-this user may read, system and user journals alike).
+this user may read, system and user journals alike). sd-journal(3): a handle belongs to the
+thread (and the process) that opened it. A Poller whose journal cannot be read any more
+(libsystemd's error: a damaged file; or read in a forked child) has ``ended``, as
+journalctl -f would exit.
 """
 
 from __future__ import annotations
@@ -20,11 +23,15 @@ import ctypes
 import os
 import re
 import time
+import weakref
 from typing import Any
 
 #: how often the poller looks for new entries while it waits (s): a ``sd_journal_next``
 #: on a mapped file, no process started
 POLL = 0.02
+#: the most entries one look reads (the rest at the next): a read from the first entry of a
+#: long journal keeps to its timeout
+BATCH = 1000
 
 _LOCAL_ONLY = 1
 
@@ -57,7 +64,10 @@ def _library() -> Any:
             "sd_journal_get_fd": [p],
             "sd_journal_get_data": [p, c, ctypes.POINTER(p), ctypes.POINTER(s)],
         }.items():
-            fn = getattr(lib, name)
+            try:
+                fn = getattr(lib, name)
+            except AttributeError as e:  # a libsystemd older than these calls
+                raise Unavailable(f"libsystemd.so.0 has no {name}") from e
             fn.argtypes, fn.restype = args, i
         lib.sd_journal_close.argtypes, lib.sd_journal_close.restype = [p], None
         _lib = lib
@@ -67,7 +77,8 @@ def _library() -> Any:
 class Poller:
     """The entries matching ``matches`` (journalctl's syntax: ``FIELD=value``, ``+`` for
     OR) after ``after_cursor`` (None: from the first), without those process ``skip_pid``
-    logged, only those whose message matches ``grep`` (a regular expression; None: all)."""
+    logged, only those whose message matches ``grep`` (a regular expression; None: all;
+    as journalctl's ``--grep``, it ignores case when it has no capital letter)."""
 
     def __init__(
         self,
@@ -77,12 +88,14 @@ class Poller:
         grep: str | None = None,
     ) -> None:
         self.lib = _library()
-        self.skip_pid, self.grep = skip_pid, re.compile(grep) if grep else None
-        #: the interface of ``launcher.host.systemd.Follower``: a journal read in
-        #: place never ends
-        self.ended = False
+        self.skip_pid, self.grep = skip_pid, _pattern(grep) if grep else None
+        #: ``launcher.host.systemd.Follower``'s: no more can be read (why: ``error``)
+        self.ended, self.error = False, ""
+        self.pid = os.getpid()
         self.j = ctypes.c_void_p()
         self._check(self.lib.sd_journal_open(ctypes.byref(self.j), _LOCAL_ONLY), "open")
+        # a Poller dropped unclosed lets go of the journal's files (and their disk space)
+        self._closer = weakref.finalize(self, self.lib.sd_journal_close, self.j)
         try:
             # the journal's folders watched (inotify): without it, ``sd_journal_process``
             # never sees a file journald makes later (a rotation, a user's first journal)
@@ -112,6 +125,12 @@ class Poller:
         if self.lib.sd_journal_next(self.j) > 0 and self.lib.sd_journal_test_cursor(self.j, c) <= 0:
             self.lib.sd_journal_seek_cursor(self.j, c)  # another entry: read it again
 
+    def _end(self, r: int, what: str) -> bool:
+        """True (and ``ended``) when libsystemd's ``r`` is an error."""
+        if r < 0:
+            self.ended, self.error = True, f"sd_journal {what}: {os.strerror(-r)}"
+        return self.ended
+
     def _field(self, name: bytes) -> bytes | None:
         data, size = ctypes.c_void_p(), ctypes.c_size_t()
         if self.lib.sd_journal_get_data(self.j, name, ctypes.byref(data), ctypes.byref(size)) < 0:
@@ -119,13 +138,22 @@ class Poller:
         return ctypes.string_at(data, size.value)[len(name) + 1 :]
 
     def _new(self) -> list[str]:
-        self.lib.sd_journal_process(self.j)  # new and rotated files (inotify), never waits
+        if os.getpid() != self.pid:  # a forked child: the handle is its parent's
+            self.ended, self.error = True, "sd_journal: read in a forked process"
+        # new and rotated files (inotify), never waits
+        if self.ended or self._end(self.lib.sd_journal_process(self.j), "process"):
+            return []
         lines: list[str] = []
-        while self.lib.sd_journal_next(self.j) > 0:
+        for _ in range(BATCH):
+            r = self.lib.sd_journal_next(self.j)
+            if r == 0 or self._end(r, "next"):
+                break
             if self.skip_pid and self._field(b"_PID") == str(self.skip_pid).encode():
                 continue
             raw = self._field(b"MESSAGE")
-            msg = raw.decode(errors="replace") if raw is not None else ""
+            if raw is None:  # no message (journalctl's json has none either)
+                continue
+            msg = raw.decode(errors="replace")
             if self.grep is None or self.grep.search(msg):
                 lines.extend(msg.splitlines() or [""])
         return lines
@@ -134,17 +162,27 @@ class Poller:
         """Messages that arrived within ``timeout`` seconds (possibly none): what is new
         now, or the first new ones within ``timeout``, looked for every ``POLL`` s."""
         end = time.monotonic() + timeout
-        while not (lines := self._new()) and (left := end - time.monotonic()) > 0:
+        while not (lines := self._new()) and not self.ended:
+            if (left := end - time.monotonic()) <= 0:
+                break
             time.sleep(min(POLL, left))
         return lines
 
     def close(self) -> None:
-        if self.j:
-            self.lib.sd_journal_close(self.j)
-            self.j = ctypes.c_void_p()
+        self._closer()  # once: sd_journal_close
 
     def __enter__(self) -> Poller:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _pattern(grep: str) -> re.Pattern[str]:
+    """``grep`` compiled as journalctl's ``--grep`` reads it: case-insensitive when it has
+    no capital letter (raises ``Unavailable`` for one Python cannot compile: journalctl,
+    whose PCRE2 may, is the follower then)."""
+    try:
+        return re.compile(grep, 0 if re.search(r"[A-Z]", grep) else re.IGNORECASE)
+    except re.error as e:
+        raise Unavailable(f"the pattern {grep!r}: {e}") from e

@@ -1,8 +1,10 @@
 """systemctl and journalctl, read in their machine-readable forms.
 
-``systemctl show -p ...`` (never ``status`` prose) and ``journalctl -o json --after-cursor``;
+``systemctl show -p ...`` (never ``status`` prose) and ``journalctl -o json --cursor``;
 a journal followed is read in place (``launcher.host.sdjournal``), ``journalctl -f`` where
-it cannot be.
+it cannot be. Entries after a cursor are read with ``--cursor C`` and C's own entry left
+out: systemd 252's ``--after-cursor`` skips one entry more than it should when C's entry is
+not the unit's (``cursor()`` is the whole journal's end), the unit's first.
 The journal is matched with ``_SYSTEMD_UNIT=U + _SYSTEMD_USER_UNIT=U`` so the same query finds
 a system unit and a user unit. The runner is passed in (default: ``launcher.host.proc.run``), so
 tests hand in the real sandbox, never a patched module.
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 from typing import IO, Any, Literal, Protocol
 
 from launcher.errors import CommandError, ConfigInvalid, SystemdError
-from launcher.host import proc, sdjournal
+from launcher.host import proc
 
 Runner = Callable[..., proc.Result]
 Scope = Literal["system", "user"]
@@ -208,7 +210,7 @@ class Systemd:
         ``skip_pid``: leave out what that process logged (the one a restart replaced)."""
         args = ["-o", "json"]
         if after_cursor:
-            args += ["--after-cursor", after_cursor]
+            args += ["--cursor", after_cursor]
         if limit:
             args += ["-n", str(limit)]
         try:
@@ -222,7 +224,8 @@ class Systemd:
             except ValueError:
                 continue
             cursor = entry.get("__CURSOR", cursor)
-            lines.extend(entry_lines(entry, skip_pid))
+            if after_cursor is None or cursor != after_cursor:  # not the cursor's own
+                lines.extend(entry_lines(entry, skip_pid))
         return lines, cursor
 
     def follow(
@@ -233,12 +236,16 @@ class Systemd:
         (``launcher.host.sdjournal``: a new line within 20 ms), else with ``journalctl -f``
         (journald tells it of new lines every 250 ms; ``grep`` is then journalctl's
         ``--grep``, a PCRE2 pattern: a journalctl built without PCRE2 exits at once)."""
+        # imported here: the unit's ExecStart (python -S) loads this module and has no use
+        # for ctypes and libsystemd (tests/test_layout.py)
+        from launcher.host import sdjournal
+
         with contextlib.suppress(sdjournal.Unavailable):
             return sdjournal.Poller(unit_matches(self.unit), after_cursor, skip_pid, grep)
         args = ["-f", "-o", "json"]
-        args += ["--after-cursor", after_cursor] if after_cursor else ["-n", "all"]
+        args += ["--cursor", after_cursor] if after_cursor else ["-n", "all"]
         args += ["--grep", grep] if grep else []
-        return JournalFollower(self._journal_argv(*args), self.env, skip_pid)
+        return JournalFollower(self._journal_argv(*args), self.env, skip_pid, after_cursor)
 
     def tail(self, n: int = 30) -> list[str]:
         """The unit's last ``n`` journal messages."""
@@ -264,8 +271,15 @@ class JournalFollower:
     """A running ``journalctl -f -o json``: messages as journald stores them, without
     spawning journalctl on every poll."""
 
-    def __init__(self, argv: list[str], env: dict[str, str], skip_pid: int = 0) -> None:
-        self.skip_pid = skip_pid
+    def __init__(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        skip_pid: int = 0,
+        skip_cursor: str | None = None,
+    ) -> None:
+        #: left out: what process ``skip_pid`` logged, the entry ``skip_cursor`` names
+        self.skip_pid, self.skip_cursor = skip_pid, skip_cursor
         self.proc = proc.spawn(argv, env)
         assert self.proc.stdout is not None
         self.fd = self.proc.stdout.fileno()
@@ -289,9 +303,11 @@ class JournalFollower:
         lines: list[str] = []
         for raw in complete:
             try:
-                lines.extend(entry_lines(json.loads(raw), self.skip_pid))
+                entry = json.loads(raw)
             except ValueError:
                 continue
+            if self.skip_cursor is None or entry.get("__CURSOR") != self.skip_cursor:
+                lines.extend(entry_lines(entry, self.skip_pid))
         return lines
 
     def close(self) -> None:

@@ -422,7 +422,7 @@ def look(
 
 @contextlib.contextmanager
 def hard_failures(systemd: Systemd) -> Iterator[Callable[[float], bool] | None]:
-    """A wait that the unit's journal cuts short (``journalctl -f --grep``): ``wake(s)``
+    """A wait that the unit's journal cuts short (``Systemd.follow`` with a pattern): ``wake(s)``
     waits up to ``s`` seconds and returns True as soon as the server logs a request it
     failed itself (``serverlog.HARD_FAILURE_GREP``), so a bake samples at once, not at its
     next interval (``launcher.watch.bake.carry``). It follows the running process's lines
