@@ -232,7 +232,11 @@ def run(env: dict[str, str], url: str, where: list[str], state: Path) -> None:
     if early.get("at"):
         print(f"first hard signal -> the front held (the early hold): {early['at'] - first:+.2f} s")
     else:
-        print("the early hold: none (the revert held or switched in its own time)")
+        why = [n for n in the_bake.progress.notes if "held early" in n]
+        print(
+            "the early hold: none (the revert held or switched in its own time)"
+            + (f"; the bake's notes: {' | '.join(why)}" if why else "")
+        )
     print(f"verdict -> the old config serving (generation {live.number}): {serving - ended:.1f} s")
     print(f"first hard signal -> the old config serving: {serving - first:.1f} s")
     lost = sum(1 for t, ok in agents.done if not ok and first <= t <= serving)

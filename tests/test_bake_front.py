@@ -84,6 +84,21 @@ def test_the_early_hold_holds_the_front_under_the_deploy_lock_and_lets_go_withou
     assert early.front.holding() is None and early.front.state()["state"] == "open"
 
 
+def test_an_early_hold_a_deploy_under_way_keeps_from_holding_says_why_in_the_bakes_notes(
+    fronted: Host,
+) -> None:
+    b = baking(fronted)
+    early = revert.EarlyHold.of(b)
+    assert early is not None
+    with early.store.lock(0), early(b) as rev:  # a deploy under way has the unit's lock
+        assert rev is None
+        assert early.front.holding() is None
+    got = bake.load(store.Store(fronted.state_dir).get(b.generation).path)
+    assert got is not None
+    said = [n for n in got.progress.notes if "nothing was held early" in n]
+    assert said and "another deploy holds" in said[0], got.progress.notes
+
+
 def test_a_revert_under_the_early_hold_puts_the_old_config_back_and_serves_what_it_held(
     fronted: Host, monkeypatch: pytest.MonkeyPatch
 ) -> None:

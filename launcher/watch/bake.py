@@ -532,7 +532,7 @@ def carry(
     first = bake_of()
     if first is None or not first.running:
         return first
-    looks = _Looks(first.policy, look, sleep, clock, lambda text: _note(st, generation, text), wake)
+    looks = _Looks(first.policy, look, sleep, clock, lambda text: note(st, generation, text), wake)
     patience = _Patience(st, generation, first.policy, clock, wall, lock)
 
     def again() -> bool:
@@ -634,8 +634,8 @@ class _Patience:
         return b
 
 
-def _note(st: store.Store, generation: int, text: str) -> None:
-    """A line in a running bake's notes."""
+def note(st: store.Store, generation: int, text: str) -> None:
+    """A line in a running bake's notes (``status --json`` shows the last five)."""
     with contextlib.suppress(OSError, StoreError):
         gen = st.get(generation)
         b = load(gen.path)

@@ -36,6 +36,7 @@ from launcher.deploy.front import Front
 from launcher.deploy.result import Result
 from launcher.deploy.transaction import Deployer
 from launcher.errors import DeployFailed, LauncherError, RollbackFailed
+from launcher.watch.bake import note
 from launcher.watch.verdict import Verdict
 
 if TYPE_CHECKING:
@@ -105,11 +106,12 @@ class EarlyHold:
     calls it) when that failure reverts the bake for sure (``bake.certain``): the unit's
     deploy lock taken (never waited for: a deploy under way has it) and the front held for
     one deploy's budget; it yields the revert to judge with (it runs under this lock), or
-    None (nothing held: the sample judges as any other). On the way out, a hold of this
-    process still recorded (no revert came, or it failed before its handover) is released,
-    then the lock. Made when the carry begins (the settings, the store and the front read
-    then), so that the hold at the line costs a lock, a ``systemctl show`` of the release
-    watcher and the runtime API's commands. None (``of``): the unit has no front."""
+    None (nothing held: the sample judges as any other; the bake's notes say why). On the
+    way out, a hold of this process still recorded (no revert came, or it failed before its
+    handover) is released, then the lock. Made when the carry begins (the settings, the
+    store and the front read then), so that the hold at the line costs a lock, a
+    ``systemctl show`` of the release watcher and the runtime API's commands. None
+    (``of``): the unit has no front."""
 
     def __init__(self, settings: config.ToolSettings, front: Front, st: store.Store) -> None:
         self.settings, self.front, self.store = settings, front, st
@@ -143,18 +145,25 @@ class EarlyHold:
         """The lock and the hold (each let go by ``stack``); what was held, or None."""
         t0 = time.monotonic()
         try:
-            if handover.watcher_missing(self.front) is not None:
-                return None  # a hold nothing would release if this process died
+            if (missing := handover.watcher_missing(self.front)) is not None:
+                # a hold nothing would release if this process died
+                self._none(b, missing)
+                return None
             stack.enter_context(self.store.lock(0))
             drain = min(self.settings.drain_timeout, b.policy.drain)
             w = waits.Waits.from_settings(self.settings)
             seconds = budgets.deploy_total(drain, w, budgets.last_load(self.store))
             stack.callback(self._let_go)  # registered before the hold: a hold is never left
             self.front.hold(seconds)
-        except (LauncherError, OSError):
+        except (LauncherError, OSError) as e:
             stack.close()  # what was taken, let go: the sample judges as any other
+            self._none(b, str(e))
             return None
         return {"held": True, "at": time.time(), "took": round(time.monotonic() - t0, 3)}
+
+    def _none(self, b: Bake, why: str) -> None:
+        """Nothing held early, and why, in the bake's notes."""
+        note(self.store, b.generation, f"nothing was held early at a hard failure: {why}")
 
     def _let_go(self) -> None:
         """The front released if the hold recorded is still this process's."""
