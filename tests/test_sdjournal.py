@@ -72,7 +72,7 @@ def test_a_lowercase_pattern_ignores_case_as_journalctls_grep_does(sandbox: Sand
     u = unit("case")
     with sdjournal.Poller(matches(u), Systemd(u, "user").cursor(), grep="keep") as p:
         sandbox.log_as(u, "KEEP it", "drop", "Keep")
-        lines = read_until(p, "pid") + p.read(0.5)
+        lines = read_until(p, "Keep") + p.read(0.5)
     assert lines == ["KEEP it", "Keep"]
 
 
