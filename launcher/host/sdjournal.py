@@ -7,8 +7,8 @@ file as soon as journald appended it, so a reader that looks every ``POLL`` seco
 within that (``scripts/bench-journal`` measures both). ``Poller`` is that reader, with
 ``journalctl -f -o json --after-cursor``'s meaning: the unit's entries after a cursor, in
 the journal's order, those of one process left out, those whose message matches a pattern
-kept. ``open`` raises ``Unavailable`` where libsystemd cannot be loaded or the journal not
-opened (then ``launcher.host.systemd`` follows with journalctl).
+kept. ``Poller`` raises ``Unavailable`` where libsystemd cannot be loaded or the journal
+not opened (then ``launcher.host.systemd`` follows with journalctl).
 
 The journal is opened as journalctl opens it by default (``SD_JOURNAL_LOCAL_ONLY``: what
 this user may read, system and user journals alike). sd-journal(3): a handle belongs to the
