@@ -13,10 +13,7 @@ from conftest import Sandbox
 
 from launcher.host import sdjournal
 from launcher.host.systemd import JournalFollower, Systemd
-
-
-def matches(unit: str) -> list[str]:
-    return [f"_SYSTEMD_UNIT={unit}", "+", f"_SYSTEMD_USER_UNIT={unit}"]
+from launcher.host.systemd import unit_matches as matches
 
 
 def read_until(follower: sdjournal.Poller | JournalFollower, want: str) -> list[str]:
@@ -105,11 +102,10 @@ def test_a_poller_read_in_a_forked_child_has_ended(sandbox: Sandbox) -> None:
 
 @pytest.mark.parametrize("kind", ["messages", "journalctl -f"])
 def test_what_comes_after_another_units_cursor_begins_with_the_units_first_line(
-    sandbox: Sandbox, monkeypatch: pytest.MonkeyPatch, kind: str
+    sandbox: Sandbox, kind: str
 ) -> None:
     # the cursor of the journal's end is another unit's entry: systemd 252's journalctl
     # --after-cursor skipped the unit's first line after it
-    monkeypatch.setattr(sdjournal, "Poller", _unavailable)
     u = unit("first" + kind[-1])
     systemd = Systemd(u, "user")
     cursor = systemd.cursor()
@@ -117,14 +113,10 @@ def test_what_comes_after_another_units_cursor_begins_with_the_units_first_line(
     if kind == "messages":
         lines = systemd.messages(cursor)[0]
     else:
-        with systemd.follow(cursor) as follower:
+        with systemd.follow_journalctl(cursor) as follower:
             assert isinstance(follower, JournalFollower)
             lines = read_until(follower, "pid")
     assert lines[:2] == ["first", "second"]
-
-
-def _unavailable(*args: object, **kw: object) -> None:
-    raise sdjournal.Unavailable("libsystemd.so.0 cannot be loaded: (passed in by the test)")
 
 
 def test_the_poller_leaves_out_the_lines_of_the_process_it_skips(sandbox: Sandbox) -> None:
@@ -145,7 +137,10 @@ def test_a_journal_the_poller_cannot_open_is_followed_with_journalctl(
     sandbox: Sandbox, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # libsystemd missing or refusing cannot be made here: its error is passed in
-    monkeypatch.setattr(sdjournal, "Poller", _unavailable)
+    def unavailable(*args: object, **kw: object) -> None:
+        raise sdjournal.Unavailable("libsystemd.so.0 cannot be loaded: (passed in by the test)")
+
+    monkeypatch.setattr(sdjournal, "Poller", unavailable)
     u = unit("fallback")
     systemd = Systemd(u, "user")
     with systemd.follow(systemd.cursor()) as follower:

@@ -30,7 +30,7 @@ import realserver
 from conftest import Host, Sandbox
 
 from launcher.deploy import home, store
-from launcher.host import sdjournal, timer
+from launcher.host import timer
 from launcher.host.systemd import Systemd
 from launcher.server import serverlog
 from launcher.watch import record, sample, textfile
@@ -537,20 +537,15 @@ OVERFLOW = "srv    send_error: task id = 12, error: Context size has been exceed
 
 @pytest.mark.parametrize("kind", ["in place", "journalctl"])
 def test_the_journal_follower_of_a_bake_reads_the_servers_failures_not_the_clients(
-    sandbox: Sandbox, monkeypatch: pytest.MonkeyPatch, kind: str
+    sandbox: Sandbox, kind: str
 ) -> None:
     """From the journal's end on: read in place (``launcher.host.sdjournal``, Python's
     ``re``) or, where it cannot be, ``journalctl -f --grep`` (PCRE2) on this systemd."""
-    if kind == "journalctl":
-
-        def unavailable(*args: object, **kw: object) -> None:
-            raise sdjournal.Unavailable("libsystemd.so.0: (passed in by the test)")
-
-        monkeypatch.setattr(sdjournal, "Poller", unavailable)
     unit = f"llw-grep-{os.getpid()}.service"
     sandbox.log_as(unit, OVERFLOW)  # before the follower: not read again
     systemd = Systemd(unit, "user")
-    with systemd.follow(systemd.cursor(), grep=serverlog.HARD_FAILURE_GREP) as journal:
+    follow = systemd.follow if kind == "in place" else systemd.follow_journalctl
+    with follow(systemd.cursor(), grep=serverlog.HARD_FAILURE_GREP) as journal:
         sandbox.log_as(unit, TOO_LONG)
         sandbox.log_as(unit, OVERFLOW)
         lines: list[str] = []

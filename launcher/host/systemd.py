@@ -242,6 +242,12 @@ class Systemd:
 
         with contextlib.suppress(sdjournal.Unavailable):
             return sdjournal.Poller(unit_matches(self.unit), after_cursor, skip_pid, grep)
+        return self.follow_journalctl(after_cursor, skip_pid, grep)
+
+    def follow_journalctl(
+        self, after_cursor: str | None, skip_pid: int = 0, grep: str | None = None
+    ) -> JournalFollower:
+        """``follow`` with ``journalctl -f`` (what it falls back to)."""
         args = ["-f", "-o", "json"]
         args += ["--cursor", after_cursor] if after_cursor else ["-n", "all"]
         args += ["--grep", grep] if grep else []
