@@ -5,7 +5,10 @@ not a test: nothing here asserts.
 
 The good config (``-np 4 -kvu --kv-unified-per-slot CAP -c 4*CAP``) serves four agents and
 records a baseline; the over-committed one (``-np 4 -kvu -c CAP --allow-overcommit``) is
-deployed with ``--bake 10m --wait`` while they go on (CAP: ``BENCH_CAP``, 1,024). Printed:
+deployed with ``--bake 10m`` while they go on (CAP: ``BENCH_CAP``, 1,024), the default path: the
+CLI returns after the gate and the sampler's service carries the bake (``BENCH_WAIT=1``: with
+``--wait``). Printed: when the bake's first sample came, after the deploy's commit and after
+the CLI returned;
 the bake's sample interval and its pool watch (``bake_pool_limit``, ``bake_pool_poll``: set
 them in the environment, ``LLAMA_LAUNCHER_BAKE_POOL_LIMIT=0`` for none); the verdict; the
 first 'Context size has been exceeded' (the server's journal time from the baked
@@ -75,6 +78,8 @@ FRONT = os.environ.get("BENCH_FRONT", "none")
 SESSIONS = os.environ.get("BENCH_SESSIONS", "fresh")
 #: seconds an agent spends between two turns (its tools), BENCH_THINK
 THINK = float(os.environ.get("BENCH_THINK", "0"))
+#: BENCH_WAIT=1: ``deploy --wait`` (the deploy waits for the verdict); else the default path
+WAIT = os.environ.get("BENCH_WAIT", "") not in ("", "0")
 
 
 def cli(env: dict[str, str], *args: str) -> tuple[int, dict[str, Any]]:
@@ -180,21 +185,31 @@ def run(env: dict[str, str], url: str, where: list[str], state: Path) -> None:
         where = [str(private) if w == where[where.index("--port") + 1] else w for w in where]
     if SESSIONS == "fresh":
         agents.begin_again.update(range(4))
-    rc, out = cli(env, "deploy", *where, *BAD, "--drain-timeout", "5", "--bake", "10m", "--wait")
+    wait = ["--wait"] if WAIT else []
+    rc, out = cli(env, "deploy", *where, *BAD, "--drain-timeout", "5", "--bake", "10m", *wait)
+    returned = time.time()
+    st = store.Store(state)
+    baked = (out.get("bake") or {}).get("started", {}).get("generation")
+    the_bake = bake.load(st.get(baked).path) if baked is not None else None
+    deadline = time.monotonic() + 600
+    while the_bake is not None and the_bake.state in (bake.RUNNING, bake.REVERTING):
+        if time.monotonic() > deadline:  # the default path: the sampler's service carries it
+            break
+        time.sleep(0.2)
+        the_bake = bake.load(st.get(baked).path) or the_bake
     time.sleep(5)
     agents.stop.set()
     for t in threads:
         t.join(timeout=130)
-    st = store.Store(state)
     live = st.live()
-    baked = (out.get("bake") or {}).get("started", {}).get("generation")
-    if rc != 6 or live is None or baked is None:
-        print(f"no revert: rc {rc}, outcome {out.get('outcome')}: {out.get('message')}")
+    if the_bake is None or the_bake.state != "reverted" or live is None or baked is None:
+        state = the_bake.state if the_bake else None
+        said = f"outcome {out.get('outcome')}, bake {state}: {out.get('message')}"
+        print(f"no revert: rc {rc}, {said}")
         return
     gone = st.get(baked)
     rec = record.load(gone.path, baked)
-    the_bake = bake.load(gone.path)
-    assert the_bake is not None and the_bake.ended is not None
+    assert the_bake.ended is not None
     policy, ended = the_bake.policy, the_bake.ended
     gated = bake.served_from(gone)
     # the overflows the baked generation's record has, and those only its clients saw (a
@@ -214,12 +229,20 @@ def run(env: dict[str, str], url: str, where: list[str], state: Path) -> None:
         if policy.pool_limit
         else "pool watch off"
     )
-    why = out["bake"]["verdict"]["verdict"]
+    assert the_bake.verdict is not None
+    why = the_bake.verdict.to_dict()
     print(
         time.strftime("%Y-%m-%d", time.localtime()),
         f"front {FRONT}, bake_interval {INTERVAL} s, {watch},",
-        f"sessions {SESSIONS}, cap {CAP}, think {THINK:g} s",
+        f"sessions {SESSIONS}, cap {CAP}, think {THINK:g} s,",
+        "deploy --wait" if WAIT else "the default path (the CLI returns after the gate)",
     )
+    first_sample = the_bake.progress.first
+    if first_sample is not None:
+        print(
+            f"first bake sample: {first_sample - gated:+.2f} s after the deploy's commit, "
+            f"{first_sample - returned:+.2f} s after the CLI returned"
+        )
     kind = "hard" if why["hard"] else "soft"
     print(f"verdict: {why['signal']} ({kind}), {ended - gated:.1f} s after the gate")
     if overflows:

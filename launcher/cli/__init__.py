@@ -5,7 +5,8 @@ Only this package prints to the user or exits. Each module in it registers its v
 only for the imports X needs.
 
 Exit codes: 0 success (changed or not), 1 other error, 2 invalid input (nothing changed),
-3 deploy failed and rolled back, 4 rollback failed, 5 lock timeout, 6 reverted by its bake.
+3 deploy failed and rolled back, 4 rollback failed, 5 lock timeout, 6 reverted by its bake,
+7 its bake's revert failed (the new config serves still).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ EPILOG = """exit codes:
   5  lock timeout: another deploy holds the unit's lock
   6  reverted (--wait): the new config passed the gate, but its bake found it
      worse under load; the previous config serves again
+  7  revert failed (--wait): the bake found the new config worse under load, but
+     its revert did not put the previous one back; the new config serves still
   78 exec only: the env file or its values are refused (systemd does not restart)
   128+signal  SIGINT/SIGTERM/SIGHUP before the change went live (130, 143, 129)
   141 the reader of the output went away (a closed pipe)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -447,6 +448,10 @@ def _progress() -> Any:
     return show
 
 
+#: A result's outcome -> the exit code (the failures the core raises carry their own).
+EXIT_CODES = {"reverted": 6, "rollback_failed": 4, "revert_failed": 7}
+
+
 def _finish(ns: argparse.Namespace, result: Result) -> int:
     if not ns.json and sys.stderr.isatty():
         print("\r\x1b[2K", end="", file=sys.stderr)
@@ -455,63 +460,23 @@ def _finish(ns: argparse.Namespace, result: Result) -> int:
         ns.json,
         lambda: human(result, getattr(ns, "diff", True) or result.outcome == "checked"),
     )
-    return {"reverted": 6, "rollback_failed": 4}.get(result.outcome, 0)
+    return EXIT_CODES.get(result.outcome, 0)
 
 
-def _baked(ns: argparse.Namespace, d: Deployer, result: Result, bakes: bool = True) -> Result:
-    """After a verb that changed the live generation: the bake it replaced ends (said in
-    the result), and with ``bakes`` (deploy, set, unset; never a rollback: a revert is
-    never reverted) and a bake set, the new one's bake begins; ``--wait`` carries it to
-    its verdict here."""
-    from launcher.watch import bake
+def _baked(ns: argparse.Namespace, d: Deployer, run: Callable[[], Result]) -> Result:
+    """A verb that deploys, with its bake's hand-off (``launcher.watch.handoff``)."""
+    from launcher.watch import handoff
 
-    if result.outcome != "deployed" or result.generation is None:
-        return result
-    prev = result.previous_generation
-    data: dict[str, Any] = {}
-    ended = bake.end(d.store, prev, f"generation {result.generation} replaced it ({ns.verb})")
-    if ended is not None:
-        data["ended"] = ended
-        result.warnings.append(
-            f"the bake of generation {prev} ended before its verdict: generation "
-            f"{result.generation} replaced it"
-        )
-    if bakes and d.settings.bake > 0:
-        started = bake.begin(d.settings, d.store, result.generation, prev)
-        data["started"] = started.view()
-        if getattr(ns, "wait", False):
-            return _wait(d, result, data)
-    result.bake = data or None
-    return result
+    return handoff.baked(d, ns.verb, run, bool(getattr(ns, "wait", False)))
 
 
-def _wait(d: Deployer, result: Result, data: dict[str, Any]) -> Result:
-    """Sample every bake interval until the bake's verdict (``deploy --wait``)."""
-    from launcher.watch import bake, sample
+def _baking(ns: argparse.Namespace, d: Deployer) -> Deployer:
+    """A deploy with a bake, refused before anything changes when nothing would watch it."""
+    if not getattr(ns, "check", False):
+        from launcher.watch import handoff
 
-    assert result.generation is not None
-    target = sample.target_for(d.settings)
-    gen = d.store.get(result.generation)
-    final = sample.carry(
-        target,
-        d.systemd,
-        d.store,
-        gen,
-        lambda peak, revert: sample.sample(target, d.systemd, peak=peak, revert=revert),
-    )
-    if final is not None:
-        data["verdict"] = final.view()
-        if final.state in ("reverted", "revert_failed"):
-            done = final.revert or {}
-            result.outcome = str(done.get("outcome") or "rollback_failed")
-            if result.outcome != "reverted":
-                result.outcome = "rollback_failed"
-            result.message = bake.say(final)
-            result.generation = done.get("generation", result.generation)
-        elif final.verdict is not None:
-            result.message += f"; {bake.say(final)}"
-    result.bake = data
-    return result
+        handoff.require_carrier(d.settings)
+    return d
 
 
 # -- verbs -------------------------------------------------------------------------------------
@@ -534,8 +499,9 @@ def cmd_check(ns: argparse.Namespace) -> int:
 
 
 def cmd_deploy(ns: argparse.Namespace) -> int:
-    d = deployer_for(ns)
-    return _finish(ns, _baked(ns, d, d.deploy(config_from(ns), check=ns.check)))
+    d = _baking(ns, deployer_for(ns))
+    cfg = config_from(ns)
+    return _finish(ns, _baked(ns, d, lambda: d.deploy(cfg, check=ns.check)))
 
 
 def cmd_set(ns: argparse.Namespace) -> int:
@@ -547,10 +513,13 @@ def cmd_set(ns: argparse.Namespace) -> int:
     from launcher import config
     from launcher.host import envfile
 
-    d = deployer_for(ns)
+    d = _baking(ns, deployer_for(ns))
     origin = "set " + envfile.join_words(flags)
-    result = d.change(lambda live: config.from_flags(flags, live), origin, ns.check)
-    return _finish(ns, _baked(ns, d, result))
+
+    def run() -> Result:
+        return d.change(lambda live: config.from_flags(flags, live), origin, ns.check)
+
+    return _finish(ns, _baked(ns, d, run))
 
 
 def cmd_unset(ns: argparse.Namespace) -> int:
@@ -564,13 +533,15 @@ def cmd_unset(ns: argparse.Namespace) -> int:
         return config.build(config.remove_flags(live, ns.flags))
 
     origin = "unset " + " ".join(ns.flags)
-    d = deployer_for(ns)
-    return _finish(ns, _baked(ns, d, d.change(edit, origin, ns.check)))
+    d = _baking(ns, deployer_for(ns))
+    return _finish(ns, _baked(ns, d, lambda: d.change(edit, origin, ns.check)))
 
 
 def cmd_rollback(ns: argparse.Namespace) -> int:
+    from launcher.watch import handoff
+
     d = deployer_for(ns)
-    return _finish(ns, _baked(ns, d, d.rollback(ns.to), bakes=False))
+    return _finish(ns, handoff.after(d, d.rollback(ns.to), ns.verb, bakes=False))
 
 
 def cmd_recover(ns: argparse.Namespace) -> int:

@@ -49,7 +49,21 @@ def human(result: Result, show_diff: bool = True) -> str:
             lines.append(f"    | {line}")
     if result.recovered:
         lines.append(f"  recovered an interrupted deploy first: {result.recovered}")
+    lines += bake_lines(result.bake)
     return "\n".join(lines)
+
+
+def bake_lines(data: dict[str, Any] | None) -> list[str]:
+    """The bake this verb began (its length, its baseline, what watches it)."""
+    started = (data or {}).get("started")
+    if not started:
+        return []
+    base = started.get("baseline")
+    against = f"against generation {base}" if base is not None else "hard signals only"
+    left = started.get("seconds_left")
+    length = f" for {left:.0f}s" if isinstance(left, (int, float)) else ""
+    by = ((data or {}).get("carrier") or {}).get("unit", "the sampler")
+    return [f"  bake: generation {started['generation']} watched{length} ({against}) by {by}"]
 
 
 def handover_lines(data: dict[str, Any] | None) -> list[str]:

@@ -95,12 +95,21 @@ def cmd_sample(ns: argparse.Namespace) -> int:
 
 def _through_bake(target: Any, systemd: Any, as_json: bool) -> int:
     """One sample; while the live generation bakes, one every ``bake_interval`` until its
-    verdict (the bake's cadence, whatever the timer's)."""
+    verdict (the bake's cadence, whatever the timer's). Started during a deploy that
+    announced a bake (``launcher.watch.handoff``), it waits for that bake first."""
     from launcher.deploy import store
     from launcher.watch import bake, sample
 
     st = store.Store(target.state_dir)
-    found = bake.live_bake(st)
+    found = None
+    if st.txn().get("bake"):
+        # started at a deploy's gate, before the bake it announced begins (the live one's,
+        # if any, is about to end): the modules of a revert imported while it waits, not at
+        # the first hard failure
+        from launcher.watch import revert  # noqa: F401
+
+        found = bake.awaited(st)
+    found = found or bake.live_bake(st)
     if found is None or not found[1].running:
         code = _report(sample.sample(target, systemd), as_json)
         notify.ready()  # the sampler's service (Type=notify): one sample done

@@ -3,7 +3,9 @@
 ``outcome`` is one of ``deployed``, ``unchanged``, ``checked`` (the success outcomes, ``ok``),
 ``rolled_back`` (the new config failed, the old one serves again), ``rollback_failed``, and
 ``reverted`` (the new config passed its gate but its bake found it worse under load: the
-previous one serves again; ``launcher.watch.revert``).
+previous one serves again; ``launcher.watch.revert``), and ``revert_failed`` (its bake's
+revert did not put the previous one back: the new config serves still;
+``launcher.watch.handoff``).
 """
 
 from __future__ import annotations

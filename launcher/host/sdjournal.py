@@ -91,6 +91,8 @@ class Poller:
         self.skip_pid, self.grep = skip_pid, _pattern(grep) if grep else None
         #: ``launcher.host.systemd.Follower``'s: no more can be read (why: ``error``)
         self.ended, self.error = False, ""
+        #: the last look stopped at ``BATCH`` entries, not at the journal's end
+        self.behind = False
         self.pid = os.getpid()
         self.j = ctypes.c_void_p()
         self._check(self.lib.sd_journal_open(ctypes.byref(self.j), _LOCAL_ONLY), "open")
@@ -144,9 +146,11 @@ class Poller:
         if self.ended or self._end(self.lib.sd_journal_process(self.j), "process"):
             return []
         lines: list[str] = []
+        self.behind = True  # a whole batch read: more may wait (``read`` does not sleep)
         for _ in range(BATCH):
             r = self.lib.sd_journal_next(self.j)
             if r == 0 or self._end(r, "next"):
+                self.behind = False
                 break
             if self.skip_pid and self._field(b"_PID") == str(self.skip_pid).encode():
                 continue
@@ -165,7 +169,8 @@ class Poller:
         while not (lines := self._new()) and not self.ended:
             if (left := end - time.monotonic()) <= 0:
                 break
-            time.sleep(min(POLL, left))
+            if not self.behind:  # caught up with the journal: wait for new entries
+                time.sleep(min(POLL, left))
         return lines
 
     def close(self) -> None:

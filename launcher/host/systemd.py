@@ -150,9 +150,10 @@ class Systemd:
         if state.sub == "auto-restart":
             self.stop()
 
-    def start(self, timeout: float = 90.0) -> None:
-        """``systemctl start``: returns once the unit is up (a ``Type=notify`` one ready)."""
-        self._ctl("start", "--", self.unit, timeout=timeout)
+    def start(self, timeout: float = 90.0, block: bool = True) -> None:
+        """``systemctl start``: returns once the unit is up (a ``Type=notify`` one ready);
+        ``block`` False: once the start job is queued (a unit already active: nothing)."""
+        self._ctl("start", *([] if block else ["--no-block"]), "--", self.unit, timeout=timeout)
 
     def reset_failed(self) -> None:
         """Clear the start-limit counter: manual restarts count toward StartLimitBurst."""
@@ -175,8 +176,8 @@ class Systemd:
 
     # -- journal ---------------------------------------------------------------------------
 
-    def _journal_argv(self, *args: str) -> list[str]:
-        return ["journalctl", "--no-pager", *args, *unit_matches(self.unit)]
+    def _journal_argv(self, *args: str, pid: int = 0) -> list[str]:
+        return ["journalctl", "--no-pager", *args, *unit_matches(self.unit, pid)]
 
     def cursor(self) -> str | None:
         """The journal's current end, to read only what comes after it."""
@@ -229,10 +230,11 @@ class Systemd:
         return lines, cursor
 
     def follow(
-        self, after_cursor: str | None, skip_pid: int = 0, grep: str | None = None
+        self, after_cursor: str | None, skip_pid: int = 0, grep: str | None = None, pid: int = 0
     ) -> Follower:
         """Follow the unit's journal from ``after_cursor``, without what process
-        ``skip_pid`` logs; ``grep``: only the messages that match it. Read in place
+        ``skip_pid`` logs; ``grep``: only the messages that match it; ``pid``: only what that
+        process of the unit logs (from its first line, with no cursor). Read in place
         (``launcher.host.sdjournal``: a new line within 20 ms), else with ``journalctl -f``
         (journald tells it of new lines every 250 ms; ``grep`` is then journalctl's
         ``--grep``, a PCRE2 pattern: a journalctl built without PCRE2 exits at once)."""
@@ -241,17 +243,19 @@ class Systemd:
         from launcher.host import sdjournal
 
         with contextlib.suppress(sdjournal.Unavailable):
-            return sdjournal.Poller(unit_matches(self.unit), after_cursor, skip_pid, grep)
-        return self.follow_journalctl(after_cursor, skip_pid, grep)
+            matches = unit_matches(self.unit, pid)
+            return sdjournal.Poller(matches, after_cursor, skip_pid, grep)
+        return self.follow_journalctl(after_cursor, skip_pid, grep, pid)
 
     def follow_journalctl(
-        self, after_cursor: str | None, skip_pid: int = 0, grep: str | None = None
+        self, after_cursor: str | None, skip_pid: int = 0, grep: str | None = None, pid: int = 0
     ) -> JournalFollower:
         """``follow`` with ``journalctl -f`` (what it falls back to)."""
         args = ["-f", "-o", "json"]
         args += ["--cursor", after_cursor] if after_cursor else ["-n", "all"]
         args += ["--grep", grep] if grep else []
-        return JournalFollower(self._journal_argv(*args), self.env, skip_pid, after_cursor)
+        argv = self._journal_argv(*args, pid=pid)
+        return JournalFollower(argv, self.env, skip_pid, after_cursor)
 
     def tail(self, n: int = 30) -> list[str]:
         """The unit's last ``n`` journal messages."""
@@ -337,10 +341,12 @@ def entry_lines(entry: dict[str, Any], skip_pid: int = 0) -> list[str]:
     return (msg.splitlines() or [""]) if isinstance(msg, str) else []
 
 
-def unit_matches(unit: str) -> list[str]:
+def unit_matches(unit: str, pid: int = 0) -> list[str]:
     """Journal matches for a unit of either manager: ``_SYSTEMD_UNIT=U + _SYSTEMD_USER_UNIT=U``
-    (a user manager run as root - the sandbox - logs its units as system units)."""
-    return [f"_SYSTEMD_UNIT={unit}", "+", f"_SYSTEMD_USER_UNIT={unit}"]
+    (a user manager run as root - the sandbox - logs its units as system units); ``pid``:
+    only what that process of the unit logged."""
+    own = [f"_PID={pid}"] if pid > 0 else []
+    return [*own, f"_SYSTEMD_UNIT={unit}", "+", *own, f"_SYSTEMD_USER_UNIT={unit}"]
 
 
 def journal_argv(unit: str, since: str | None = None) -> list[str]:

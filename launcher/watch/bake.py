@@ -61,6 +61,11 @@ UNJUDGED = "unjudged"
 #: How long ``carry`` waits for the journal's lines of a hard failure logged before it
 #: began, before its first sample (with an early hold: ``_Looks.peek``), seconds.
 PEEK = 0.1
+#: ``awaited``: how often it reads the transaction record and the bake's, and how long
+#: after a deploy ended it waits for the bake the deploy announced (written by the verb
+#: right after its deploy, ``launcher.watch.handoff``), seconds.
+AWAIT_POLL = 0.02
+AWAIT_BAKE = 10.0
 
 #: The revert: given the bake and its verdict, puts the previous generation back and says
 #: how it went (``launcher.watch.revert.revert``'s result as a dict: outcome, ...).
@@ -146,6 +151,10 @@ class Bake:
             "seconds_left": max(0.0, round(self.deadline - now, 1)) if self.running else None,
             "baseline": self.baseline.generation if self.baseline else None,
             "samples": self.progress.samples,
+            # seconds from the deploy's commit to the first sample that judged it
+            "first_sample_after": round(self.progress.first - self.started, 3)
+            if self.progress.first is not None
+            else None,
             "bad_samples_in_a_row": self.progress.soft_bad,
             "notes": self.progress.notes[-5:],
             # the slots' need of an over-committed pool that reverts (None: not watched)
@@ -226,6 +235,38 @@ def begin(settings: ToolSettings, st: store.Store, generation: int, previous: in
     )
     save(gen.path, bake)
     return bake
+
+
+def awaited(
+    st: store.Store,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+) -> tuple[store.Generation, Bake] | None:
+    """The bake a deploy under way announced (``bake`` in its transaction record: the
+    deploy started this carrier at its gate, ``launcher.watch.handoff``), once it runs:
+    waited for while the deployer lives (within its budget), then up to ``AWAIT_BAKE`` for
+    the bake of the generation it made. None: nothing announced, or the deploy did not
+    make that generation live (it rolled back), or no bake came."""
+    txn = st.txn()
+    if not txn.get("bake") or not isinstance(txn.get("to"), int):
+        return None
+    to, pid = int(txn["to"]), int(txn.get("pid") or 0)
+    until = float(txn.get("started") or 0) + float(txn.get("budget") or 0) + AWAIT_BAKE
+    while st.txn().get("to") == to and pid > 0 and store.pid_alive(pid):
+        if time.time() > until:
+            return None
+        sleep(AWAIT_POLL)
+    if st.live_number() != to:
+        return None
+    end = clock() + AWAIT_BAKE
+    while clock() < end:
+        found = live_bake(st)
+        if found is not None and found[0].number == to and found[1].running:
+            return found
+        if st.live_number() != to:
+            return None
+        sleep(AWAIT_POLL)
+    return None
 
 
 def _overcommitted(gen: store.Generation) -> bool | None:

@@ -37,7 +37,7 @@ import httpx
 from launcher.deploy import front, home, keys, store
 from launcher.errors import LauncherError, StoreError, Unreadable
 from launcher.host import journalread, procfs
-from launcher.host.systemd import Systemd, UnitState
+from launcher.host.systemd import Follower, Systemd, UnitState
 from launcher.server import httpclient, metrics, serverlog, slotstate
 from launcher.server.httpclient import url_from_argv
 from launcher.watch import bake, record, textfile, verdict
@@ -426,16 +426,14 @@ def hard_failures(systemd: Systemd) -> Iterator[Callable[[float], bool] | None]:
     waits up to ``s`` seconds and returns True as soon as the server logs a request it
     failed itself (``serverlog.HARD_FAILURE_GREP``), so a bake samples at once, not at its
     next interval (``launcher.watch.bake.carry``). It follows the running process's lines
-    from its start (its invocation's first entry), so one it logged before the carry began
-    (an overflow during the gate) wakes it at once. The journal is read in place, so a new
-    line wakes it within ``launcher.host.sdjournal.POLL`` (journalctl -f, the fallback,
-    hears of one only every 250 ms: ``scripts/bench-journal``). None when the journal
-    cannot be followed (or no cursor found: it would replay the whole journal); a follower
-    that ends (a journalctl without PCRE2) leaves plain sleeps."""
+    from its start (``_process_follower``), so one it logged before the carry began (an
+    overflow between the front's release and the bake's start) wakes it at once. The
+    journal is read in place, so a new line wakes it within ``launcher.host.sdjournal.POLL``
+    (journalctl -f, the fallback, hears of one only every 250 ms: ``scripts/bench-journal``).
+    None when the journal cannot be followed (or no start found: it would replay the whole
+    journal); a follower that ends (a journalctl without PCRE2) leaves plain sleeps."""
     try:
-        invocation = systemd.state().invocation_id
-        cursor = systemd.invocation_cursor(invocation) if invocation else systemd.cursor()
-        follower = systemd.follow(cursor, grep=serverlog.HARD_FAILURE_GREP) if cursor else None
+        follower = _process_follower(systemd)
     except LauncherError:
         follower = None
     if follower is None:
@@ -454,6 +452,18 @@ def hard_failures(systemd: Systemd) -> Iterator[Callable[[float], bool] | None]:
             return False
 
         yield wake
+
+
+def _process_follower(systemd: Systemd) -> Follower | None:
+    """The unit's running process's hard failures, from its first line: matched by its pid
+    (a user manager's units have no ``_SYSTEMD_INVOCATION_ID`` in the journal where journald
+    cannot read the invocation from the cgroup), else from its invocation's first entry;
+    None when neither can be had (from the journal's end it would miss what came before)."""
+    state = systemd.state()
+    if state.running and state.main_pid > 0:
+        return systemd.follow(None, grep=serverlog.HARD_FAILURE_GREP, pid=state.main_pid)
+    cursor = systemd.invocation_cursor(state.invocation_id) if state.invocation_id else None
+    return systemd.follow(cursor, grep=serverlog.HARD_FAILURE_GREP) if cursor else None
 
 
 def carry(

@@ -236,6 +236,8 @@ class Progress:
     unread: int = 0
     last: float | None = None
     notes: list[str] = field(default_factory=list)
+    #: when the first sample judged the bake (how soon after the deploy it was watched)
+    first: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -278,6 +280,8 @@ def judge(
     deadline = started + policy.duration
     progress.samples += 1
     progress.last = seen.t
+    if progress.first is None:
+        progress.first = seen.t
     away = seen.gap is not None and seen.gap > policy.unread_limit * policy.interval
     if away:
         what = "the host rebooted" if seen.rebooted else "the sampler did not run"

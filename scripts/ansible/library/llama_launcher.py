@@ -246,7 +246,8 @@ EXAMPLES = r"""
 
 RETURN = r"""
 outcome:
-  description: deployed, unchanged, checked, rolled_back or rollback_failed.
+  description: deployed, unchanged, checked, rolled_back, rollback_failed, and with a bake
+    reverted or revert_failed.
   returned: always
   type: str
   sample: deployed
@@ -380,6 +381,8 @@ EXIT_MEANING = {
     5: "another deploy holds the lock of this unit",
     6: "the new config passed its gate but its bake found it worse under load; the "
     "previous config was put back and serves again",
+    7: "the new config's bake found it worse under load, but its revert did not put the "
+    "previous config back; the new config serves still",
 }
 
 #: Result keys handed back to Ansible as they are.
