@@ -255,6 +255,40 @@ class Host:
             (self.sandbox.unit_dir / name).unlink(missing_ok=True)
 
 
+def taken_at_restart(host: Host, *args: str) -> tuple[subprocess.CompletedProcess[str], int]:
+    """``set --port N ARGS --json`` whose new server cannot bind N: another process takes N
+    after the validation (which refuses a port held before it, step ``port``) and before the
+    restart (tests/faults.py waits there). The finished CLI, and N."""
+    import json
+    import socket
+
+    port = realserver.free_port()
+    go = host.root / f"go-{port}"
+    faults = str(Path(__file__).with_name("faults.py"))
+    argv = [sys.executable, faults, f"restart:wait:{go}", "set", "--port", str(port), *args]
+    with subprocess.Popen(
+        [*argv, "--json"], env=host.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as p:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                txn = json.loads((host.state_dir / "txn.json").read_text())
+            except (OSError, ValueError):
+                txn = {}
+            if txn.get("phase") == "restart":
+                break
+            assert p.poll() is None, p.communicate()
+            assert time.monotonic() < deadline, "the deploy never reached its restart"
+            time.sleep(0.02)
+        with socket.socket() as taken:
+            taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            taken.bind(("127.0.0.1", port))
+            taken.listen()
+            go.touch()
+            stdout, stderr = p.communicate(timeout=180)
+    return subprocess.CompletedProcess(argv, p.returncode, stdout, stderr), port
+
+
 @pytest.fixture
 def host(
     sandbox: Sandbox,

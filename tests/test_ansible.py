@@ -398,6 +398,15 @@ def test_desired_config_survives_the_toml_file(data: dict[str, Any]) -> None:
     assert tomllib.loads(m.render_toml(data)) == data
 
 
+def test_the_diff_says_where_clients_reach_a_server_behind_a_front() -> None:
+    planned = {"n_slots": 2, "front": {"public": "0.0.0.0:8080", "server": "127.0.0.1:41000"}}
+    lines = _module().plan_lines(planned)
+    assert lines[-1] == (
+        "# address: clients use 0.0.0.0:8080 (the front); llama-server listens on 127.0.0.1:41000"
+    )
+    assert not any("address" in line for line in _module().plan_lines({"n_slots": 2}))
+
+
 @pytest.mark.parametrize(("given", "passed"), [(True, "on"), (False, "off"), ("auto", "auto")])
 def test_yaml_booleans_for_flash_attn_become_on_off(given: object, passed: str) -> None:
     params = dict.fromkeys(_module().CONFIG_SPEC) | {"flash_attn": given}

@@ -12,7 +12,6 @@ import io
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import uuid
@@ -20,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import REPO, Host, Sandbox
+from conftest import REPO, Host, Sandbox, taken_at_restart
 from test_diagnose_real import _overflow_unit
 
 sys.path.insert(0, str(REPO / "scripts"))
@@ -130,10 +129,8 @@ def test_install_deploys_through_the_gate(build_host: Host) -> None:
 
 def test_a_crashing_change_is_rolled_back(build_host: Host) -> None:
     install(build_host)
-    with socket.socket() as taken:  # another process holds the port the new config wants
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        rc, out = build_host.cli_json("set", "--port", str(taken.getsockname()[1]))
+    p, _ = taken_at_restart(build_host)  # another process takes the port the config wants
+    rc, out = p.returncode, json.loads(p.stdout.strip().splitlines()[-1])
     assert (rc, out["outcome"]) == (3, "rolled_back"), out
     # the bind error names the cause when journald has stored it in time; on a loaded box
     # the gate may see only the exit
@@ -266,10 +263,8 @@ def test_an_unknown_build_deploys_through_props_and_rolls_back_cleanly(
         assert "an unknown build" in warning and "/props" in warning, out["warnings"]
         assert (out["startup"]["n_slots"], out["startup"]["n_ctx_slot"]) == (2, 2048)
         assert "slots ready: 2 x 2048" in h.journal()  # the form really was unreadable
-        with socket.socket() as taken:
-            taken.bind(("127.0.0.1", 0))
-            taken.listen()
-            rc, out = h.cli_json("set", "--port", str(taken.getsockname()[1]))
+        p, _ = taken_at_restart(h)
+        rc, out = p.returncode, json.loads(p.stdout.strip().splitlines()[-1])
         assert (rc, out["outcome"]) == (3, "rolled_back"), out
         assert out["rollback"]["ok"] is True
         assert h.chat()["usage"]["completion_tokens"] > 0

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import Host
+from conftest import Host, taken_at_restart
 
 from launcher.deploy import home
 
@@ -86,11 +86,8 @@ def test_missing_model_is_refused(host: Host) -> None:
 
 def test_crash_at_start_rolls_back_after_one_start(host: Host) -> None:
     installed(host)
-    with socket.socket() as taken:  # another process holds the port the new config wants
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        rc, out = host.cli_json("set", "--port", str(port))
+    p, port = taken_at_restart(host)  # another process takes the port the new config wants
+    rc, out = p.returncode, json.loads(p.stdout.strip().splitlines()[-1])
     assert rc == 3
     assert out["outcome"] == "rolled_back"
     assert out["failure"]["class"] == "port_in_use"
@@ -99,6 +96,25 @@ def test_crash_at_start_rolls_back_after_one_start(host: Host) -> None:
     journal = host.journal()
     assert journal.count("couldn't bind HTTP server socket") == 1  # the bad config started once
     assert f"--port {host.port}" in host.env_file.read_text()
+    assert host.chat()["usage"]["completion_tokens"] > 0
+
+
+def test_a_port_another_process_holds_is_refused_before_anything_stops(host: Host) -> None:
+    installed(host)
+    before, pid = host.env_file.read_text(), host.state()["MainPID"]
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        whole = ["-m", str(host.model), "--llama-server", host.server, "-c", "4096", "-np", "2"]
+        rc, out = host.cli_json("deploy", *whole, "--port", str(port))
+    assert rc == 2, out
+    assert out.get("step") == "port", out
+    assert f"the port {port} on 127.0.0.1 is held by" in out["message"]
+    assert f"pid {os.getpid()}" in out["message"]  # this test's process, named
+    assert "Give another --port" in out["message"]
+    assert host.env_file.read_text() == before
+    assert host.state()["MainPID"] == pid
     assert host.chat()["usage"]["completion_tokens"] > 0
 
 
@@ -497,10 +513,7 @@ def test_unparseable_hand_edit_then_a_failed_deploy_is_rollback_failed(host: Hos
     installed(host)
     broken = host.env_file.read_text() + "NOTE=an unquoted hand edit\n"
     host.env_file.write_text(broken)
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        p = host.cli("set", "--port", str(taken.getsockname()[1]), "--json")
+    p, _ = taken_at_restart(host)
     assert p.returncode == 4, p.stderr
     assert "Traceback" not in p.stderr
     out = json.loads(p.stdout.strip().splitlines()[-1])

@@ -10,13 +10,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import Host
+from conftest import Host, taken_at_restart
 
 from launcher.host import timer
 
@@ -36,14 +35,6 @@ def read_only(folder: Path) -> Iterator[None]:
         yield
     finally:
         subprocess.run(["umount", str(folder)], check=True)
-
-
-@contextlib.contextmanager
-def taken_port() -> Iterator[int]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        yield s.getsockname()[1]
 
 
 def test_rollback_to_an_adopted_hand_edit_puts_its_bytes_back(host: Host) -> None:
@@ -133,8 +124,8 @@ def test_a_deleted_live_file_then_a_failing_deploy_restores_the_live_generation(
     host.env_file.unlink()
     rc, status = host.cli_json("status")
     assert status["live_file"] == {"differs": True, "missing": True, "diff": []}
-    with taken_port() as port:
-        rc, out = host.cli_json("set", "--port", str(port))
+    p, _ = taken_at_restart(host)
+    rc, out = p.returncode, json.loads(p.stdout.strip().splitlines()[-1])
     assert (rc, out["outcome"]) == (3, "rolled_back"), out
     assert out["failure"]["class"] == "port_in_use"
     assert "generation 1 is serving again" in out["message"]

@@ -485,9 +485,12 @@ def _baking(ns: argparse.Namespace, d: Deployer) -> Deployer:
 def cmd_render(ns: argparse.Namespace) -> int:
     from launcher.config import validate
 
-    cfg = deployer_for(ns, unit_needed=False).preview(config_from(ns))
-    text = validate.render(cfg)
-    emit({"env": text, "argv": cfg.argv()}, ns.json, lambda: text.rstrip("\n"))
+    deployed = deployer_for(ns, unit_needed=False).preview(config_from(ns))
+    text = validate.render(deployed.config)
+    data = {"env": text, "argv": deployed.config.argv(), "notes": list(deployed.notes)}
+    for note in deployed.notes if not ns.json else ():
+        print(note, file=sys.stderr)  # stdout is the env file's bytes
+    emit(data, ns.json, lambda: text.rstrip("\n"))
     return 0
 
 

@@ -17,6 +17,11 @@ def human(result: Result, show_diff: bool = True) -> str:
             f"kv_unified = {str(p['kv_unified']).lower()}, pool = {p['pool_cells']} "
             f"cells; guaranteed per-slot window {p['guaranteed_window']}"
         )
+        if front := p.get("front"):
+            lines.append(
+                f"  address: clients use {front['public']} (the front); llama-server "
+                f"listens on {front['server']}"
+            )
     if result.startup:
         s = result.startup
         lines.append(

@@ -21,6 +21,10 @@ Runs on the rendered temporary file; each step is named in its error:
 9. ``memory``     KV estimate + weights + prompt cache fit what the box can give, on each
                   side: the host and every device of ``--list-devices``
                   (``launcher.config.memory``).
+10. ``port``      (a deploy, with the unit's state) no process but the unit's own listens
+                  where the server will: llama-server exits at start when it cannot bind,
+                  and the deploy would have stopped the serving one for it
+                  (``launcher.host.ports``).
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 from launcher import config
 from launcher.config import memory
 from launcher.errors import CommandError, ConfigInvalid, ValidationFailed
-from launcher.host import envfile, launch, proc, service, units
+from launcher.host import envfile, launch, ports, proc, service, units
 from launcher.server import binary, devices, filefacts, kvbytes, kvlayout
 
 if TYPE_CHECKING:
@@ -479,6 +483,47 @@ def validate(
     return Validated(cfg, text, values, expected, plan, model, info, need)
 
 
+def check_port(
+    cfg: config.ServerConfig,
+    running: UnitState | None,
+    unit: str | None = None,
+    proc_dir: Path = Path("/proc"),
+) -> None:
+    """Step ``port``: no process but the unit's own (``running``'s MainPID, or a process in
+    the cgroup of ``unit``) listens where the config's server will. Another holder is
+    refused, named (its command, pid and unit), before anything stops: llama-server would
+    exit at start with "couldn't bind HTTP server socket" and the deploy roll back."""
+    found = ports.on(cfg.host, cfg.port, proc_dir)
+    if not found:
+        return
+    inodes = {s.inode for s in found}
+    own = running.main_pid if running is not None else 0
+    if own > 0 and inodes <= (ports.socket_inodes(own, proc_dir) or set()):
+        return  # the serving server's own socket: the restart frees it
+    held = ports.holders(inodes, proc_dir)
+    others = [h for h in held if h.pid != own and (unit is None or h.unit != unit)]
+    if held and not others:
+        return
+    where = ", ".join(sorted({f"{s.host}:{s.port}" for s in found}))
+    if others:
+        who = " and ".join(h.describe() for h in others)
+        services = [h.unit for h in others if h.unit and h.unit.endswith(".service")]
+        if any(h.comm == "systemd" for h in others):  # a socket unit: its service is passed it
+            stop = "stop the socket unit that listens there (`systemctl list-sockets` names it)"
+        else:
+            stop = f"stop {services[0]}" if services else f"stop pid {others[0].pid}"
+    else:
+        inode = min(inodes)
+        who = f"a process of another user (socket inode {inode})"
+        stop = f"stop it (`sudo ss -ltnp 'sport = :{cfg.port}'` names it)"
+    raise ValidationFailed(
+        "port",
+        f"the port {cfg.port} on {cfg.host} is held by {who}, listening on {where}; "
+        f"llama-server could not bind it and would exit at start. Give another --port, or "
+        f"{stop}; nothing was changed",
+    )
+
+
 def beside_state(
     cfg: config.ServerConfig,
     read_state: Callable[[], UnitState],
@@ -489,12 +534,14 @@ def beside_state(
     unified: devices.UnifiedSetting = "auto",
     live_meta: Callable[[], Mapping[str, Any] | None] = lambda: None,
     made: Path | None = None,
+    unit: str | None = None,
 ) -> tuple[Validated, UnitState | None]:
     """``validate`` with the unit's state (a systemctl) read beside the chain's processes;
     the state tells the memory guard what the running server frees, on the host (its
     anonymous memory) and on each device (what the live generation's log reported there,
-    ``live_meta``). Check mode works without a reachable systemd (a build box): the state
-    is None then."""
+    ``live_meta``), and step ``port`` which listener is the serving server's own (``unit``:
+    the unit's name, whose processes' sockets are its own too). Check mode works without a
+    reachable systemd (a build box): the state is None then."""
     from concurrent.futures import ThreadPoolExecutor
 
     from launcher.errors import LauncherError
@@ -526,7 +573,9 @@ def beside_state(
             unified=unified,
             made=made,
         )
-        return checked, unit_state()
+        state = unit_state()
+        check_port(checked.config, state, unit)
+        return replace(checked, steps=(*checked.steps, "port")), state
 
 
 def box_devices(

@@ -10,7 +10,11 @@ module's check and diff modes print exactly the bytes and the argv the deploy wr
   its slots are carried in across a restart (``Target.slot_folder``): ``STATE_DIR/slots`` in
   user scope, the unit's ``StateDirectory=`` in system scope;
 - with ``metrics_endpoint`` (the default), a config that keeps ``/slots`` on gets
-  ``--metrics``, the counters the live sampler reads (``launcher.config.endpoints``).
+  ``--metrics``, the counters the live sampler reads (``launcher.config.endpoints``);
+- with a front (``install --front haproxy``), the config's address is the one clients use:
+  a config that names the front's public port, or no port, keeps the server on its private
+  address (``on_front``), and says so in a note; the front's standby port (the second
+  instance's) is refused.
 
 (``-c`` from the per-slot cap, ``--log-colors off`` and ``--api-key-file`` on the argv are the
 config's own rendering, ``ServerConfig.server_args``/``argv``.)
@@ -29,7 +33,8 @@ from pathlib import Path
 from launcher import config
 from launcher.config import endpoints
 from launcher.deploy import handover, keys, store
-from launcher.errors import LauncherError
+from launcher.deploy.front import Front, FrontSpec
+from launcher.errors import ConfigInvalid, LauncherError
 from launcher.host import service, units
 from launcher.host.systemd import Systemd
 
@@ -43,6 +48,17 @@ class Target:
     view: service.ServiceView | None
     #: where the slot carry keeps the slots (None: no carry for this unit)
     slot_folder: Path | None
+    #: the unit's front (None: clients reach llama-server at the config's address)
+    front: FrontSpec | None = None
+
+
+@dataclass(frozen=True)
+class Deployed:
+    """A config as the deploy writes it, and what the deploy's defaults changed in it that
+    a person would not expect (the server kept on its private address)."""
+
+    config: config.ServerConfig
+    notes: tuple[str, ...] = ()
 
 
 def target(
@@ -52,13 +68,14 @@ def target(
     pending: Mapping[Path, str | None] | None = None,
 ) -> Target:
     """The unit of ``settings``; ``pending``: files install is about to write (None: remove)."""
+    spec = Front(store_root, settings.unit_name, settings.scope).spec()
     if settings.scope != "system":
-        return Target(None, store_root / "slots")
+        return Target(None, store_root / "slots", spec)
     view = service.view(settings.resolved_unit_file(), settings.unit_name, pending)
     if view is not None:
-        return Target(view, Path(view.state_dirs[0]) if view.state_dirs else None)
+        return Target(view, Path(view.state_dirs[0]) if view.state_dirs else None, spec)
     show = _state_directory(settings, systemd)
-    return Target(None, handover.slot_folder("system", store_root, show))
+    return Target(None, handover.slot_folder("system", store_root, show), spec)
 
 
 def _state_directory(
@@ -86,13 +103,60 @@ def deployed_config(
     cfg: config.ServerConfig,
     to: Target,
     write: bool,
-) -> config.ServerConfig:
+) -> Deployed:
     """``cfg`` as the deploy writes it (``write`` False: a preview, which makes nothing)."""
+    cfg, note = on_front(cfg, to.front)
     cfg = keys.materialize(st, cfg, write)
     if settings.carry_slots:
         create = write and settings.scope != "system"  # systemd makes a StateDirectory=
         cfg = handover.with_slot_dir(cfg, to.slot_folder, create)
-    return endpoints.with_metrics(cfg, settings.metrics_endpoint)
+    return Deployed(endpoints.with_metrics(cfg, settings.metrics_endpoint), note)
+
+
+def on_front(
+    cfg: config.ServerConfig, spec: FrontSpec | None
+) -> tuple[config.ServerConfig, tuple[str, ...]]:
+    """With a front, the config's port is the one clients use. The front's socket unit
+    holds its public port, so a config that names it (an Ansible task writes the port its
+    clients use), or names no port (the default 8080 may be the public one), keeps the
+    server on its private address, and the note says so. Any other port moves the server
+    there (the front follows it), except the second instance's standby port, refused."""
+    if spec is None:
+        return cfg, ()
+    if spec.standby_port is not None and cfg.port == spec.standby_port:
+        raise ConfigInvalid(
+            f"--port {cfg.port} is the standby port of the front's second instance "
+            f"({_addr(spec.private_host, spec.standby_port)}): llama-server could not "
+            f"listen there while the second instance bridges a restart. Give the port "
+            f"clients use, --port {spec.public_port} (the server keeps its private port "
+            f"{spec.private_port}), or another free one; nothing was changed"
+        )
+    if cfg.port != spec.public_port and "port" in cfg.model_fields_set:
+        return cfg, ()
+    private = (spec.private_host, spec.private_port)
+    if (cfg.host, cfg.port) == private:
+        return cfg, ()
+    named = f"--port {cfg.port}" if "port" in cfg.model_fields_set else "no --port"
+    note = (
+        f"llama-launcher: the config names {named}: clients use the front's public address "
+        f"{_addr(spec.public_host, spec.public_port)}, and llama-server keeps its private "
+        f"address {_addr(*private)}"
+    )
+    return cfg.model_copy(update={"host": private[0], "port": private[1]}), (note,)
+
+
+def front_address(to: Target, cfg: config.ServerConfig) -> dict[str, str] | None:
+    """The plan's ``front``: where clients reach the server and where it listens."""
+    if to.front is None:
+        return None
+    return {
+        "public": _addr(to.front.public_host, to.front.public_port),
+        "server": _addr(cfg.host, cfg.port),
+    }
+
+
+def _addr(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def make_slot_folder(settings: config.ToolSettings, to: Target, cfg: config.ServerConfig) -> None:

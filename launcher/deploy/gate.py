@@ -5,6 +5,11 @@
     loop) -> the startup line equals the plan -> /health 200 from that process -> /props
     agrees -> a real completion -> the process is still up
 
+The probe goes to the address of the argv being gated (unless the setting ``base_url`` names
+another; a deploy behind a front never passes one: ``Deployer``), and a /health 200 counts
+only when the process systemd started has the socket listening there (``_serves``): a verdict
+names figures of that process, never of another that holds its port (a front's bridge).
+
 Every wait is a policy of ``launcher.waits``; the budgets of one restart are a
 ``budgets.Budget`` (sized by the config's measured load, or the settings). The start clock
 runs from the moment the replaced process is gone, so a slow stop costs the start nothing.
@@ -21,13 +26,14 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
+from urllib.parse import urlsplit
 
 import tenacity
 
 from launcher import waits
 from launcher.deploy import budgets, drain
 from launcher.errors import GateFailure, LauncherError, ProbeError
-from launcher.host import envfile
+from launcher.host import envfile, ports
 from launcher.host.systemd import Follower, Systemd, UnitState
 from launcher.server import binary, kvlayout, serverlog
 from launcher.server.httpclient import url_from_argv
@@ -313,6 +319,8 @@ class _Watch:
         self.respawned = 0
         self.health_polls = waits.health_polls(self.w)
         self.own_watch = old is None or old.pid != before.main_pid
+        #: the probe's URL is the gated argv's own address, where the process must listen
+        self.own_address = gate.base_url is None
         self.exit_watch = old if not self.own_watch else _exit_watch(before.main_pid)
         self.restart_from(before)
 
@@ -394,9 +402,13 @@ class _Watch:
         self.answered = self.answered or status is not None
         if status == 200:
             # the 200 must come from our process, not from whatever else may hold the port:
-            # the process systemd started must still be there
+            # the process systemd started must still be there, listening at the address (one
+            # that cannot bind it exits, and its log says why)
             if self.pid > 0 and _alive(self.pid):
-                return _Ready(self.scan, self.log, self.before, self.pid)
+                unit = self.gate.systemd.unit
+                if not self.own_address or _serves(self.pid, self.probe.base_url, unit):
+                    return _Ready(self.scan, self.log, self.before, self.pid)
+                return None
             dead = _dead(self.gate.systemd.state(), self.before, True)
             if dead:
                 raise self._died(dead)
@@ -554,6 +566,24 @@ def together(*calls: Callable[[], Any]) -> list[Any]:
 
 def _exit_watch(pid: int) -> drain.ExitWatch | None:
     return drain.ExitWatch(pid) if pid > 0 else None
+
+
+def _serves(pid: int, url: str, unit: str | None = None) -> bool:
+    """Whether the socket listening at ``url``'s address is process ``pid``'s, or another
+    process's of ``unit`` (a wrapper script's llama-server, its child); True when that
+    cannot be told (its open files hidden, a host name, nothing listed)."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        return True
+    if parts.hostname is None or port is None:
+        return True
+    found = {s.inode for s in ports.on(parts.hostname, port)}
+    mine = ports.socket_inodes(pid)
+    if not found or mine is None or mine & found:
+        return True
+    return unit is not None and any(h.unit == unit for h in ports.holders(found))
 
 
 def _alive(pid: int) -> bool:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,7 @@ from launcher.deploy.front import Front
 from launcher.deploy.gate import Gate, Progress, together
 from launcher.deploy.recovery import Reverter
 from launcher.deploy.result import Result
-from launcher.errors import ConfigInvalid, Interrupted, StoreError
+from launcher.errors import ConfigInvalid, Interrupted, LauncherError, StoreError
 from launcher.host.systemd import Systemd, UnitState
 
 #: Called with each phase as it is recorded (tests pass one in to inject a fault there).
@@ -69,7 +69,7 @@ class Deployer:
         )
         self.env_file = settings.resolved_env_file()
         policy = policy or waits.Waits.from_settings(settings)
-        self.gate = Gate(self.systemd, policy, settings.base_url, progress)
+        self.gate = Gate(self.systemd, policy, self._probe_url(), progress)
         self.signals = Signals()
         self.reverter = Reverter(
             self.store, self.env_file, self.systemd, self.gate, self.signals, settings.drain_timeout
@@ -95,6 +95,15 @@ class Deployer:
         #: the caller holds the unit's deploy lock already (a bake's revert under its early
         #: hold, ``launcher.watch.revert.EarlyHold``): the verbs do not take it again
         self.lock_held = False
+
+    def _probe_url(self) -> str | None:
+        """The setting ``base_url``, except behind a front: the gate probes the process it
+        started at its own (private) address, never the front's ports, where whichever
+        server the front sends to (a second instance bridging the restart) answers."""
+        with contextlib.suppress(LauncherError):
+            if Front(self.store.root, self.settings.unit_name, self.settings.scope).spec():
+                return None
+        return self.settings.base_url
 
     def require_unit(self) -> None:
         """A deploy restarts the unit: the next verb refuses, before anything changes, when
@@ -152,7 +161,7 @@ class Deployer:
                 self.store.back_out(live)
             return result
 
-    def preview(self, cfg: config.ServerConfig) -> config.ServerConfig:
+    def preview(self, cfg: config.ServerConfig) -> defaults.Deployed:
         """``cfg`` as a deploy would write it (``render``): the deploy's defaults added,
         nothing made."""
         return defaults.deployed_config(self.settings, self.store, cfg, self._target(), False)
@@ -210,9 +219,9 @@ class Deployer:
         t0 = time.monotonic()
         self.gate.say("validate")
         unit = self._target()
-        cfg = defaults.deployed_config(self.settings, self.store, cfg, unit, write=not check)
+        deployed = defaults.deployed_config(self.settings, self.store, cfg, unit, write=not check)
         checked, running = validate.beside_state(
-            cfg,
+            deployed.config,
             self._unit_state,
             check,
             self.force_memory,
@@ -221,8 +230,12 @@ class Deployer:
             unified=self.settings.unified_memory,
             live_meta=self.store.live_meta,
             made=unit.slot_folder,
+            unit=self.systemd.unit,
         )
-        return self._proceed(checked, running, check, origin, False, recovered, t0)
+        front = defaults.front_address(unit, checked.config)
+        return self._proceed(
+            checked, running, check, origin, False, recovered, t0, deployed.notes, front
+        )
 
     def _proceed(
         self,
@@ -233,15 +246,22 @@ class Deployer:
         force_restart: bool,
         recovered: dict[str, Any] | None,
         t0: float,
+        said: Sequence[str] = (),
+        front: dict[str, str] | None = None,
     ) -> Result:
+        """``said``: the notes of the deploy's defaults, said when the deploy changes
+        something; ``front``: the plan's ``front`` (where clients reach the server)."""
         live_text = self.reverter.live_text()
         notes = self.reverter.notes(check, running, live_text == checked.env_text)
+        planned = window.plan_dict(checked.plan)
+        if front is not None:
+            planned["front"] = front
         result = Result(
             "checked" if check else "deployed",
             True,
             None,
             self.store.live_number(),
-            planned=window.plan_dict(checked.plan),
+            planned=planned,
             diff=config.argv_diff(self.reverter.argv_of(live_text), checked.argv),
             timings={"validate": round(time.monotonic() - t0, 3)},
             warnings=[*checked.memory.notes, *checked.warnings, *notes],
@@ -255,6 +275,7 @@ class Deployer:
             live = self.store.live()
             window_data = self._window(checked, result.previous_generation) if live else None
             return result.unchanged(live.meta.get("startup") if live else None, window_data)
+        result.warnings += said  # a deploy that writes nothing new has nothing to say of it
         if running is not None and running.running:
             result.memory["beside"] = self._beside(checked, running)
         if check:

@@ -132,7 +132,10 @@ options:
     description: C(--host).
     type: str
   port:
-    description: C(--port).
+    description:
+      - C(--port), the port clients use. Behind a front (C(install --front haproxy)) the
+        front's public port, or none, keeps llama-server on its private port; the diff's
+        C(# address) line says which.
     type: int
   ctx_size:
     description: C(-c), total KV cells.
@@ -543,12 +546,20 @@ def plan_lines(planned: dict[str, Any] | None) -> list[str]:
     if not planned:
         return []
     unified = str(planned.get("kv_unified")).lower()
-    return [
+    lines = [
         f"# KV pool: {planned.get('n_slots')} slots x n_ctx_slot {planned.get('n_ctx_slot')}, "
         f"kv_unified {unified}, pool {planned.get('pool_cells')} cells"
         + (", over-committed" if planned.get("overcommitted") else ""),
         f"# guaranteed per-slot window: {planned.get('guaranteed_window')} tokens",
     ]
+    front = planned.get("front")
+    if isinstance(front, dict):
+        # behind a front the task's port is the public one; the argv has the private one
+        lines.append(
+            f"# address: clients use {front.get('public')} (the front); llama-server "
+            f"listens on {front.get('server')}"
+        )
+    return lines
 
 
 def text(planned: dict[str, Any] | None, argv: list[str]) -> str:
