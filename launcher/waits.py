@@ -22,6 +22,7 @@ policy             what it waits for
                    ``drain_timeout``, and says what the timeout cut)
 ``front_up``       the front's HAProxy back after a restart (systemd starts it again
                    ``RestartSec`` after it died), for a deploy that must pause it
+``front_start``    a start of the front's HAProxy that systemd failed, asked again
 ``every``          the next live sample of ``sample --every`` (until the process is stopped)
 =================  =========================================================================
 """
@@ -120,6 +121,10 @@ class Waits:
     # the front's HAProxy, started again by systemd (RestartSec=1) or by `systemctl start`
     front_up: float = 30.0
     front_poll: float = 0.05
+    # a `systemctl start` of the front that failed: a start job that raced systemd's own
+    # restart of a killed HAProxy ends with that one's result; attempts, the pause between
+    # (the service's RestartSec)
+    front_starts: tuple[int, float] = (3, 1.0)
     # a POST to a server that just turned healthy: attempts, the first pause (then doubled)
     probe_retry: tuple[int, float] = (3, 0.05)
     # restarts after systemd itself failed to spawn the process (219/CGROUP and friends)
@@ -272,6 +277,17 @@ def front_up(w: Waits, down: type[BaseException]) -> Retrying:
         retry=retry_if_exception_type(down),
         stop=stop_after_delay(w.front_up),
         wait=wait_fixed(w.front_poll),
+        reraise=True,
+    )
+
+
+def front_start(w: Waits, failed: type[BaseException]) -> Retrying:
+    """Start the front again after ``failed``, ``w.front_starts`` (attempts, the pause
+    between); the last error is raised then."""
+    return Retrying(
+        retry=retry_if_exception_type(failed),
+        stop=stop_after_attempt(w.front_starts[0]),
+        wait=wait_fixed(w.front_starts[1]),
         reraise=True,
     )
 

@@ -560,6 +560,8 @@ def cmd_recover(ns: argparse.Namespace) -> int:
 
     def text() -> str:
         line = f"recovered: {report}" if report else "nothing to recover"
+        if report and report.get("front_down"):
+            line = f"{report['front_down']}\n{line}"
         return f"{line}\n{bake.say(settled)}" if settled is not None else line
 
     emit(data, ns.json, text)

@@ -73,10 +73,17 @@ STANDBY = "llama_b"
 SERVERS = {"a": SERVER, "b": STANDBY}
 #: unix socket paths are limited to 108 bytes (sun_path)
 SUN_PATH_MAX = 107
+#: the frontend's ``show stat`` status while ``disable frontend`` holds it
+PAUSED = ("PAUSED", "STOP")
 
 
 class FrontError(LauncherError):
     """The front (HAProxy or its runtime API) did not do what was asked."""
+
+
+class FrontDown(FrontError):
+    """HAProxy did not answer at all (not running, stopping, or its start failed), as
+    opposed to answering and refusing: nothing is wrong with what was asked of it."""
 
 
 @dataclass(frozen=True)
@@ -331,6 +338,12 @@ WantedBy=sockets.target
 Description=HAProxy front of {self.unit} (llama-launcher)
 Requires={self.socket_unit}
 After={self.socket_unit}
+# no start limit: a socket-activated service that hits one takes its socket unit down with
+# it (Result=service-start-limit-hit), and the public port refuses every connection until
+# someone starts both by hand. A HAProxy killed a few times within seconds (each restart
+# counts, and so does a deploy's start of it) must come back; one that cannot start at all
+# (its config is validated before every swap) is tried again every RestartSec
+StartLimitIntervalSec=0
 
 # started by its socket; llama-launcher validates the config (haproxy -c) before it is swapped
 [Service]
@@ -433,7 +446,7 @@ RestartSec=5
                 while chunk := s.recv(65536):
                     chunks.append(chunk)
         except OSError as e:
-            raise FrontError(
+            raise FrontDown(
                 f"the front's runtime API ({self.admin_socket}) did not answer {line!r}: "
                 f"{e.strerror or e}; is {self.service} running?"
             ) from e
@@ -461,7 +474,7 @@ RestartSec=5
 
     def held(self) -> bool:
         row = self.stats().get((FRONTEND, "FRONTEND"), {})
-        return row.get("status") in ("PAUSED", "STOP")
+        return row.get("status") in PAUSED
 
     def info(self) -> dict[str, str]:
         """``show info``, by field."""
@@ -475,7 +488,7 @@ RestartSec=5
         info = self.info()
         pid = info.get("Pid", "?")
         if info.get("Stopping", "0") != "0" or _orphaned(pid):
-            raise FrontError(f"HAProxy (pid {pid}) is stopping; {self.service} restarts it")
+            raise FrontDown(f"HAProxy (pid {pid}) is stopping; {self.service} restarts it")
         return f"{pid}:{info.get('Start_time_sec', '?')}"
 
     def apply(self, spec: FrontSpec, slots: int) -> None:
@@ -655,16 +668,34 @@ RestartSec=5
 
     def _start(self) -> str:
         """Start HAProxy (a restart systemd has pending starts now) and wait until a live
-        one answers; its identity."""
+        one answers; its identity. Its units are reset first (``reset-failed``): a start
+        limit that HAProxy's restarts used up (an install from before the service had none)
+        would refuse the start, and would have taken the socket unit down with the service.
+        A start that systemd failed (it raced systemd's own restart of a killed HAProxy: the
+        job ends with that one's result) is asked again (``waits.front_start``)."""
         # imported here: the unit's prestart step loads this module under python -S, and
         # never starts HAProxy
         from launcher import waits
 
+        policy = waits.Waits()
         try:
-            Systemd(self.service, self.scope).start(timeout=30)
+            waits.front_start(policy, LauncherError)(self._start_units)
         except LauncherError as e:
-            raise FrontError(f"the front is down and {self.service} did not start: {e}") from e
-        return str(waits.front_up(waits.Waits(), FrontError)(self.identity))
+            raise FrontDown(f"the front is down and {self.service} did not start: {e}") from e
+        return str(waits.front_up(policy, FrontError)(self.identity))
+
+    def _start_units(self) -> None:
+        service = Systemd(self.service, self.scope)
+        Systemd(self.socket_unit, self.scope).reset_failed()
+        service.reset_failed()
+        service.start(timeout=30)  # its socket unit with it (Requires=)
+
+    def started(self) -> str:
+        """The live HAProxy's identity, started first (``_start``) when it does not answer."""
+        try:
+            return self.identity()
+        except FrontError:
+            return self._start()
 
     def recheck(self, hold: Hold, by: str, start: bool = False) -> Hold:
         """The hold after a restart of HAProxy during it, if any: a new process (its socket
@@ -774,6 +805,63 @@ RestartSec=5
         else:
             out["state"] = "open" if live else "down"
         return out
+
+    # -- the end of a transaction ------------------------------------------------------------
+
+    def refusing(self, spec: FrontSpec) -> str | None:
+        """Why the public port does not answer as ``spec`` says (None: it does): HAProxy not
+        answering its runtime API, its frontend paused with no hold recorded (no watcher
+        would release it), or its serving server at another address. A frontend paused for
+        a recorded hold answers: its holder or its watcher releases it."""
+        try:
+            self.identity()
+            rows = self.stats()
+        except FrontError as e:
+            return str(e)
+        status = rows.get((FRONTEND, "FRONTEND"), {}).get("status")
+        if status in PAUSED and self.holding() is None:
+            return f"its frontend is {status} with no hold recorded"
+        name, want = SERVERS[spec.serving], _addr(spec.private_host, spec.port(spec.serving))
+        addr = rows.get((BACKEND, name), {}).get("addr")
+        if addr != want:
+            return f"its server {name} is at {addr or 'no address'}, not {want}"
+        return None
+
+    def revive(self, spec: FrontSpec) -> None:
+        """The front as ``spec`` says: HAProxy started when it does not answer (its units
+        reset first, ``_start``), its frontend enabled when no hold is recorded, its serving
+        server pointed at the spec (``maxconn`` as it runs now: after a start, the config on
+        disk, which the transaction wrote with the spec)."""
+        self.started()
+        rows = self.stats()
+        if rows.get((FRONTEND, "FRONTEND"), {}).get("status") in PAUSED:
+            with self._hold_locked():
+                if self.holding() is None:
+                    self._enable()
+        row = rows.get((BACKEND, SERVERS[spec.serving]), {})
+        if row.get("addr") != _addr(spec.private_host, spec.port(spec.serving)):
+            self.apply(spec, max(_int(row.get("slim")), 1))
+
+    def units_state(self) -> str:
+        """The socket unit's and the service's states, as a person reads them."""
+        parts = []
+        for unit in (self.socket_unit, self.service):
+            try:
+                p = Systemd(unit, self.scope).show("ActiveState", "SubState", "Result")
+            except LauncherError as e:
+                parts.append(f"{unit}: unknown ({e})")
+                continue
+            parts.append(f"{unit} {p.get('ActiveState')}/{p.get('SubState')} ({p.get('Result')})")
+        return ", ".join(parts)
+
+    def start_command(self) -> str:
+        """What a person runs to start the front again: a start limit reset first, then
+        HAProxy restarted (its socket unit started with it, Requires=; a listening one keeps
+        the connections in its backlog)."""
+        ctl = "systemctl --user" if self.scope == "user" else "systemctl"
+        return (
+            f"{ctl} reset-failed {self.socket_unit} {self.service} && {ctl} restart {self.service}"
+        )
 
     def _expect_empty(self, line: str) -> None:
         out = self.command(line).strip()

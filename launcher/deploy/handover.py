@@ -18,9 +18,17 @@ marked ``# handover``::
     hold_front()      a recovery's restart of the old config (``launcher.deploy.recovery``)
     recover()         after a recovery: the front pointed at the restored config, released
 
-Nothing here raises for the server's sake except the front's new config and a restore that
-takes the server down (a ``GateFailure``, so the deploy rolls back); every other problem is
-a line in the report.
+Whatever a deploy, a rollback or a recovery ends with, its last step (``front_up``, under the
+unit's lock) makes the public port answer: HAProxy started again if it does not (its units'
+start limit reset first: its restarts and the deploy's own starts may have used it up),
+pointed at the serving server; or the report's ``front_down`` says it is down and what to
+run, which the result's first line repeats.
+
+Nothing here raises for the server's sake except HAProxy refusing the new server and a
+restore that takes the server down (a ``GateFailure``, so the deploy rolls back); every other
+problem is a line in the report. A HAProxy that does not come back to be pointed at the new
+server is no reason to roll back: the disk names the new server, and a rollback would
+restart the server and leave the front as down.
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ from typing import Any
 
 from launcher import config
 from launcher.deploy import drain
-from launcher.deploy.front import BACKEND, SERVERS, Front, FrontError, FrontSpec, Hold
+from launcher.deploy.front import BACKEND, SERVERS, Front, FrontDown, FrontError, FrontSpec, Hold
 from launcher.deploy.standby import Standby
 from launcher.errors import ConfigInvalid, GateFailure, LauncherError
 from launcher.host.systemd import Scope, Systemd, UnitState
@@ -561,20 +569,32 @@ class Handover:
         c = self.change
         try:
             self._point(c.spec, c.slots)
+        except FrontDown as e:
+            # the new config stands: the disk names its server, so the HAProxy that starts
+            # next sends requests to it; the transaction's end starts it (``front_up``)
+            self.report.setdefault("front", {})["not_pointed"] = str(e)
+            self.warnings.append(f"HAProxy did not come back to be pointed at the new server: {e}")
+            return
         except (FrontError, OSError) as e:
-            raise GateFailure("front", "front", f"the front's new config failed: {e}", []) from e
+            raise GateFailure(
+                "front", "front", f"HAProxy refused to send requests to the new server: {e}", []
+            ) from e
         if c.changed:
             self.report.setdefault("front", {})["config"] = "changed (validated, swapped, applied)"
 
     def _point(self, spec: FrontSpec, n: int) -> None:
-        """The running HAProxy pointed at ``spec``'s server; one that died meanwhile is
-        waited for (systemd starts it again), paused and pointed."""
+        """The running HAProxy pointed at ``spec``'s server. One that died meanwhile is
+        waited for (systemd starts it again, or this process does: ``Front.started``),
+        paused again while held, and pointed; ``FrontDown`` when it does not come back."""
         assert self.front is not None
         try:
             self._recheck()
             self.front.apply(spec, n)
-        except FrontError:
-            self._recheck()
+        except FrontDown:
+            if self.hold is not None and self.held_at is not None:
+                self.hold = self.front.recheck(self.hold, "the deploy", start=True)
+            else:
+                self.front.started()
             self.front.apply(spec, n)
 
     def _mark(self, phase: str) -> None:
@@ -697,9 +717,59 @@ class Handover:
             if line:
                 self.warnings.append(line)
             self.watch = None
+        if self.front is not None:
+            self._front_up()
         if self.warnings:
             self.report["warnings"] = list(self.warnings)
         return self.report
+
+    def _front_up(self) -> None:
+        """The transaction's last step: the public port answers (``front_up``), or the
+        report says it does not."""
+        assert self.front is not None
+        up = front_up(self.front)
+        if "down" in up:
+            self.report["front_down"] = up["down"]
+            self.warnings.append(up["down"])
+        elif "revived" in up:
+            self.report.setdefault("front", {})["revived"] = up["revived"]
+            self.warnings.append(
+                f"the front did not answer when this transaction ended ({up['revived']}); it "
+                "was started again and answers"
+            )
+
+
+def front_up(front: Front) -> dict[str, Any]:
+    """The last step of a transaction that touched the front (a deploy, a rollback, a
+    recovery; under the unit's lock): the public port answers as the spec on disk says
+    (``Front.refusing``), HAProxy started again and pointed (``Front.revive``) when it does
+    not. ``{}``: it answered; ``revived``: why it did not before it was started again;
+    ``down``: the line that says it still does not, and what to run."""
+    try:
+        spec = front.spec()
+    except FrontError:
+        return {}  # a spec that cannot be read: the deploy refused it, a recovery says so
+    why = front.refusing(spec) if spec is not None else None
+    if spec is None or why is None:
+        return {}
+    try:
+        front.revive(spec)
+        still = front.refusing(spec)
+    except (LauncherError, OSError) as e:
+        still = str(e)
+    if still is None:
+        return {"revived": why}
+    return {"down": down_line(front, spec, f"{front.units_state()}: {still}")}
+
+
+def down_line(front: Front, spec: FrontSpec, why: str) -> str:
+    """The line that says the front is down: its public port, the command that starts it
+    again, and ``why`` (made one line: the result's first line carries it)."""
+    public = f"{spec.public_host}:{spec.public_port}"
+    return (
+        f"the front is down: its public port {public} does not answer; run "
+        f"`{front.start_command()}`, then `llama-launcher status` ({' '.join(why.split())})"
+    )
 
 
 def _serves_live(front: Front) -> bool:
@@ -881,8 +951,21 @@ def recover(
 ) -> dict[str, Any]:
     """After a recovery (or a deployer killed while holding): the front pointed at the
     restored server config (the record's old spec) and released if it is held; a second
-    instance that bridged the killed deploy stopped once its requests finished."""
+    instance that bridged the killed deploy stopped once its requests finished; and the
+    public port answering (``front_up``), or ``front_down`` saying it does not."""
     front = Front(state_dir, unit, scope)
+    out = _recover_front(front, txn, drain_timeout, restored)
+    up = front_up(front)
+    if "down" in up:
+        out["front_down"] = up["down"]
+    elif "revived" in up:
+        out["front_revived"] = f"it did not answer ({up['revived']}); started again"
+    return out
+
+
+def _recover_front(
+    front: Front, txn: dict[str, Any], drain_timeout: float, restored: bool
+) -> dict[str, Any]:
     try:
         spec = front.spec()
         if spec is None:

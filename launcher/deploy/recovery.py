@@ -388,6 +388,10 @@ class Reverter:
             )
         if after_restore is not None:
             result.handover = after_restore(bool(rb.get("ok")))
+            # what the handover warned of (the front's restarts, a hold that failed, a front
+            # left down) is the rollback's news too
+            said = set(result.warnings)
+            result.warnings += [w for w in result.handover.get("warnings", []) if w not in said]
         with contextlib.suppress(OSError, StoreError):
             self.store.update(gen, outcome="failed", failure=failure)
             if restored:
@@ -407,13 +411,13 @@ class Reverter:
             result.message = (
                 f"generation {gen.number} failed ({failure['class']}: {failure['message']}); {what}"
             )
-            exc = DeployFailed(result.message, result)
+            exc = DeployFailed(result.say_front_down().message, result)
         else:
             result.outcome = "rollback_failed"
             if prev_number is not None:
                 self._mark(prev_number, gate_failed_at=time.time())
             result.message = self._restore_failed(gen, failure, prev_number, rb, restored)
-            exc = RollbackFailed(result.message, result)
+            exc = RollbackFailed(result.say_front_down().message, result)
         if self.signals.pending is not None or isinstance(error, Interrupted):
             result.message += " (interrupted by a signal)"
         raise exc

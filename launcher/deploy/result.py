@@ -43,6 +43,9 @@ class Result:
     env: str | None = None
     #: the bake (launcher/watch/bake.py): the one this verb started, and the one it ended
     bake: dict[str, Any] | None = None
+    #: the front's public port did not answer when the transaction ended, nor after it was
+    #: started again: why, and what to run (``handover.front_up``); None: it answers
+    front_down: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -56,6 +59,17 @@ class Result:
         self.generation = self.previous_generation
         self.message = "the rendered env file is byte-identical to the live one; nothing restarted"
         self.startup, self.client_window = startup, client_window
+        return self
+
+    def say_front_down(self) -> Result:
+        """A front the transaction's end left down (the handover's ``front_down``): said at
+        the start of the message, the first line a person reads, whatever the outcome, and
+        kept as ``front_down``. Called again after the message is rewritten (a revert)."""
+        down = self.front_down or (self.handover or {}).get("front_down")
+        if down:
+            self.front_down = down
+            if not self.message.startswith(down):
+                self.message = f"{down}; {self.message}" if self.message else down
         return self
 
     def to_dict(self) -> dict[str, Any]:

@@ -365,7 +365,7 @@ class Deployer:
         result.message = f"generation {gen.number} is serving: {checked.plan.describe()}"
         if self.signals.pending is not None:
             result.message += " (a signal arrived after the gate passed; the deploy stands)"
-        return result
+        return result.say_front_down()
 
     def _store(
         self,

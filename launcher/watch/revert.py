@@ -84,6 +84,7 @@ def revert(
         f"generation {generation} was reverted after its bake ({kind}: {why.reason}); "
         f"generation {previous}'s config serves again as generation {result.generation}"
     )
+    result.say_front_down()
     if result.generation is not None:
         gen = deployer.store.get(result.generation)
         deployer.store.update(
