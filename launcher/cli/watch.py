@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -34,6 +35,14 @@ def register(sub: Any) -> None:
         metavar="DIR",
         help="write llama_launcher_<unit>.prom there (default: the setting "
         "metrics_textfile_dir; unset: no metrics file)",
+    )
+    p.add_argument(
+        "--wedged-samples",
+        type=int,
+        metavar="N",
+        help="restart the unit after N samples in a row in which its server lives but does "
+        "not answer (during a bake: revert it); 0: off (default: the setting wedged_samples; "
+        "install renders it into the sampler's service)",
     )
     p.add_argument(
         "--every",
@@ -83,6 +92,14 @@ def cmd_sample(ns: argparse.Namespace) -> int:
         settings = settings_from(ns)
         target = sample.target_for(settings, ns.textfile_dir)
         systemd = Systemd(settings.unit_name, settings.scope)
+    if ns.wedged_samples is not None:
+        from launcher.errors import ConfigInvalid
+
+        if ns.wedged_samples < 0:
+            raise ConfigInvalid(
+                f"--wedged-samples {ns.wedged_samples} is not a count; give 0 (off) or more"
+            )
+        target = dataclasses.replace(target, wedged_samples=ns.wedged_samples)
     if ns.every is not None:
         from launcher import waits
         from launcher.errors import ConfigInvalid
@@ -164,6 +181,10 @@ def _sample_text(out: Outcome) -> str:
         lines += [f"  {x}" for x in pressure.pool_lines(out.pressure)]
     if out.decode_tps is not None:
         lines.append(f"  decode since the last sample: {out.decode_tps:,.1f} tok/s")
+    if out.wedged:
+        w = out.wedged
+        did = "restarted" if w["restarted"] else f"wedged sample {w['samples']} of {w['limit']}"
+        lines.append(f"  {did}: {w['why']}")
     if out.counts:
         shown = ", ".join(f"{k} +{v:g}" for k, v in out.counts.items() if k in _SHOWN)
         if shown:

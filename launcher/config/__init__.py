@@ -646,6 +646,14 @@ class ToolSettings(BaseSettings):
         description="node_exporter's --collector.textfile.directory: every sample writes "
         "llama_launcher_<unit>.prom there (unset: no metrics file)",
     )
+    wedged_samples: int = Field(
+        3,
+        ge=0,
+        description="samples in a row in which the server lives but does not answer (/health "
+        "within 5 s; or a 1-token completion, while requests wait and its counters stand "
+        "still) that restart it (during a bake: revert it); 0: off. Rendered into the "
+        "sampler's service (install again to change it)",
+    )
     metrics_endpoint: bool = Field(
         True,
         description="a config that keeps /slots on gets --metrics (the sampler's decode "

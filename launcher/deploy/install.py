@@ -703,6 +703,7 @@ def install_sampler(
         interval=settings.sample_interval,
         textfile_dir=str(textfile_dir) if textfile_dir else None,
         base_url=settings.base_url,
+        wedged_samples=settings.wedged_samples,
         revert_paths=revert_paths(settings, env_file),
     )
     unit_dir = settings.resolved_unit_dir()

@@ -1,5 +1,6 @@
-"""A process's memory as the kernel counts it, from ``/proc/PID/status``; and which boot
-this is (``boot``).
+"""A process's memory as the kernel counts it, from ``/proc/PID/status``; its state and age
+(``process``: whether it is a zombie, whether it may still be loading); and which boot this
+is (``boot``).
 
 Growth shows as ``RssAnon + VmSwap``, not as RSS: RSS also counts the mapped model file's
 pages (``RssFile``), which the page cache brings and takes away, and misses what was swapped
@@ -9,6 +10,7 @@ were measured this way; ollama #18106 says the same). The fields are in kB (1024
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,3 +78,39 @@ def boot(proc: Path = Path("/proc")) -> str | None:
     except (OSError, StopIteration, IndexError):
         return None
     return f"{btime}:{started}"
+
+
+@dataclass(frozen=True)
+class Process:
+    """A process as ``/proc/PID/stat`` says: its state (``R``, ``S``, ``D``, ``T`` stopped,
+    ``Z`` zombie, ...) and its age in seconds (``starttime``, field 22, against
+    ``/proc/uptime``: both on the kernel's boot clock, so a wall-clock step moves neither)."""
+
+    state: str
+    age: float
+
+    @property
+    def zombie(self) -> bool:
+        """Exited and not yet reaped (a main thread that ended while others run on shows so
+        too): not a process that could answer."""
+        return self.state in ("Z", "X")
+
+
+def process(pid: int, proc: Path = Path("/proc")) -> Process:
+    """The state and age of process ``pid``; ``Unreadable`` when it is gone or hidden."""
+    path = proc / str(pid) / "stat"
+    try:
+        # the command name (field 2, in parentheses) may hold spaces and ")": split after it
+        fields = path.read_text().rsplit(")", 1)[1].split()
+        uptime = float((proc / "uptime").read_text().split()[0])
+    except FileNotFoundError as e:
+        raise Unreadable("proc", f"process {pid} is gone ({path} does not exist)") from e
+    except OSError as e:
+        raise Unreadable("proc", f"cannot read {path}: {e.strerror}") from e
+    except (IndexError, ValueError) as e:
+        raise Unreadable("proc", f"{path} is not a stat line this reader knows") from e
+    try:
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (IndexError, ValueError) as e:
+        raise Unreadable("proc", f"{path} has no start time (field 22)") from e
+    return Process(fields[0], max(0.0, uptime - started))

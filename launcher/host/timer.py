@@ -5,10 +5,11 @@ removes them. For ``llama-server.service`` they are ``llama-server-sample.timer`
 ``llama-server-sample.service``; for an instance ``llama-server@chat.service`` the
 templates ``llama-server-sample@.timer``/``.service``, enabled as
 ``llama-server-sample@chat.timer``. Every ``interval`` seconds (the setting
-``sample_interval``, rendered into the timer: change it with ``install`` again) systemd
-starts one sample: a short process that takes no deploy lock (``launcher.watch.sample``),
-runs at a lower CPU and I/O priority than llama-server, and logs its warnings to the
-journal of the sample service (``journalctl -u llama-server-sample.service``).
+``sample_interval``, rendered into the timer, as ``wedged_samples`` is into the service's
+command line: change them with ``install`` again) systemd starts one sample: a short
+process that takes no deploy lock (``launcher.watch.sample``), runs at a lower CPU and I/O
+priority than llama-server, and logs its warnings to the journal of the sample service
+(``journalctl -u llama-server-sample.service``).
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ class Sampler:
     interval: float
     textfile_dir: str | None = None
     base_url: str | None = None
+    #: the setting ``wedged_samples`` (``launcher.watch.wedge``): the service reads no settings
+    wedged_samples: int = 3
     #: the folders a bake's revert writes besides the state folder, in system scope (the
     #: env file's, the client window's, the lock's: ``launcher.deploy.install`` names them)
     revert_paths: tuple[str, ...] = ()
@@ -73,7 +76,7 @@ After={unit}
 Type=notify
 Environment=PYTHONPATH={package_dir}
 ExecStart={python} -m launcher sample --unit {unit} --scope {scope} --state-dir {state_dir} \
---env-file {env_file}{textfile}{base_url}
+--env-file {env_file} --wedged-samples {wedged_samples}{textfile}{base_url}
 # no limit on the first sample: it may revert (a deploy's budget); each read has its own
 # timeout (HTTP 10 s, the journal's). One that carries a bake runs up to 24 h after it
 TimeoutStartSec=infinity
@@ -143,6 +146,7 @@ def render_service(s: Sampler) -> str:
         scope=s.scope,
         state_dir=s.state_dir,
         env_file=s.env_file,
+        wedged_samples=s.wedged_samples,
         textfile=textfile,
         base_url=base_url,
         hardening=hardening,

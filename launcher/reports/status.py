@@ -15,7 +15,7 @@ from launcher.errors import LauncherError, StoreError
 from launcher.host import envfile, launch
 from launcher.host.systemd import Systemd
 from launcher.reports import pressure
-from launcher.watch import bake, sample
+from launcher.watch import bake, sample, wedge
 
 
 def status(settings: config.ToolSettings, systemd: Systemd | None = None) -> dict[str, Any]:
@@ -260,6 +260,7 @@ def history(settings: config.ToolSettings) -> dict[str, Any]:
                 "watched": pressure.headline(gen, tail if gen.number == live else None),
                 "bake": baked(gen),
                 "reverted_from": gen.meta.get("reverted_from"),
+                "wedged_restarts": gen.meta.get("wedged_restarts") or [],
             }
         )
     return {"unit": settings.unit_name, "live_generation": live, "generations": out}
@@ -286,6 +287,8 @@ def history_text(d: dict[str, Any]) -> str:
             lines.append(f"        {pressure.headline_line(g['watched'])}")
         if g.get("bake"):
             lines.append(f"        {g['bake']['line']}")
+        if restarted := wedge.line_of(g.get("wedged_restarts") or []):
+            lines.append(f"        {restarted}")
     return "\n".join(lines)
 
 

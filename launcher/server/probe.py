@@ -72,17 +72,7 @@ class Probe:
         The timeout is short on purpose: it is polled in a loop that also watches the unit,
         and whatever else holds the port (a stale process) may never answer.
         """
-        try:
-            r = self.client.get("/health", timeout=timeout)
-        except httpx.TimeoutException:
-            return None, self.TIMEOUT
-        except httpx.TransportError as e:
-            return None, type(e).__name__
-        try:
-            detail = str(r.json().get("error", {}).get("message", "")) or r.text[:100]
-        except (ValueError, AttributeError):
-            detail = r.text[:100]
-        return r.status_code, detail
+        return health(self.client, timeout)
 
     def props(self) -> dict[str, Any]:
         try:
@@ -143,6 +133,23 @@ class Probe:
             raise ProbeError(
                 f"the chat completion has no usable choices/usage: {r.text[:300]}"
             ) from e
+
+
+def health(client: httpx.Client, timeout: float) -> tuple[int | None, str]:
+    """``GET /health`` through ``client`` within ``timeout`` seconds: (status, detail), None
+    when nothing answered (detail ``Probe.TIMEOUT``, or the transport error's name). The
+    probe's polls and the sampler's look at a wedged server (``launcher.watch.wedge``)."""
+    try:
+        r = client.get("/health", timeout=timeout)
+    except httpx.TimeoutException:
+        return None, Probe.TIMEOUT
+    except httpx.TransportError as e:
+        return None, type(e).__name__
+    try:
+        detail = str(r.json().get("error", {}).get("message", "")) or r.text[:100]
+    except (ValueError, AttributeError):
+        detail = r.text[:100]
+    return r.status_code, detail
 
 
 def _auth_hint(status: int) -> str:

@@ -342,9 +342,14 @@ def seen_of(
     unread: dict[str, str],
     pool: slotstate.Pressure | None = None,
     peak: slotstate.Pressure | None = None,
+    wedged: str | None = None,
+    stuck: bool = False,
 ) -> verdict.Seen:
     """One sample as the judge reads it; ``pool``: the sample's own look at the slots,
-    ``peak``: the fullest look at them since the sample before (``carry``'s polls)."""
+    ``peak``: the fullest look at them since the sample before (``carry``'s polls);
+    ``wedged``: why the wedge rules' count was reached (``launcher.watch.wedge``: a hard
+    signal); ``stuck``: the sample was a wedged one, whose unread sources the wedge rules
+    count, not the bake's unread limit (which would end the bake inconclusive first)."""
     looks = [p for p in (pool, peak) if p is not None and p.need is not None]
     fullest = max(looks, key=lambda p: p.need or 0.0) if looks else None
     now_boot = boot_id()
@@ -358,12 +363,13 @@ def seen_of(
         sub=unit.sub,
         result=unit.result,
         unread=tuple(k for k in unread if k in ("slots", "metrics", "journal"))
-        if unit.running
+        if unit.running and not stuck
         else (),
         gap=t - last if last is not None else None,
         rebooted=rebooted,
         pool_need=fullest.need if fullest else None,
         pool_line=fullest.describe() if fullest else None,
+        wedged=wedged,
     )
 
 

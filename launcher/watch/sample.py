@@ -3,12 +3,15 @@ metrics file, warn.
 
 What one sample reads, each source on its own (one that cannot be read is named in the
 outcome, and the others go on): the unit's state (``systemctl show``), llama-server's
-``GET /slots`` and ``GET /metrics`` (counters only: ``launcher.server.metrics``), the
-process's ``/proc/PID/status`` (``RssAnon + VmSwap``), and the unit's journal since the
-cursor of the sample before (``launcher.host.journalread``). It adds what changed to the
-live generation's record (``launcher.watch.record``) and writes nothing when nothing did;
-it keeps its own state (the counters, the journal cursor, the process it counted for) in
-``STATE_DIR/watch/sampler.json``, whose mtime is the time of the last sample.
+``GET /health`` (bounded), ``GET /slots`` and ``GET /metrics`` (counters only:
+``launcher.server.metrics``), the process's ``/proc/PID/status`` (``RssAnon + VmSwap``) and
+``/proc/PID/stat``, and the unit's journal since the cursor of the sample before
+(``launcher.host.journalread``). It adds what changed to the live generation's record
+(``launcher.watch.record``) and writes nothing when nothing did; it keeps its own state (the
+counters, the journal cursor, the process it counted for) in
+``STATE_DIR/watch/sampler.json``, whose mtime is the time of the last sample. A server that
+lives but does not answer is counted, and restarted after ``wedged_samples`` such samples
+in a row (``launcher.watch.wedge``).
 
 The deploy and the sampler: the sampler never takes the unit's deploy lock, so a deploy
 never waits for it. It takes a lock of its own (``STATE_DIR/watch/lock``, never waited
@@ -22,6 +25,7 @@ whole, as it was, and is named in the outcome.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import json
@@ -34,13 +38,14 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from launcher.deploy import front, home, keys, store
-from launcher.errors import LauncherError, StoreError, Unreadable
+from launcher import waits
+from launcher.deploy import budgets, front, home, keys, store
+from launcher.errors import LauncherError, ProbeError, StoreError, Unreadable
 from launcher.host import journalread, procfs
 from launcher.host.systemd import Follower, Systemd, UnitState
-from launcher.server import httpclient, metrics, serverlog, slotstate
+from launcher.server import httpclient, metrics, probe, serverlog, slotstate
 from launcher.server.httpclient import url_from_argv
-from launcher.watch import bake, record, textfile, verdict
+from launcher.watch import bake, record, textfile, verdict, wedge
 
 if TYPE_CHECKING:
     from launcher.config import ToolSettings
@@ -55,6 +60,8 @@ HTTP_TIMEOUT = 10.0
 #: A look at /slots between a bake's samples (``look``): short, a look never holds a sample up
 LOOK_TIMEOUT = 1.0
 SOURCES = ("slots", "metrics", "proc", "journal")
+#: The 1-token completion of the wedge rules is sent once, never retried: it has its bound
+ONCE = waits.Waits(probe_retry=(1, 0.0))
 
 
 def default_writer(path: Path, data: bytes, mode: int) -> None:
@@ -71,6 +78,8 @@ class Target:
     state_dir: Path
     textfile_dir: Path | None = None
     base_url: str | None = None
+    #: wedged samples in a row that restart the unit (``launcher.watch.wedge``; 0: off)
+    wedged_samples: int = wedge.SAMPLES
 
     @property
     def folder(self) -> Path:
@@ -85,6 +94,7 @@ def target_for(settings: ToolSettings, textfile_dir: Path | None = None) -> Targ
         state_dir=home.state_dir(settings),
         textfile_dir=textfile_dir or settings.metrics_textfile_dir,
         base_url=settings.base_url,
+        wedged_samples=settings.wedged_samples,
     )
 
 
@@ -105,6 +115,9 @@ class Outcome:
     decode_tps: float | None = None
     #: the live generation's bake after this sample (``launcher.watch.bake``)
     bake: dict[str, Any] | None = None
+    #: a wedged sample (``launcher.watch.wedge``): samples in a row, the limit, why, and
+    #: whether this sample restarted the unit
+    wedged: dict[str, Any] | None = None
     seconds: float = 0.0
 
     @property
@@ -141,6 +154,12 @@ class State:
     #: generation number -> outcome, and the newest deploy's time and duration
     outcomes: dict[str, str] = field(default_factory=dict)
     last_deploy: list[float | None] = field(default_factory=lambda: [None, None])
+    #: the wedged samples in a row: [the process's pid, how many] (empty: none)
+    wedged: list[Any] = field(default_factory=list)
+    #: the last process a sample saw answer /health 200 (past its load)
+    answered: int = 0
+    #: the unit's restarts by the wedge rules, since this state began (the metrics' counter)
+    wedged_restarts: int = 0
 
     def to_bytes(self) -> bytes:
         return json.dumps(self.__dict__, sort_keys=True, separators=(",", ":")).encode()
@@ -159,6 +178,8 @@ def load_state(target: Target) -> tuple[State, float | None]:
         state = State(**{k: v for k, v in data.items() if k in known})
         if not isinstance(state.warned, list):
             state.warned = []
+        if not isinstance(state.wedged, list):
+            state.wedged = []
         return state, path.stat().st_mtime
     except FileNotFoundError:
         return State(), None
@@ -227,6 +248,12 @@ class Reads:
     memory: procfs.Memory | None = None
     journal: journalread.Read = field(default_factory=journalread.Read)
     unread: dict[str, str] = field(default_factory=dict)
+    #: /health within ``wedge.HEALTH_TIMEOUT``: (status, detail) as ``probe.health`` says
+    health: tuple[int | None, str] | None = None
+    #: the main process's state and age (``procfs.process``)
+    process: procfs.Process | None = None
+    #: the HTTP sources that did not answer at all (a timeout, no connection), not refused
+    silent: set[str] = field(default_factory=set)
     #: the front's HAProxy, when the unit has one: (identity, 5xx sent to clients, 5xx the
     #: server sent it), from ``show stat``
     front: tuple[str, int, int] | None = None
@@ -288,6 +315,7 @@ def _sample(
     if st.live_number() != live or deploying(st):
         out.skipped = "a deploy began while the sample read: its reads were thrown away"
         return
+    run, why = _wedge(target, gen, reads, state, transport, out)  # before _delta: the counters
     previous = _close_previous(st, state, gen, reads, write, out)
     rec = record.load(gen.path, live, repair=True)
     rec.begin(bake.served_from(gen))
@@ -305,9 +333,14 @@ def _sample(
     # the state first: a record written without it would be counted twice by the next sample
     if _save_state(target, state, write, out) and changed:
         _save(gen.path, rec, write, out, "live record")
-    _judge(gen, rec, delta, reads, out, revert, pressure, peak)
+    due = wedge.due(run, target.wedged_samples)
+    hard = f"{run} samples in a row: {why}" if due else None
+    judged = _judge(gen, rec, delta, reads, out, revert, pressure, peak, hard, why is not None)
+    if due and not _reverted(judged):
+        _restart(target, systemd, st, live, state, write, out)
     _settle(target, st, out)
     _bake_lines(st, page)  # after the judge: the file says this sample's verdict
+    _wedge_lines(state, page)
     _publish(target, page, write, out)
 
 
@@ -320,8 +353,12 @@ def _judge(
     revert: bake.Revert | None,
     pressure: slotstate.Pressure | None,
     peak: slotstate.Pressure | None,
-) -> None:
-    """The bake's step on this sample (after it is recorded: the judge reads the record)."""
+    wedged: str | None = None,
+    stuck: bool = False,
+) -> bake.Bake | None:
+    """The bake's step on this sample (after it is recorded: the judge reads the record);
+    ``wedged``: the wedge rules' count reached (a hard signal), ``stuck``: this sample was
+    a wedged one. Returns the bake it judged (None: none runs, or it was not recorded)."""
     row = rec.minutes[-1] if rec.minutes else None
     minute = float(int(delta.t // record.MINUTE) * record.MINUTE)
     busy = delta.now.busy
@@ -330,19 +367,25 @@ def _judge(
 
     def seen(b: bake.Bake) -> verdict.Seen:
         return bake.seen_of(
-            b, delta.t, delta.counts, busy, reads.unit, reads.unread, pressure, peak
+            b, delta.t, delta.counts, busy, reads.unit, reads.unread, pressure, peak, wedged, stuck
         )
 
     try:
         judged = bake.step(gen, rec, seen, revert or default_revert)
     except OSError as e:
         out.errors.append(f"the bake record was not updated (it stays as it was): {_why(e)}")
-        return
+        return None
     if judged is None:
-        return
+        return None
     out.bake = judged.view(delta.t)
     if judged.verdict is not None:
         out.warnings.append(bake.say(judged))
+    return judged
+
+
+def _reverted(judged: bake.Bake | None) -> bool:
+    """This sample's verdict ran the bake's revert (which restarted the unit)."""
+    return judged is not None and judged.verdict is not None and judged.verdict.state == "revert"
 
 
 def _settle(target: Target, st: store.Store, out: Outcome) -> None:
@@ -372,8 +415,12 @@ def read_server(
     gen: store.Generation,
     transport: httpx.BaseTransport | None = None,
 ) -> Reads:
-    """The unit's state, and when it runs its server's /slots and /metrics and its process's
-    memory: each source on its own (``Reads.unread`` says which could not be read, why)."""
+    """The unit's state, and when it runs its server's /health, /slots and /metrics and its
+    process's memory and state: each source on its own (``Reads.unread`` says which could
+    not be read, why). A server whose /health does not answer within
+    ``wedge.HEALTH_TIMEOUT`` is not asked for /slots and /metrics (nor for /metrics when
+    /slots did not answer: the server's loop answers both), so that a wedged server's
+    sample takes about that long, not their timeouts."""
     reads = Reads(systemd.state())
     if reads.unit.running:
         try:
@@ -382,18 +429,35 @@ def read_server(
             key = None
             reads.unread["key"] = str(e)
         with _client(target, gen, key, transport) as client:
-            reads.slots = _try(reads, "slots", lambda: slotstate.read(client))
-            reads.metrics = _try(reads, "metrics", lambda: metrics.read(client))
+            _read_http(reads, client)
         if reads.slots and any(s.tokens is None for s in reads.slots):
             reads.unread["slots"] = (
                 f"this build's /slots has no {slotstate.TOKENS_FIELD} (it came with "
                 f"b{slotstate.TOKENS_SINCE}): what the slots hold and the pool use are unknown"
             )
         reads.memory = _try(reads, "proc", lambda: procfs.memory(reads.unit.main_pid))
+        reads.process = _try(reads, "proc", lambda: procfs.process(reads.unit.main_pid))
     else:
         why = f"{target.unit} is {reads.unit.active}/{reads.unit.sub}: the server is down"
         reads.unread.update({"slots": why, "metrics": why, "proc": why})
     return reads
+
+
+def _read_http(reads: Reads, client: httpx.Client) -> None:
+    reads.health = probe.health(client, wedge.HEALTH_TIMEOUT)
+    status, detail = reads.health
+    if status is None:
+        why = f"skipped: /health did not answer within {wedge.HEALTH_TIMEOUT:g}s ({detail})"
+        reads.unread.update({"slots": why, "metrics": why})
+        reads.silent.update({"slots", "metrics"})
+        return
+    reads.slots = _try(reads, "slots", lambda: slotstate.read(client))
+    if "slots" in reads.silent:
+        why = f"skipped: /slots did not answer ({reads.unread['slots']}); the server's loop "
+        reads.unread["metrics"] = why + "answers /metrics alike"
+        reads.silent.add("metrics")
+        return
+    reads.metrics = _try(reads, "metrics", lambda: metrics.read(client))
 
 
 def _client(
@@ -572,7 +636,138 @@ def _try(reads: Reads, source: str, fn: Callable[[], Any]) -> Any:
         return fn()
     except Unreadable as e:
         reads.unread[source] = str(e)
+        if isinstance(e.__cause__, httpx.TransportError):
+            reads.silent.add(source)
         return None
+
+
+# -- a wedged server (launcher.watch.wedge) --------------------------------------------------
+
+
+def _wedge(
+    target: Target,
+    gen: store.Generation,
+    reads: Reads,
+    state: State,
+    transport: httpx.BaseTransport | None,
+    out: Outcome,
+) -> tuple[int, str | None]:
+    """This sample under the wedge rules: the wedged samples in a row with it, and why it
+    is one (None: it is not). Sends the 1-token completion when the rules ask for it. Runs
+    before ``_delta``: it compares /metrics' counters with the sample before's."""
+    unit = reads.unit
+    if reads.health is not None and reads.health[0] == 200:
+        state.answered = unit.main_pid
+    look = _look_of(gen, reads, state) if unit.running and target.wedged_samples else None
+    if look is not None and look.suspect:
+        look = dataclasses.replace(look, completion=_completes(target, gen, transport))
+    why = wedge.judge(look)
+    run = wedge.run_of(state.wedged, unit.main_pid, why)
+    state.wedged = [unit.main_pid, run] if run else []
+    if why is not None:
+        limit = target.wedged_samples
+        out.wedged = {
+            "pid": unit.main_pid,
+            "samples": run,
+            "limit": limit,
+            "why": why,
+            "restarted": False,
+        }
+        if not wedge.due(run, limit):
+            out.warnings.append(
+                f"{target.unit}: the server (pid {unit.main_pid}) lives but does not answer: "
+                f"{why}; wedged sample {run} in a row, restarted at {limit}"
+            )
+    return run, why
+
+
+def _look_of(gen: store.Generation, reads: Reads, state: State) -> wedge.Look:
+    status, detail = reads.health or (None, "not read")
+    m = reads.metrics
+    before = state.counters if m is not None and state.process == _process_of(reads) else None
+    silent = "metrics" in reads.silent and reads.slots is None
+    return wedge.Look(
+        health=status,
+        detail=detail,
+        zombie=reads.process is not None and reads.process.zombie,
+        loaded=_loaded(gen, reads, state),
+        loop=wedge.loop_of(m, silent, before),
+    )
+
+
+def _loaded(gen: store.Generation, reads: Reads, state: State) -> bool:
+    """The unit's process is past its load: a sample saw it answer /health 200, it served
+    when its generation's gate passed (it started before), or it is older than its start
+    budget (sized by the generation's last load: ``launcher.deploy.budgets``). A process
+    whose age cannot be read counts only once a sample saw it answer."""
+    if state.answered == reads.unit.main_pid:
+        return True
+    if reads.process is None:
+        return False
+    if time.time() - reads.process.age < bake.served_from(gen):
+        return True
+    b = budgets.for_deploy(waits.Waits(), budgets.Load.of_meta(gen.meta))
+    return reads.process.age > b.start + b.health
+
+
+def _completes(
+    target: Target, gen: store.Generation, transport: httpx.BaseTransport | None
+) -> bool | None:
+    """Whether a 1-token completion comes back within ``wedge.COMPLETION_TIMEOUT``: any
+    HTTP answer counts, an error too (None: it could not be sent)."""
+    try:
+        key = keys.key_of_env(gen.env_text, str(gen.path / "env"))
+        url = target.base_url or url_from_argv(list(gen.meta.get("argv") or []))
+        with probe.Probe(url, key, transport, ONCE) as p:
+            p.chat(wedge.COMPLETION_TIMEOUT, max_tokens=1)
+    except ProbeError as e:
+        return not isinstance(e.__cause__, httpx.TransportError)
+    except LauncherError:
+        return None
+    return True
+
+
+def _restart(
+    target: Target,
+    systemd: Systemd,
+    st: store.Store,
+    live: int,
+    state: State,
+    write: record.Writer,
+    out: Outcome,
+) -> None:
+    """Restart the wedged unit (``systemctl restart --no-block``: systemd stops it, with
+    ``SIGCONT`` and, at ``TimeoutStopSec``, ``SIGKILL``; the next sample sees the new
+    process) and record why: the live generation's meta, the journal, the metrics. Not
+    while a deploy is in progress: it restarts the unit itself."""
+    assert out.wedged is not None
+    pid, run, why = out.wedged["pid"], out.wedged["samples"], out.wedged["why"]
+    if deploying(st) or st.live_number() != live:
+        return
+    try:
+        systemd.restart()
+    except LauncherError as e:
+        out.errors.append(f"{target.unit}: the wedged server was not restarted: {e}")
+        return
+    out.wedged["restarted"] = True
+    state.wedged, state.wedged_restarts = [], state.wedged_restarts + 1
+    out.warnings.append(
+        f"{target.unit}: restarted: the server (pid {pid}) lived but did not answer {run} "
+        f"samples in a row: {why}"
+    )
+    _save_state(target, state, write, out)
+    try:
+        gen = st.get(live)
+        kept = list(gen.meta.get("wedged_restarts") or [])
+        kept.append(wedge.record_of(time.time(), pid, run, why))
+        st.update(gen, wedged_restarts=kept[-wedge.KEEP :])
+    except StoreError as e:
+        out.errors.append(f"the wedge restart was not recorded in generation {live}: {e}")
+
+
+def _wedge_lines(state: State, page: textfile.Page) -> None:
+    page.add("llama_launcher_wedged_samples", state.wedged[1] if state.wedged else 0)
+    page.add("llama_launcher_wedged_restarts_total", state.wedged_restarts)
 
 
 def _close_previous(
@@ -681,7 +876,7 @@ def _counter_deltas(reads: Reads, state: State, out: Outcome) -> dict[str, float
     m = reads.metrics
     if m is None:
         return {}
-    ident = m.process_start or f"pid {reads.unit.main_pid}"
+    ident = _process_of(reads)
     prev = state.counters if state.process == ident else {}
     cur = m.counters
     names = {
@@ -699,6 +894,12 @@ def _counter_deltas(reads: Reads, state: State, out: Outcome) -> dict[str, float
         state.decode_tps = round(rate, 3)
     out.decode_tps = rate
     return deltas
+
+
+def _process_of(reads: Reads) -> str:
+    """The process /metrics' counters belong to (its start mark, else the main pid)."""
+    start = reads.metrics.process_start if reads.metrics else None
+    return start or f"pid {reads.unit.main_pid}"
 
 
 def _restarts(unit: UnitState, state: State, generation: int) -> int:

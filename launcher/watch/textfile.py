@@ -65,6 +65,15 @@ METRICS = {
         "RssAnon + VmSwap of the server process (what a leak grows).",
     ),
     "llama_launcher_unit_restarts_total": ("counter", "systemd's NRestarts of the unit."),
+    "llama_launcher_wedged_samples": (
+        "gauge",
+        "Samples in a row in which the server lived but did not answer (restarted at the "
+        "setting wedged_samples).",
+    ),
+    "llama_launcher_wedged_restarts_total": (
+        "counter",
+        "Restarts of the unit by the sampler because its server lived but did not answer.",
+    ),
     "llama_launcher_bake_state": (
         "gauge",
         "1 for the state of the unit's newest bake (the live generation's, or the one its "

@@ -8,12 +8,13 @@ The signals, after Argo Rollouts' analysis, Flagger's checks and AWS AppConfig's
 (/work/shared/research/anchors-next-wave.md, section 1):
 
 - **hard** (revert on the first one, warm-up or not): the unit restarted (``NRestarts`` rose,
-  or a new process no deploy explains), it was OOM-killed or is failing; a ``Context size has
-  been exceeded`` or a decode failure where the baseline had none at a comparable load (as
-  many busy slots, or more); an over-committed shared pool whose slots' sessions need
-  ``pool_limit`` of it (what every slot holds and the busy ones may still generate: the
-  overflow before it comes, since a batch that finds no room fails every busy request at
-  once), when the previous config guaranteed every slot its window; failed
+  or a new process no deploy explains), it was OOM-killed or is failing, or its server lives
+  but has not answered ``wedged_samples`` samples in a row (``launcher.watch.wedge``); a
+  ``Context size has been exceeded`` or a decode failure where the baseline had none at a
+  comparable load (as many busy slots, or more); an over-committed shared pool whose slots'
+  sessions need ``pool_limit`` of it (what every slot holds and the busy ones may still
+  generate: the overflow before it comes, since a batch that finds no room fails every busy
+  request at once), when the previous config guaranteed every slot its window; failed
   requests (in-stream errors and 5xx; a request too long for its slot is the client's) above
   ``failure_rate`` of the generation's requests.
 - **soft** (revert after ``soft_samples`` bad samples in a row, after the warm-up, and only
@@ -195,6 +196,9 @@ class Seen:
     #: line
     pool_need: float | None = None
     pool_line: str | None = None
+    #: the server lived but did not answer ``wedged_samples`` samples in a row: why
+    #: (``launcher.watch.wedge``)
+    wedged: str | None = None
 
 
 @dataclass(frozen=True)
@@ -369,6 +373,8 @@ def hard_failure(
     coming_up = seen.rebooted and seen.active == "activating"
     if not coming_up and (seen.active in ("failed", "activating") or seen.sub == "auto-restart"):
         return _hard("down", f"the unit is {seen.active}/{seen.sub} (Result={seen.result})", {})
+    if seen.wedged:
+        return _hard("wedged", f"the server lives but does not answer: {seen.wedged}", {})
     for kind in POOL_FAILURES:
         n = int(seen.counts.get(kind, 0))
         if n and (baseline is None or not baseline.had(kind, seen.busy)):
