@@ -22,7 +22,13 @@ period (a held rollback; the turns from then on are not counted in its row).
 
 It prints requests failed or cut, the longest wait for a first token any agent saw, and
 each agent's first-turn time to first token after a deploy / its last turn's before it, in
-the same conversation. Not a test: nothing here asserts.
+the same conversation. Then the cache carry, per deploy: of the agents whose conversation
+went on across the change of server, how many had their next turn served from cache (the
+server had cached all of the agent's previous prompt: the usage's ``cached_tokens`` against
+the previous turn's ``prompt_tokens``), and each that was not. In ``switch`` mode the change
+is each switch (to the second instance, and back: the handover's ``ready_at``, when HAProxy
+sent new requests to the other server); in the others, the deploy's end. Not a test:
+nothing here asserts.
 
 ``BENCH_LOAD_S=20``: a stand-in for a real box's model load. The tiny model loads in
 milliseconds; a real one takes tens of seconds from the page cache and minutes from disk.
@@ -100,6 +106,22 @@ class Deploy:
     end: float = 0.0
     outcome: str = ""
     handover: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return " ".join(Path(a).name if "/" in a else a for a in self.args)
+
+    def changes(self) -> list[tuple[str, float]]:
+        """When the front sent new requests to another server (``time.monotonic``): each
+        switch, or else the deploy's end."""
+        sw = self.handover.get("switch") or {}
+        wall = [("to b", sw.get("ready_at")), ("back", (sw.get("back") or {}).get("ready_at"))]
+        found = [(what, at - WALL) for what, at in wall if at is not None]
+        return found or [("after", self.end)]
+
+
+#: time.time() - time.monotonic(): the handover's wall times on the turns' clock
+WALL = time.time() - time.monotonic()
 
 
 class Agent(threading.Thread):
@@ -328,6 +350,7 @@ def summarize(mode: str, turns: list[Turn], deploys: list[Deploy]) -> dict[str, 
             )
     restored = sum(len((d.handover.get("slots") or {}).get("restored", [])) for d in deploys)
     return {
+        "carry": [{"deploy": d.name, "changes": carried(turns, d)} for d in deploys],
         "mode": mode,
         "requests": len(turns),
         "failed": len(refused),
@@ -342,6 +365,38 @@ def summarize(mode: str, turns: list[Turn], deploys: list[Deploy]) -> dict[str, 
         "deploy_s": [round(d.end - d.start, 1) for d in deploys],
         "slots_restored": restored,
     }
+
+
+def carried(turns: list[Turn], d: Deploy) -> list[dict[str, Any]]:
+    """Per change of server in deploy ``d``: each agent's first turn after it, in the
+    conversation of its last turn begun before it; from cache when the server had cached
+    all of that last turn's prompt."""
+    out = []
+    for what, at in d.changes():
+        row: dict[str, Any] = {"at": what, "agents": 0, "cached": 0, "new": 0, "missed": []}
+        for agent in range(AGENTS):
+            mine = [t for t in turns if t.agent == agent]
+            last = [t for t in mine if t.start < at][-1:]
+            after = [t for t in mine if t.start >= at and t.complete][:1]
+            if not last or not after or not last[0].complete:
+                continue
+            if after[0].conversation != last[0].conversation:
+                row["new"] += 1
+                continue
+            row["agents"] += 1
+            if after[0].cached_tokens >= last[0].prompt_tokens:
+                row["cached"] += 1
+            else:
+                row["missed"].append(
+                    {
+                        "agent": agent,
+                        "prompt": after[0].prompt_tokens,
+                        "cached": after[0].cached_tokens,
+                        "before": last[0].prompt_tokens,
+                    }
+                )
+        out.append(row)
+    return out
 
 
 def slow_loader(tmp: Path, server: str, seconds: float) -> str:
@@ -403,6 +458,22 @@ def main() -> None:
                 + (" after the warm period" if late else "")
             )
     print(
+        "cache carry per deploy: of the agents whose conversation went on, how many had their "
+        "next turn after the change of server served from cache"
+    )
+    for r in rows:
+        for c in r["carry"]:
+            parts = []
+            for ch in c["changes"]:
+                line = f"{ch['at']} {ch['cached']}/{ch['agents']}"
+                line += "".join(
+                    f"; agent {m['agent']} cached {m['cached']} of {m['prompt']} "
+                    f"(its last prompt {m['before']})"
+                    for m in ch["missed"]
+                )
+                parts.append(line + (f" ({ch['new']} began anew)" if ch["new"] else ""))
+            print(f"{r['mode']:6} {c['deploy'][:40]:40}  {', '.join(parts)}")
+    print(
         "TTFT after/before: each agent's first turn after a deploy / the median of its last "
         "three turns before it, in the same conversation (median and max over agents and "
         "deploys); cached after: the share of that turn's prompt the server had cached; "
@@ -410,7 +481,8 @@ def main() -> None:
     )
     print(
         "goals: front and switch 0 failed or cut; carry TTFT after/before <= 1.3; switch: "
-        f"longest wait <= a normal turn + 0.5 s, rollback serves under 1 s ({date.today()})"
+        "longest wait <= a normal turn + 0.5 s, rollback serves under 1 s, every agent whose "
+        f"conversation went on served from cache ({date.today()})"
     )
     if "--json" in os.environ.get("BENCH_FLAGS", ""):
         print(json.dumps(rows))

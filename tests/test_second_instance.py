@@ -21,11 +21,12 @@ from conftest import Host
 from test_deploy import BAD_TEMPLATE
 from test_front_hold import front_of, in_background, with_fault
 from test_front_switch import Agents, Answer, stream, until
-from test_handover import installed, result_of
+from test_handover import HISTORY, installed, result_of
 from test_watch import take
 
 from launcher.deploy import standby, store
 from launcher.deploy.front import SERVERS
+from launcher.server import slots
 from launcher.watch import bake, revert, verdict
 
 
@@ -47,6 +48,10 @@ def active(host: Host, unit: str) -> str:
 
 def serving(host: Host) -> dict[str, str]:
     return front_of(host).server_states()
+
+
+#: A conversation of about 700 tokens that shares no prefix with ``HISTORY``.
+CONVERSATION = " ".join(f"a lamp {i} glows" for i in range(40))
 
 
 def failed(agents: Agents) -> list[Any]:
@@ -210,6 +215,50 @@ def test_a_rollback_across_a_kv_layout_change_saves_no_slot_before_it_switches(
     carried = back["handover"]["switch"]["slots"]
     assert (rc, back["handover"]["mode"]) == (0, "switch"), back
     assert carried["saved"] == [] and "KV layout changed" in carried["note"], carried
+
+
+def completion_in(url: str, prompt: str, slot: int = -1, n_predict: int = 1) -> dict[str, Any]:
+    """A ``/completion`` (in ``slot``, or where the server puts it); its answer."""
+    body = {"prompt": prompt, "n_predict": n_predict, "cache_prompt": True, "id_slot": slot}
+    r = httpx.post(url + "/completion", json={**body, "ignore_eos": True}, timeout=120)
+    r.raise_for_status()
+    return r.json()  # type: ignore[no-any-return]
+
+
+def slot_busy(url: str, slot: int) -> bool:
+    return bool(httpx.get(url + "/slots", timeout=10).json()[slot]["is_processing"])
+
+
+def test_a_conversation_begun_after_its_slot_was_carried_keeps_its_cache(
+    paired: Host,
+) -> None:
+    """The carry into the second instance saves slot 0, then waits for slot 1 (a long
+    answer); meanwhile a new conversation's first turn runs in slot 0 on the unit. Its next
+    turn, after the deploy (switched there and back), is served from its cache."""
+    completion_in(paired.url, HISTORY, slot=0)  # an older conversation in slot 0
+    go = paired.root / "go"
+    deploy = in_background(paired, f"bridge:wait:{go}", "set", "-t", "2")
+    try:
+        sb = standby.Standby.of(paired.state_dir, paired.unit, "user", front_of(paired).spec())
+        assert sb is not None
+        until(sb.healthy, 120)  # started and gated: the deployer waits at "bridge"
+        long = threading.Thread(
+            target=completion_in, args=(paired.url, "Tell a long story.", 1, 3000), daemon=True
+        )
+        long.start()
+        until(lambda: slot_busy(paired.url, 1))
+        go.touch()
+        until((paired.state_dir / "slots" / slots.FILENAME.format(slot=0)).exists)
+        first = completion_in(paired.url, CONVERSATION, slot=0)  # on the unit, after the save
+        assert slot_busy(paired.url, 1), "the long answer ended before the new conversation"
+    finally:
+        go.touch()
+    rc, out = result_of(deploy)
+    assert (rc, out["handover"]["mode"]) == (0, "switch"), out
+    again = completion_in(paired.url, CONVERSATION + " and one more turn")
+    assert again["timings"]["cache_n"] >= first["timings"]["prompt_n"] - 1, again["timings"]
+    topped = out["handover"]["switch"]["slots"]["after_switch"]  # right after the switch
+    assert [r["slot"] for r in topped["restored"]] == [0], topped
 
 
 def test_a_new_config_that_fails_its_gate_never_stops_the_old_one_serving(

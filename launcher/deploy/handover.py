@@ -37,18 +37,21 @@ import contextlib
 import functools
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from launcher import config
 from launcher.deploy import drain
 from launcher.deploy.front import BACKEND, SERVERS, Front, FrontDown, FrontError, FrontSpec, Hold
 from launcher.deploy.standby import Standby
-from launcher.errors import ConfigInvalid, GateFailure, LauncherError
+from launcher.errors import ConfigInvalid, GateFailure, LauncherError, Unreadable
 from launcher.host.systemd import Scope, Systemd, UnitState
-from launcher.server import slots
+from launcher.server import slots, slotstate
+
+if TYPE_CHECKING:
+    import httpx
 
 Say = Callable[[str, float, str], None]
 #: Records a phase in the transaction record (``Deployer._phase``; tests inject faults there).
@@ -125,6 +128,26 @@ class Bridge:
 
 
 @dataclass
+class Carry:
+    """A carry between two running servers, kept until the switch that follows it: what to
+    top up then. A slot's last task (``/slots``' ``id_task``) changes with every request it
+    takes, so ``saved_at`` (each source slot's when the carry read it, before its save) and
+    ``restored_at`` (each destination slot's after the restore) tell which slots took a
+    request since."""
+
+    src: Endpoint
+    src_meta: dict[str, Any]
+    dst: Endpoint
+    dst_meta: dict[str, Any]
+    what: str
+    crash_fails: bool
+    saved_at: dict[int, int | None]
+    restored_at: dict[int, int | None]
+    #: the carry's report (``slots``); the top-up's goes under ``after_switch``
+    report: dict[str, Any]
+
+
+@dataclass
 class Handover:
     """One restart's handover; ``report`` is the ``handover`` object of the result."""
 
@@ -150,6 +173,8 @@ class Handover:
     #: the unit's second instance when this restart holds instead: stopped before the
     #: restart (after the drain), so that its memory is free for the new config
     standby: Standby | None = None
+    #: the carry into the server the front switches to, until that switch's top-up
+    carry: Carry | None = None
 
     # -- before the restart ----------------------------------------------------------------
 
@@ -176,8 +201,9 @@ class Handover:
     def _bridge_in(self, drain_timeout: float, running: UnitState) -> bool:
         """The second instance serves the bridge's config, gated on its port, with the
         unit's slots carried into it (where the layout allows), and the front switched to
-        it; False (and why, in the report) when it cannot: the restart is held instead. On a
-        signal the front is put back on the unit (if it had switched) before it goes on."""
+        it (what the unit's slots took after their save topped up then); False (and why,
+        in the report) when it cannot: the restart is held instead. On a signal the front
+        is put back on the unit (if it had switched) before it goes on."""
         b = self.bridge
         assert b is not None and self.front is not None
         sw: dict[str, Any] = {"instance": b.standby.name, "why": b.why}
@@ -218,8 +244,8 @@ class Handover:
                 raise FrontError(f"{b.standby.name} stopped answering /health")
             old = self.old.client() if running.running and self.old is not None else None
             try:
-                self.bridged, report = self.front.switch(
-                    spec, _slots(b.meta), drain_timeout, old, serving=self._end_early_hold
+                self.bridged, report = self._switch(
+                    spec, _slots(b.meta), drain_timeout, old, sw, self._end_early_hold
                 )
             finally:
                 if old is not None:
@@ -262,7 +288,7 @@ class Handover:
         (the switch put back if it happened), and the second instance is stopped."""
         b, front = self.bridge, self.front
         assert b is not None and front is not None
-        self.bridge, self.bridged = None, None
+        self.bridge, self.bridged, self.carry = None, None, None
         with contextlib.suppress(LauncherError, OSError):
             if front.spec() != spec:
                 front.swap(front.render(spec, _slots(self.old_meta or {})), backup=False)
@@ -284,49 +310,161 @@ class Handover:
         crash_fails: bool = False,
     ) -> None:
         """The slots saved on ``src`` restored into ``dst`` (both running), as ``_restore``
-        does after a restart; what happened, as ``report['slots']``."""
-        kept = self.old_meta, self.report.get("slots")
+        does after a restart; what happened, as ``report['slots']``. ``src`` serves on
+        meanwhile: what its slots take between their save and the switch is topped up after
+        it (``self.carry``, ``_top_up``)."""
         carried: dict[str, Any] = {"saved": [], "restored": [], "skipped": []}
-        self.report["slots"], self.old_meta = carried, src_meta
+        self.carry = None
         try:
-            self.save_dir = slots.save_path(src_meta.get("config") or {})
-            if self.save_dir is None:
-                carried["note"] = "no --slot-save-path: no cache is carried"
-                return
-            why = slots.differences(slots.fingerprint(src_meta), slots.fingerprint(dst_meta))
-            if why:  # nothing could be restored: nothing is saved (a revert switches at once)
-                carried["note"] = "KV layout changed: " + "; ".join(why) + "; nothing saved"
-                return
-            with src.client() as client:
-                self.saved, skipped = slots.save_all(client, self.save_dir)
-            carried["saved"] = [s.to_dict() for s in self.saved]
-            carried["skipped"] = skipped
-            self._restore(dst, dst_meta, what, crash_fails)
+            with self._carrying(carried, src_meta):
+                self.save_dir = slots.save_path(src_meta.get("config") or {})
+                if self.save_dir is None:
+                    carried["note"] = "no --slot-save-path: no cache is carried"
+                    return
+                why = slots.differences(slots.fingerprint(src_meta), slots.fingerprint(dst_meta))
+                if why:  # nothing could be restored: nothing is saved (a revert switches at once)
+                    carried["note"] = "KV layout changed: " + "; ".join(why) + "; nothing saved"
+                    return
+                with src.client() as client:
+                    saved_at = _tasks(client, carried)
+                    self.saved, skipped = slots.save_all(client, self.save_dir)
+                carried["saved"] = [s.to_dict() for s in self.saved]
+                carried["skipped"] = skipped
+                self._restore(dst, dst_meta, what, crash_fails)
+                with dst.client() as client:
+                    restored_at = _tasks(client, carried)
+                if saved_at is not None and restored_at is not None:
+                    self.carry = Carry(
+                        src,
+                        src_meta,
+                        dst,
+                        dst_meta,
+                        what,
+                        crash_fails,
+                        saved_at,
+                        restored_at,
+                        carried,
+                    )
         finally:
             report["slots"] = carried
+
+    @contextlib.contextmanager
+    def _carrying(self, report: dict[str, Any], src_meta: dict[str, Any]) -> Iterator[None]:
+        """``_restore`` reports into ``self.report['slots']`` and checks the KV layout
+        against ``self.old_meta``: for a carry's span, its own report and its source's meta."""
+        kept = self.old_meta, self.report.get("slots")
+        self.report["slots"], self.old_meta = report, src_meta
+        try:
+            yield
+        finally:
             self.old_meta = kept[0]
             if kept[1] is not None:
                 self.report["slots"] = kept[1]
             else:
                 self.report.pop("slots", None)
 
+    def _switch(
+        self,
+        spec: FrontSpec,
+        n: int,
+        drain_timeout: float,
+        old: httpx.Client | None,
+        at: dict[str, Any],
+        serving: Callable[[], None] | None = None,
+    ) -> tuple[FrontSpec, drain.DrainReport]:
+        """``Front.switch`` (``old``: the serving server's client, for its drain) with the
+        carry's top-up: once the front sends new requests to the other server (when, as
+        ``at['ready_at']``), and again when the old one has drained."""
+
+        def ready() -> None:
+            at["ready_at"] = time.time()
+            if serving is not None:
+                serving()
+            self._top_up(final=False)
+
+        assert self.front is not None
+        try:
+            switched = self.front.switch(spec, n, drain_timeout, old, serving=ready)
+            self._top_up(final=True)
+            return switched
+        finally:
+            self.carry = None
+
+    def _top_up(self, final: bool) -> None:
+        """After the switch: each source slot that took a request between its save and the
+        switch (a new conversation's first turn, or one more turn of a carried one) saved
+        again and restored into the same slot of the destination, unless that slot has
+        taken a request there since the carry (it keeps what it served). A slot still
+        processing waits for the next call (``final``: none comes; it is skipped). What
+        happened: the carry report's ``after_switch``."""
+        c = self.carry
+        if c is None:
+            return
+        out = c.report.setdefault("after_switch", {"saved": [], "restored": [], "skipped": []})
+        folder = slots.save_path(c.src_meta.get("config") or {})
+        phase, self.phase = self.phase, None  # the transaction's phases are the carry's
+        try:
+            ready = self._changed(c, out, final)
+            if not ready or folder is None:
+                return
+            with c.src.client() as client:  # idle slots: each saved at once
+                saved, skipped = slots.save_all(client, folder, list(ready))
+            c.saved_at.update(ready)
+            out["saved"] += [s.to_dict() for s in saved]
+            out["skipped"] += skipped
+            with self._carrying(out, c.src_meta):
+                self.save_dir, self.saved = folder, saved
+                self._restore(c.dst, c.dst_meta, c.what, c.crash_fails)
+        except Unreadable as e:
+            out["note"] = f"no top-up after the switch: {e}"
+        finally:
+            self.phase = phase
+
+    def _changed(self, c: Carry, out: dict[str, Any], final: bool) -> dict[int, int | None]:
+        """The source's idle slots whose last task changed since the carry saved them, and
+        whose slot on the destination took no request since (slot -> that task); the others
+        are skipped, in ``out``."""
+        with c.src.client() as client:
+            now = [s for s in slotstate.read(client) if s.task != c.saved_at.get(s.id)]
+        if not now:
+            return {}
+        with c.dst.client() as client:
+            there = {s.id: s for s in slotstate.read(client)}
+        ready: dict[int, int | None] = {}
+        for s in now:
+            d = there.get(s.id)
+            if s.busy:
+                if final:
+                    why = "still processing on the source after its drain"
+                    out["skipped"].append({"slot": s.id, "tokens": s.tokens, "reason": why})
+                continue
+            if d is not None and not d.busy and d.task == c.restored_at.get(s.id):
+                ready[s.id] = s.task
+                continue
+            c.saved_at[s.id] = s.task  # what the destination's slot served stays
+            why = "it took a request after the switch before its top-up; it keeps what it served"
+            out["skipped"].append({"slot": s.id, "tokens": s.tokens, "reason": why})
+        return ready
+
     def _bridge_out(
         self, new: Endpoint, new_meta: dict[str, Any], spec: FrontSpec, crash_fails: bool
     ) -> None:
-        """The unit serves again (gated): the slots the second instance took carried back,
-        the front switched to the unit (``spec``: the front's spec for it), and the second
-        instance kept warm (the previous config, for an instant rollback) or stopped."""
+        """The unit serves again (gated): the slots the second instance took carried back
+        (and topped up after the switch), the front switched to the unit (``spec``: the
+        front's spec for it), and the second instance kept warm (the previous config, for
+        an instant rollback) or stopped."""
         b, front = self.bridge, self.front
         assert b is not None and front is not None and self.bridged is not None
         sw = self.report["switch"]
         back: dict[str, Any] = {}
         self._carry(b.endpoint, b.meta, new, new_meta, back, "the new config", crash_fails)
         self.report["slots"] = back["slots"]
+        at: dict[str, Any] = {}
         with b.endpoint.client() as c:
-            _, report = front.switch(
-                replace(spec, serving="b"), _slots(new_meta), self.drain_timeout, c
+            _, report = self._switch(
+                replace(spec, serving="b"), _slots(new_meta), self.drain_timeout, c, at
             )
-        sw["back"] = {**report.to_dict(), "message": report.describe()}
+        sw["back"] = {**report.to_dict(), "message": report.describe(), **at}
         if b.warm > 0:
             sw["warm"] = self._keep_warm(b.warm, b.generation)
         elif report.timed_out:  # its requests still run: the timer stops it after them
@@ -780,6 +918,16 @@ def _serves_live(front: Front) -> bool:
     except FrontError:
         return False
     return states.get(SERVERS["b"]) == "UP" and states.get(SERVERS["a"]) != "UP"
+
+
+def _tasks(client: httpx.Client, report: dict[str, Any]) -> dict[int, int | None] | None:
+    """Each slot's last task (``Carry``); None, and why in ``report``, when ``/slots``
+    cannot be read (nothing is topped up after the switch)."""
+    try:
+        return {s.id: s.task for s in slotstate.read(client)}
+    except Unreadable as e:
+        report["note"] = f"no top-up after the switch: {e}"
+        return None
 
 
 def _slots(meta: dict[str, Any]) -> int:

@@ -239,13 +239,15 @@ def no_room(folder: Path, kv_bytes: int | None) -> str | None:
     )
 
 
-def save_all(client: httpx.Client, folder: Path) -> tuple[list[Saved], list[dict[str, Any]]]:
-    """Save every slot that holds tokens; (saved, skipped with the reason). A slot that
-    holds nothing leaves no file."""
+def save_all(
+    client: httpx.Client, folder: Path, only: list[int] | None = None
+) -> tuple[list[Saved], list[dict[str, Any]]]:
+    """Save every slot (``only``: those) that holds tokens; (saved, skipped with the
+    reason). A slot that holds nothing leaves no file."""
     saved: list[Saved] = []
     skipped: list[dict[str, Any]] = []
     try:
-        ids = slot_ids(client)
+        ids = slot_ids(client) if only is None else only
     except SlotError as e:
         return [], [{"slot": None, "reason": str(e)}]
     for slot in ids:

@@ -45,6 +45,9 @@ class Slot:
     decoded: int | None
     #: the tokens its task may still generate (``n_remain``); None: no limit, or not said
     remain: int | None = None
+    #: the id of the last task it ran (``id_task``; None: none yet): a task of its own is
+    #: what puts new tokens into a slot (a restore keeps the id)
+    task: int | None = None
 
     @property
     def fill(self) -> float | None:
@@ -84,6 +87,7 @@ def _slot(item: Any) -> Slot:
         tokens=int(tokens) if tokens is not None else (0 if "id_task" not in item else None),
         decoded=int(decoded) if decoded is not None else None,
         remain=int(remain) if remain is not None and int(remain) >= 0 else None,
+        task=int(item["id_task"]) if item.get("id_task") is not None else None,
     )
 
 
