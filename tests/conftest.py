@@ -1,6 +1,12 @@
 """Shared fixtures: the real llama-server, tiny models and the sandboxed systemd manager.
 
-Nothing here skips: if a real part is missing, the test that needs it fails with the reason.
+A real part that is missing fails the test that needs it, with the reason: nothing here skips.
+Tests elsewhere skip in three places, where the host cannot give what they test, each saying why
+(``-ra`` lists them): tests/test_slot_files.py's moves across filesystems where /dev/shm is not a
+filesystem of its own, and its moves that keep an owner where the run is not root (``chown``);
+tests/test_second_instance.py's OOM kill where the sandbox's manager has the memory controller on
+neither cgroup hierarchy (v2 for ``MemoryMax=``, or v1 as a hybrid host has it).
+
 ``scripts/test`` runs pytest inside ``scripts/sandbox run --`` so ``systemctl --user`` and
 ``journalctl`` reach the private manager.
 """

@@ -6,12 +6,14 @@ llama-server b11434, Debian's HAProxy 2.6; agents stream through the front all t
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,7 @@ from test_front_switch import Agents, Answer, stream, until
 from test_handover import HISTORY, installed, result_of
 from test_watch import take
 
+from launcher.config import memory
 from launcher.deploy import standby, store
 from launcher.deploy.front import SERVERS
 from launcher.server import slots
@@ -148,6 +151,7 @@ def test_a_held_restart_stops_a_warm_second_instance_first(paired: Host) -> None
 def test_a_rollback_in_the_warm_period_is_a_switch_to_the_warm_instance(paired: Host) -> None:
     rc, out = paired.cli_json("set", "-t", "2")
     assert (rc, out["handover"]["mode"]) == (0, "switch"), out
+    pid = paired.state()["MainPID"]
     with Agents(paired.url) as agents:
         time.sleep(1)
         rc, back = paired.cli_json("rollback")
@@ -155,11 +159,23 @@ def test_a_rollback_in_the_warm_period_is_a_switch_to_the_warm_instance(paired: 
     assert (rc, back["outcome"]) == (0, "deployed"), back
     sw = back["handover"]["switch"]
     assert sw["started"].startswith("warm"), sw
-    assert sw["switched_after"] < back["timings"]["total"]
+    # the front sent the agents to the warm instance before the unit's restart began: the
+    # deployer's clock and systemd's, both CLOCK_REALTIME
+    assert paired.state()["MainPID"] != pid  # restarted
+    assert sw["switched_at"] <= stopping_began(paired), sw
     assert not failed(agents), failed(agents)[:3]
     assert " -t 2 " not in paired.env_file.read_text()
     assert active(paired, second(paired)) == "inactive"  # a rollback keeps nothing warm
     assert serving(paired)[SERVERS["a"]] == "UP"
+
+
+def stopping_began(host: Host) -> float:
+    """When the unit's last stop began (``ActiveExitTimestamp``), in seconds since the epoch."""
+    out = host.sandbox.systemctl(
+        "show", "--timestamp=us+utc", "-p", "ActiveExitTimestamp", "--value", host.unit
+    ).stdout.strip()  # e.g. "Fri 2026-12-04 23:51:08.080012 UTC"; the day's name left out
+    at = datetime.datetime.strptime(out.split(" ", 1)[1], "%Y-%m-%d %H:%M:%S.%f UTC")
+    return at.replace(tzinfo=datetime.UTC).timestamp()
 
 
 def no_timers(tmp_path: Path) -> dict[str, str]:
@@ -277,19 +293,110 @@ def test_a_new_config_that_fails_its_gate_never_stops_the_old_one_serving(
     assert serving(paired) == {SERVERS["a"]: "UP", SERVERS["b"]: "MAINT"}
 
 
+@dataclass(frozen=True)
+class Limit:
+    """A memory limit the kernel's OOM killer enforces on the unit's process (the unit's, not
+    its second instance's): a fault passed in, one of two mechanisms, whichever the host has."""
+
+    hierarchy: str  # "cgroup v2" or "cgroup v1"
+    #: how many processes under the limit the kernel's OOM killer has ended so far
+    kills: Callable[[], int]
+    #: what the gate's failure says of such a kill here (``launcher.deploy.gate.ended``)
+    says: tuple[str, ...]
+
+
 @contextmanager
-def memory_limit(host: Host, limit: int) -> Iterator[Path]:
-    """The unit's process (the unit's, not its second instance's) in a kernel memory cgroup of
-    its own that allows ``limit`` bytes: a fault passed in, since this host's user manager
-    enforces no ``MemoryMax=`` (the cgroup-v1 memory controller is not delegated to it); what
-    kills a process past the limit is the kernel's own OOM killer. Yields the cgroup."""
-    lines = [x for x in Path("/proc/self/cgroup").read_text().splitlines() if ":memory:" in x]
-    if not lines:  # on cgroup v2 alone a process moved out of its unit's cgroup is lost to it
-        pytest.skip("needs the cgroup-v1 memory hierarchy (this host's) to limit one process")
-    line = lines[0]
+def memory_limit(host: Host, limit: int) -> Iterator[Limit]:
+    """The unit restarted under a limit of ``limit`` bytes, by cgroup v2 where the sandbox's
+    manager has the memory controller (``MemoryMax=``), else by a cgroup-v1 memory cgroup of
+    the test's own; the test is skipped, saying why, where neither hierarchy can be had."""
+    v2, v1 = _v2_lacks(host), _v1_lacks()
+    if v2 is None:
+        mechanism = _v2_limit(host, limit)
+    elif v1 is None:
+        mechanism = _v1_limit(host, limit)
+    else:
+        pytest.skip(f"no memory controller to limit the unit by: {v2}; {v1}")
+    with mechanism as lim:
+        yield lim
+
+
+def _unified() -> Path:
+    """Where the cgroup-v2 hierarchy is mounted: alone, or beside the v1 ones (hybrid)."""
+    root = Path("/sys/fs/cgroup")
+    return root if (root / "cgroup.controllers").exists() else root / "unified"
+
+
+def _v2_lacks(host: Host) -> str | None:
+    """Why ``MemoryMax=`` cannot limit the unit here (None: it can): systemd enforces it only
+    with the memory controller in its manager's cgroup on the v2 hierarchy."""
+    group = host.sandbox.systemctl("show", "-p", "ControlGroup", "--value").stdout.strip()
+    controllers = _unified() / group.lstrip("/") / "cgroup.controllers"
+    try:
+        found = controllers.read_text().split()
+    except OSError as e:
+        return f"cgroup v2: no {controllers} ({e.strerror})"
+    if "memory" not in found:  # a hybrid host's memory controller is v1's
+        return f"cgroup v2: the manager's cgroup has no memory controller ({controllers})"
+    return None
+
+
+def _v1_lacks() -> str | None:
+    if not any(":memory:" in x for x in Path("/proc/self/cgroup").read_text().splitlines()):
+        return "cgroup v1: no memory hierarchy (/proc/self/cgroup)"
+    return None
+
+
+@contextmanager
+def _restarted_with(host: Host, service: str) -> Iterator[None]:
+    """The unit restarted with a drop-in of ``[Service]`` lines ``service``, serving; the
+    drop-in gone after. A restart of the unit's own waits 30 s, so the gate reads how the
+    killed process ended, not a process systemd started again."""
+    dropin = host.sandbox.unit_dir / f"{host.unit}.d" / "memory-limit.conf"
+    dropin.parent.mkdir(exist_ok=True)
+    dropin.write_text(f"[Service]\nRestartSec=30\n{service}")
+    try:
+        host.sandbox.systemctl("daemon-reload")
+        host.sandbox.systemctl("reset-failed", host.unit, check=False)
+        host.sandbox.systemctl("restart", host.unit)
+        until(lambda: answers(host))  # serving again, now inside the limit
+        yield
+    finally:
+        dropin.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            dropin.parent.rmdir()  # when the test made it
+        host.sandbox.systemctl("daemon-reload", check=False)
+
+
+@contextmanager
+def _v2_limit(host: Host, limit: int) -> Iterator[Limit]:
+    """``MemoryMax=`` on the unit. The unit's cgroup is made again at each start, so the
+    kills are counted in its parent's ``memory.events`` (hierarchical on v2): this sandbox's
+    units restart one at a time, and only the unit's runs under a limit."""
+    with _restarted_with(host, f"MemoryMax={limit}\nMemorySwapMax=0\n"):
+        group = host.sandbox.show(host.unit, "ControlGroup")["ControlGroup"]
+        cgroup = _unified() / group.lstrip("/")
+        applied = (cgroup / "memory.max").read_text().strip()
+        assert applied == str(limit), f"the manager has the memory controller; {cgroup}: {applied}"
+        events = cgroup.parent / "memory.events"
+        before = _oom_kill(events)
+        yield Limit("cgroup v2", lambda: _oom_kill(events) - before, ("Result=oom-kill",))
+
+
+def _oom_kill(events: Path) -> int:
+    fields = dict(x.split() for x in events.read_text().splitlines())
+    return int(fields["oom_kill"])
+
+
+@contextmanager
+def _v1_limit(host: Host, limit: int) -> Iterator[Limit]:
+    """The unit's process in a cgroup-v1 memory cgroup of its own that allows ``limit``
+    bytes: a hybrid host's user manager enforces no ``MemoryMax=`` (the v1 memory controller
+    is not delegated to it), and a process moved out of its unit's cgroup stays the unit's
+    only there (on cgroup v2 alone, the unit loses it)."""
+    line = next(x for x in Path("/proc/self/cgroup").read_text().splitlines() if ":memory:" in x)
     parent = Path("/sys/fs/cgroup/memory") / line.split(":", 2)[2].lstrip("/")
     cgroup = parent / f"oom-{os.getpid()}-{host.unit}"
-    dropin = host.sandbox.unit_dir / f"{host.unit}.d" / "memory-limit.conf"
     unit_file = host.sandbox.unit_dir / host.unit
     exec_start = next(x for x in unit_file.read_text().splitlines() if x.startswith("ExecStart="))
     command = exec_start.removeprefix("ExecStart=")
@@ -298,25 +405,15 @@ def memory_limit(host: Host, limit: int) -> Iterator[Path]:
     cgroup.mkdir()
     try:
         (cgroup / "memory.limit_in_bytes").write_text(str(limit))
-        dropin.parent.mkdir(exist_ok=True)
-        dropin.write_text(  # `$$` is a `$` to systemd: the shell joins the cgroup, then execs;
-            # no restart of its own, so the gate reads how the killed one ended
-            f"[Service]\nRestartSec=30\nExecStart=\nExecStart=/bin/sh -c "
+        # `$$` is a `$` to systemd: the shell joins the cgroup, then execs
+        service = (
+            f"ExecStart=\nExecStart=/bin/sh -c "
             f"'echo $$$$ > {where}/cgroup.procs && exec \"$$@\"' sh {command}\n"
         )
-        host.sandbox.systemctl("daemon-reload")
-        host.sandbox.systemctl("reset-failed", host.unit, check=False)
-        host.sandbox.systemctl("restart", host.unit)
-        until(lambda: answers(host))  # serving again, now inside the limit
-        yield cgroup
+        with _restarted_with(host, service):
+            yield Limit("cgroup v1", lambda: oom_kills(cgroup), ("killed by SIGKILL", "OOM"))
     finally:
-        try:
-            dropin.unlink(missing_ok=True)
-            with contextlib.suppress(OSError):
-                dropin.parent.rmdir()  # when the test made it
-            host.sandbox.systemctl("daemon-reload", check=False)
-        finally:
-            _remove(cgroup, parent)
+        _remove(cgroup, parent)
 
 
 def _remove(cgroup: Path, parent: Path) -> None:
@@ -341,7 +438,7 @@ def answers(host: Host) -> bool:
 
 
 def oom_kills(cgroup: Path) -> int:
-    """How many processes of ``cgroup`` the kernel's OOM killer ended."""
+    """How many processes of the v1 memory cgroup ``cgroup`` the kernel's OOM killer ended."""
     fields = dict(x.split() for x in (cgroup / "memory.oom_control").read_text().splitlines())
     return int(fields["oom_kill"])
 
@@ -349,17 +446,18 @@ def oom_kills(cgroup: Path) -> int:
 def test_a_new_config_the_kernel_kills_for_its_memory_never_stops_the_old_one_serving(
     paired: Host,
 ) -> None:
-    # the guard finds room for a pool of 1 GiB on this host; the unit's cgroup allows 300 MiB
-    with memory_limit(paired, 300 << 20) as cgroup:
+    # the guard finds room for a pool of 1 GiB on this host; the unit may use 300 MiB
+    with memory_limit(paired, 300 << 20) as limit:
         with Agents(paired.url) as agents:
             time.sleep(1)
             rc, out = paired.cli_json("set", "-c", str(1 << 21))
             time.sleep(1)
-        killed = oom_kills(cgroup)
+        killed = limit.kills()
         assert paired.state()["ActiveState"] == "active"  # the old config, within the limit
     assert (rc, out["outcome"], out["handover"]["mode"]) == (3, "rolled_back", "switch"), out
-    assert killed == 1
-    assert "killed by SIGKILL" in out["failure"]["message"] and "OOM" in out["failure"]["message"]
+    assert killed == 1, limit.hierarchy
+    message = out["failure"]["message"]
+    assert all(w in message for w in limit.says), (limit.hierarchy, message)
     assert not failed(agents), failed(agents)[:3]
     assert serving(paired) == {SERVERS["a"]: "UP", SERVERS["b"]: "MAINT"}
     assert "-c 8192" in paired.env_file.read_text()
@@ -385,6 +483,54 @@ def test_handover_hold_never_starts_the_second_instance(paired: Host) -> None:
     assert "handover is hold" in out["handover"]["hold_because"]
     assert out["handover"]["front"]["held"] is True
     assert active(paired, second(paired)) == "inactive"
+
+
+def past_memory() -> str:
+    """A prompt cache (``-cram`` MiB) twice the host's memory: llama-server fills it only as
+    prompts come, but the memory estimate counts all of it, so a second instance with it can
+    never fit beside the running one. The guard, which counts what the restart frees, is told
+    to let it through (``--force-memory``): what is tested is the handover's own choice."""
+    return str(2 * memory.mem_total() // memory.MiB)
+
+
+def test_auto_holds_a_restart_whose_new_config_would_not_fit_beside_the_running_one(
+    paired: Host,
+) -> None:
+    with Agents(paired.url) as agents:
+        time.sleep(1)
+        rc, out = paired.cli_json("set", "-cram", past_memory(), "--force-memory")
+        time.sleep(1)
+    assert (rc, out["outcome"]) == (0, "deployed"), out
+    beside, h = out["memory"]["beside"], out["handover"]
+    assert beside["fits"] is False, beside
+    assert h["mode"] == "hold", h
+    assert (
+        h["hold_because"] == f"{second(paired)}: the second instance may not fit: {beside['why']}"
+    )
+    assert h["front"]["held"] is True
+    assert not failed(agents), failed(agents)[:3]  # held, then served by the new config
+    assert active(paired, second(paired)) == "inactive"  # never started
+    assert f"-cram {past_memory()}" in paired.env_file.read_text()
+
+
+def test_handover_switch_bridges_a_restart_that_auto_would_hold(paired: Host) -> None:
+    env = {"LLAMA_LAUNCHER_HANDOVER": "switch"}
+    with Agents(paired.url) as agents:
+        time.sleep(1)
+        rc, out = paired.cli_json("set", "-cram", past_memory(), "--force-memory", env=env)
+        time.sleep(1)
+    assert (rc, out["outcome"]) == (0, "deployed"), out
+    h = out["handover"]
+    assert out["memory"]["beside"]["fits"] is False, out["memory"]
+    assert (h["mode"], h["switch"]["why"]) == ("switch", "handover = switch"), h
+    assert "hold_because" not in h
+    assert h["front"]["held"] is False
+    assert not failed(agents), failed(agents)[:3]
+    # the unit serves the new config; the second instance keeps the old one warm
+    assert serving(paired) == {SERVERS["a"]: "UP", SERVERS["b"]: "MAINT"}
+    assert active(paired, second(paired)) == "active"
+    assert "-cram" not in standby.env_path(paired.state_dir).read_text()
+    assert f"-cram {past_memory()}" in paired.env_file.read_text()
 
 
 #: The phases a bridged deploy records, in order (``bridge``: the second instance serves the

@@ -68,16 +68,23 @@ def compare(settings: config.ToolSettings, a: int, b: int) -> dict[str, Any]:
             "summary": summary,
             "lacks": lacks(summary) if rec.first is not None else ["never sampled"],
         }
+    return side_by_side(settings.unit_name, sides[a], sides[b])
+
+
+def side_by_side(unit: str, side_a: dict[str, Any], side_b: dict[str, Any]) -> dict[str, Any]:
+    """``compare``'s answer from its two sides (each: ``generation``, ``outcome``,
+    ``argv``, ``summary`` and what it ``lacks``): the figures, the ratios and the verdict."""
+    a, b = side_a["generation"], side_b["generation"]
     rows = [
-        _row(name, field, better, sides[a]["summary"], sides[b]["summary"])
+        _row(name, field, better, side_a["summary"], side_b["summary"])
         for name, field, better in FIGURES
     ]
-    short = {n: s["lacks"] for n, s in sides.items() if s["lacks"]}
+    short = {s["generation"]: s["lacks"] for s in (side_a, side_b) if s["lacks"]}
     return {
-        "unit": settings.unit_name,
-        "a": sides[a],
-        "b": sides[b],
-        "diff": argv_diff(sides[a]["argv"], sides[b]["argv"]),
+        "unit": unit,
+        "a": side_a,
+        "b": side_b,
+        "diff": argv_diff(side_a["argv"], side_b["argv"]),
         "figures": rows,
         "enough": not short,
         "verdict": _verdict(a, b, rows, short),
@@ -100,7 +107,12 @@ def _verdict(a: int, b: int, rows: list[dict[str, Any]], short: dict[int, list[s
         return f"too little data to compare: {parts}"
     decode = next(r for r in rows if r["field"] == "decode_tps")
     errors = next(r for r in rows if r["field"] == "errors_per_1k")
-    words = [f"decode {decode['ratio']:.2f}x of generation {a}'s"]
+    # no ratio when A decoded nothing (0 tok/s over the seconds its counters say it spent)
+    words = [
+        f"decode {decode['ratio']:.2f}x of generation {a}'s"
+        if decode["ratio"] is not None
+        else f"decode {_fmt('decode_tps', decode['b'])} tok/s, generation {a} decoded nothing"
+    ]
     words.append(
         f"errors per 1,000 requests {errors['a']:.1f} -> {errors['b']:.1f}"
         if errors["a"] is not None and errors["b"] is not None
