@@ -26,6 +26,7 @@ from conftest import Host, Sandbox
 from test_watch import take
 
 from launcher.deploy import store
+from launcher.host import timer
 from launcher.watch import bake, record
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
@@ -290,31 +291,22 @@ def test_a_config_that_decodes_several_times_slower_is_reverted_as_soft(
 def test_a_sampler_killed_during_its_revert_leaves_it_to_recover_which_settles_the_bake(
     baked: Host,
 ) -> None:
-    """The sample carrying the bake finds the crash and begins the revert; killed during
-    it, it leaves the bake ``reverting``; ``recover`` handles the revert's transaction and
-    settles the bake from what the generations say."""
+    """The sampler's service carrying the bake (the deploy started it) finds the crash and
+    begins the revert; killed during it, it leaves the bake ``reverting``; ``recover``
+    handles the revert's transaction and settles the bake from what the generations say."""
     rc, out = deploy(baked, *GOOD)  # the config before the bake
     assert rc == 0, out
     rc, out = deploy(baked, *GOOD[:-1], "2", "--bake", "10m")
     assert (rc, out["bake"]["started"]["state"]) == (0, "baking"), out
     gen = store.Store(baked.state_dir).get(out["generation"])
-    sampler = subprocess.Popen(
-        [sys.executable, "-m", "launcher", "sample", "--json"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=baked.env,
-    )  # carries the bake, every 2 s
-    try:
-        baked.sandbox.systemctl("kill", "--signal=SIGKILL", baked.unit)  # a crash
-        deadline = time.monotonic() + 300
-        while (b := bake.load(gen.path)) is None or b.state != bake.REVERTING:
-            assert b is None or b.state == bake.RUNNING, b.to_json() if b else None
-            assert sampler.poll() is None and time.monotonic() < deadline, "no revert began"
-            time.sleep(0.005)
-        sampler.kill()  # during the revert
-    finally:
-        sampler.kill()
-        sampler.wait()
+    service = timer.names(baked.unit)[0]  # the carrier the deploy started
+    baked.sandbox.systemctl("kill", "--signal=SIGKILL", baked.unit)  # a crash
+    deadline = time.monotonic() + 300
+    while (b := bake.load(gen.path)) is None or b.state != bake.REVERTING:
+        assert b is None or b.state == bake.RUNNING, b.to_json() if b else None
+        assert time.monotonic() < deadline, "no revert began"
+        time.sleep(0.005)
+    baked.sandbox.systemctl("kill", "--signal=SIGKILL", service)  # during the revert
     assert bake.load(gen.path).state == bake.REVERTING  # type: ignore[union-attr]
     rc, out = baked.cli_json("recover")
     assert rc == 0, out

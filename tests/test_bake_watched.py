@@ -185,8 +185,9 @@ def test_seed_000_baked_behind_the_front_loses_no_request_sent_after_the_first_h
                 "deploy", *fronted.base_flags(), *OVERCOMMITTED, "--drain-timeout", "5",
                 "--bake", "10m",
             )  # fmt: skip
-            assert (rc, out["outcome"]) == (0, "deployed"), out
-            generation = out["generation"]
+            # reverted at once when the pool overflowed in the deploy's own last moments
+            assert (rc, out["outcome"]) in ((0, "deployed"), (6, "reverted")), out
+            generation = out["bake"]["started"]["generation"]
             until(lambda: not bake_of(fronted, generation).running, timeout=600)
             b = bake_of(fronted, generation)
             until(lambda: bake_of(fronted, generation).state != bake.REVERTING, timeout=600)
@@ -227,4 +228,3 @@ def test_seed_000_baked_behind_the_front_loses_no_request_sent_after_the_first_h
     }
     assert not lost, (lost, said)
     assert agents.answered() > 8
-

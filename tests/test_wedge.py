@@ -21,7 +21,7 @@ import realserver
 from conftest import Host
 from test_bake import T0, Reverts, two_generations
 from test_bake import settings as bake_settings
-from test_watch import _journal_with, first_timer_sample, take
+from test_watch import first_timer_sample, take
 
 from launcher.deploy import store
 from launcher.host import procfs, timer
@@ -317,7 +317,7 @@ def test_a_stopped_server_is_restarted_by_the_sampler_after_the_count(host: Host
     after = take(host)
     assert after["wedged"] is None and after["counts"].get("restarts") == 1, after
     said = f"restarted: the server (pid {pid}) lived but did not answer 2 samples"
-    log = _journal_with(host, service, said)
+    log = _lines_of(host, service, said)
     assert said in log, log
     gen = store.Store(host.state_dir).live()
     assert gen is not None
@@ -380,4 +380,20 @@ def _new_process(h: Host, old: int) -> int:
         if pid not in (0, old) and state["SubState"] == "running":
             return pid
         assert time.monotonic() < deadline, f"{h.unit} was not restarted: {state}"
+        time.sleep(0.1)
+
+
+def _lines_of(h: Host, service: str, text: str) -> str:
+    """What the service's last process logged, once it holds ``text`` (else after 30 s),
+    read by its pid: a user manager does not tell journald a stream's unit, so the lines of
+    a process that ended before journald took them in carry none."""
+    pid = h.sandbox.show(service, "ExecMainPID")["ExecMainPID"]
+    deadline = time.monotonic() + 30
+    while True:
+        log = subprocess.run(
+            ["journalctl", "--no-pager", "-o", "cat", f"_PID={pid}"],
+            capture_output=True, text=True, timeout=60,
+        ).stdout  # fmt: skip
+        if text in log or time.monotonic() > deadline:
+            return log
         time.sleep(0.1)

@@ -60,14 +60,17 @@ def human(result: Result, show_diff: bool = True) -> str:
 
 def bake_lines(data: dict[str, Any] | None) -> list[str]:
     """The bake this verb began (its length, its baseline, what watches it)."""
-    started = (data or {}).get("started")
+    data = data or {}
+    started = data.get("started")
     if not started:
         return []
+    if line := (data.get("verdict") or {}).get("line"):
+        return [f"  {line}"]
     base = started.get("baseline")
     against = f"against generation {base}" if base is not None else "hard signals only"
     left = started.get("seconds_left")
     length = f" for {left:.0f}s" if isinstance(left, (int, float)) else ""
-    by = ((data or {}).get("carrier") or {}).get("unit", "the sampler")
+    by = (data.get("carrier") or {}).get("unit", "the sampler")
     return [f"  bake: generation {started['generation']} watched{length} ({against}) by {by}"]
 
 

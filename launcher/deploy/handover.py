@@ -462,7 +462,12 @@ class Handover:
         at: dict[str, Any] = {}
         with b.endpoint.client() as c:
             _, report = self._switch(
-                replace(spec, serving="b"), _slots(new_meta), self.drain_timeout, c, at
+                replace(spec, serving="b"),
+                _slots(new_meta),
+                self.drain_timeout,
+                c,
+                at,
+                serving=lambda: self._mark("serving"),  # the new config takes requests
             )
         sw["back"] = {**report.to_dict(), "message": report.describe(), **at}
         if b.warm > 0:

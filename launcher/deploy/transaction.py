@@ -95,6 +95,9 @@ class Deployer:
         #: the caller holds the unit's deploy lock already (a bake's revert under its early
         #: hold, ``launcher.watch.revert.EarlyHold``): the verbs do not take it again
         self.lock_held = False
+        #: what ``deploy`` and ``change`` do after their transaction, under the same lock
+        #: (the bake's hand-off: ``launcher.watch.handoff``)
+        self.then: Callable[[Result], Result] | None = None
 
     def _probe_url(self) -> str | None:
         """The setting ``base_url``, except behind a front: the gate probes the process it
@@ -131,7 +134,7 @@ class Deployer:
     ) -> Result:
         """Deploy a whole desired config (``check``: validate and diff only)."""
         with self._locked(check) as recovered:
-            return self._deploy(cfg, check, origin, recovered)
+            return self._then(self._deploy(cfg, check, origin, recovered), check)
 
     def change(
         self, edit: Callable[[dict[str, Any]], config.ServerConfig], origin: str, check: bool
@@ -139,7 +142,11 @@ class Deployer:
         """Deploy ``edit`` of the live config (``set``, ``unset``), read under the lock."""
         with self._locked(check) as recovered:
             cfg = edit(self.store.live_config(self.settings.unit_name))
-            return self._deploy(cfg, check, origin, recovered)
+            return self._then(self._deploy(cfg, check, origin, recovered), check)
+
+    def _then(self, result: Result, check: bool) -> Result:
+        """``then`` of a deploy that went through, still under the lock."""
+        return self.then(result) if self.then is not None and not check else result
 
     def rollback(self, to: int | None = None) -> Result:
         """Go back to generation ``to`` or the last known-good one: its stored bytes, checked

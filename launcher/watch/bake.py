@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -61,11 +62,8 @@ UNJUDGED = "unjudged"
 #: How long ``carry`` waits for the journal's lines of a hard failure logged before it
 #: began, before its first sample (with an early hold: ``_Looks.peek``), seconds.
 PEEK = 0.1
-#: ``awaited``: how often it reads the transaction record and the bake's, and how long
-#: after a deploy ended it waits for the bake the deploy announced (written by the verb
-#: right after its deploy, ``launcher.watch.handoff``), seconds.
+#: ``awaited``: how often it looks whether the deploy that announced its bake is done
 AWAIT_POLL = 0.02
-AWAIT_BAKE = 10.0
 
 #: The revert: given the bake and its verdict, puts the previous generation back and says
 #: how it went (``launcher.watch.revert.revert``'s result as a dict: outcome, ...).
@@ -206,9 +204,17 @@ def served_from(gen: store.Generation) -> float:
 
 
 def begin(settings: ToolSettings, st: store.Store, generation: int, previous: int | None) -> Bake:
-    """Start the bake of ``generation`` (just deployed over ``previous``) with the policy of
-    ``settings``; the baseline is ``previous``'s live record, when it recorded anything.
-    The pool is watched (``bake_pool_limit``) only when ``generation``'s shared pool is
+    """Start the bake of ``generation`` (just deployed over ``previous``): ``plan``'s
+    record, saved."""
+    bake = plan(settings, st, generation, previous)
+    save(st.get(generation).path, bake)
+    return bake
+
+
+def plan(settings: ToolSettings, st: store.Store, generation: int, previous: int | None) -> Bake:
+    """The bake of ``generation`` over ``previous`` with the policy of ``settings`` (not
+    saved); the baseline is ``previous``'s live record, when it recorded anything. The
+    pool is watched (``bake_pool_limit``) only when ``generation``'s shared pool is
     over-committed and ``previous``'s plan says it was not: a revert to a pool that may
     overflow too (or one of unknown size) is no cure for one that is about to."""
     gen = st.get(generation)
@@ -224,7 +230,7 @@ def begin(settings: ToolSettings, st: store.Store, generation: int, previous: in
     policy = Policy.from_settings(settings)
     if _overcommitted(gen) is not True or old_overcommitted is not False:
         policy = dataclasses.replace(policy, pool_limit=0.0, pool_poll=0.0)
-    bake = Bake(
+    return Bake(
         generation=generation,
         started=served_from(gen),
         policy=policy,
@@ -233,40 +239,49 @@ def begin(settings: ToolSettings, st: store.Store, generation: int, previous: in
         settings=settings.model_dump(mode="json"),
         boot_id=boot_id(),
     )
-    save(gen.path, bake)
-    return bake
+
+
+# -- the hand-off from a deploy (launcher.watch.handoff) -------------------------------------
+
+
+def announce_path(st: store.Store) -> Path:
+    """Where a deploy with a bake says so from its gate until its bake began (the carrier it
+    started at the gate waits for it)."""
+    return st.root / "watch" / "handoff.json"
+
+
+def announce(st: store.Store, generation: int, seconds: float) -> None:
+    """This deployer's bake of ``generation`` is coming: a carrier waits for it (``awaited``)
+    at most ``seconds`` (the deploy's budget)."""
+    path = announce_path(st)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    data = {"pid": os.getpid(), "generation": generation, "until": time.time() + seconds}
+    store.write_json(path, data, durable=False)
+
+
+def unannounce(st: store.Store) -> None:
+    with contextlib.suppress(OSError):
+        announce_path(st).unlink(missing_ok=True)
 
 
 def awaited(
-    st: store.Store,
-    sleep: Callable[[float], None] = time.sleep,
-    clock: Callable[[], float] = time.monotonic,
+    st: store.Store, sleep: Callable[[float], None] = time.sleep
 ) -> tuple[store.Generation, Bake] | None:
-    """The bake a deploy under way announced (``bake`` in its transaction record: the
-    deploy started this carrier at its gate, ``launcher.watch.handoff``), once it runs:
-    waited for while the deployer lives (within its budget), then up to ``AWAIT_BAKE`` for
-    the bake of the generation it made. None: nothing announced, or the deploy did not
-    make that generation live (it rolled back), or no bake came."""
-    txn = st.txn()
-    if not txn.get("bake") or not isinstance(txn.get("to"), int):
+    """The bake a deploy announced (``announce``: it started this carrier at its gate,
+    ``launcher.watch.handoff``), once the deploy is done with it: waited for while the
+    announcement stands and its deployer lives (until its deadline). Then the live
+    generation's bake, if it runs (None: the deploy did not make the generation live, or
+    began no bake, or its first moments decided it)."""
+    path = announce_path(st)
+    try:
+        said = json.loads(path.read_bytes())
+        pid, until = int(said["pid"]), float(said["until"])
+    except (OSError, ValueError, KeyError, TypeError):
         return None
-    to, pid = int(txn["to"]), int(txn.get("pid") or 0)
-    until = float(txn.get("started") or 0) + float(txn.get("budget") or 0) + AWAIT_BAKE
-    while st.txn().get("to") == to and pid > 0 and store.pid_alive(pid):
-        if time.time() > until:
-            return None
+    while path.exists() and store.pid_alive(pid) and time.time() < until:
         sleep(AWAIT_POLL)
-    if st.live_number() != to:
-        return None
-    end = clock() + AWAIT_BAKE
-    while clock() < end:
-        found = live_bake(st)
-        if found is not None and found[0].number == to and found[1].running:
-            return found
-        if st.live_number() != to:
-            return None
-        sleep(AWAIT_POLL)
-    return None
+    found = live_bake(st)
+    return found if found is not None and found[1].running else None
 
 
 def _overcommitted(gen: store.Generation) -> bool | None:

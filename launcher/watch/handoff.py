@@ -2,19 +2,23 @@
 
 The verbs that change the live generation (deploy, set, unset, rollback) end the bake of the
 generation they replaced; deploy, set and unset begin the new one's (a rollback never: a
-revert is never reverted). The bake is watched from the deploy on: its carrier is the
-sampler's service (``NAME-sample.service``, ``launcher.host.timer``), which the deploy
-starts as soon as the bake is recorded, not at its timer's next tick. A bad config fails in
-its first seconds (seed 000's pool overflowed 3.5 s after the restart, while its clients'
-requests were just released to it) and the timer ticks once a minute. So the carrier is
-started at the deploy's gate, while the new process loads: the deploy announces its bake
-in its transaction record, and the carrier, its modules imported, waits for the deploy to
-end and the bake to begin (``launcher.watch.bake.awaited``), then carries it at once. The
-service is restarted when it runs then: what runs is a sample, or the carry of the bake
-this deploy replaces, and a sample may be cut at any point (``launcher.watch.sample``). Its
-carry follows the new process's journal from its first line and watches its pool
-(``launcher.watch.sample.carry``), so a failure in the moments between the front's release
-and the bake's start is the first thing it reads.
+revert is never reverted). The bake is watched from the deploy on, not from its sampler
+timer's next tick (a minute away), because a bad config fails in its first seconds: seed
+000's pool overflowed 3.5 s after the restart, as its clients' requests reached it.
+
+- At the gate, while the new process loads, the deploy announces its bake
+  (``bake.announce``) and starts its carrier, the sampler's service (``NAME-sample.service``,
+  restarted if it runs: a sample, or the carry of the bake this deploy replaces; a sample
+  may be cut at any point). The carrier imports what a revert needs and waits
+  (``bake.awaited``).
+- From its gate on, the deploy itself looks out (``Lookout``): the carrier could not hold
+  the front while the deploy holds the unit's lock. At a hard failure that reverts the bake
+  for sure it holds the front at once (once its handover sent requests to the new config).
+- Under the deploy's lock (``Deployer.then``) the bake begins; when the lookout held, its
+  first sample is taken there and a revert runs under that lock (``_first_moments``), and
+  the verb's outcome is ``reverted``. Then the announcement goes, and the carrier carries
+  the bake, following the process's journal from its first line and watching its pool
+  (``launcher.watch.sample.carry``).
 
 A bake needs its carrier: ``require_carrier`` refuses ``--bake`` on a unit whose sampler
 units are not installed (exit 2, nothing changed), before the deploy.
@@ -28,21 +32,28 @@ again; one killed during its revert is recovered and the bake settled, as ``reco
 from __future__ import annotations
 
 import contextlib
+import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 from launcher.config import ToolSettings
+from launcher.deploy import budgets, handover
+from launcher.deploy.front import Front
 from launcher.deploy.result import Result
 from launcher.deploy.transaction import Deployer
 from launcher.errors import ConfigInvalid, LauncherError, StoreError
 from launcher.host import timer
 from launcher.host.systemd import Systemd
-from launcher.watch import bake
+from launcher.server import serverlog
+from launcher.watch import bake, revert, sample, verdict
 
 #: How often ``--wait`` reads the bake's record, and checks that its carrier runs.
 POLL = 0.2
 CARRIER_CHECK = 5.0
+#: How long one read of the lookout's journal waits before it looks whether to stop.
+LOOK = 0.05
 
 
 def carrier(settings: ToolSettings) -> Systemd:
@@ -86,22 +97,154 @@ def start_carrier(settings: ToolSettings) -> dict[str, Any]:
 
 
 def baked(d: Deployer, verb: str, run: Callable[[], Result], wait: bool = False) -> Result:
-    """Run ``run`` (a deploy, set or unset through ``d``) with its bake's hand-off: with the
-    setting ``bake``, the carrier started at the deploy's gate and the bake begun after it
-    (``after``)."""
-    started: list[dict[str, Any]] = []
-    if d.settings.bake > 0:
-        chained = d.on_phase
+    """Run ``run`` (a deploy, set or unset through ``d``) with its bake's hand-off (see the
+    module docstring); ``wait``: the result carries the bake's verdict (``wait_for``)."""
+    if d.settings.bake <= 0:
+        return after(d, run(), verb)
+    hand = _HandOff(d, verb)
+    d.on_phase, d.then = hand.hook(d.on_phase), hand.then
+    try:
+        result = run()
+    finally:
+        hand.close()
+    data = result.bake or {}
+    if wait and data.get("started") and "verdict" not in data and result.generation is not None:
+        data["verdict"] = wait_for(d, result.generation)
+        _outcome(result, data["verdict"])
+    return result
 
+
+class _HandOff:
+    """One deploy's hand-off to its bake: the carrier started and the bake announced at the
+    gate, the lookout from the front's release, the bake begun (and its first moments
+    judged) under the deploy's lock (``Deployer.then``)."""
+
+    def __init__(self, d: Deployer, verb: str) -> None:
+        self.d, self.verb = d, verb
+        self.at_gate: dict[str, Any] | None = None
+        self.lookout: Lookout | None = None
+
+    def hook(self, chained: Callable[[str], None] | None) -> Callable[[str], None]:
         def on_phase(phase: str) -> None:
-            if phase == "gate" and not started:
-                d.store.mark(bake=d.settings.bake)  # the carrier waits for it (bake.awaited)
-                started.append(start_carrier(d.settings))
+            if phase == "gate" and self.at_gate is None:
+                txn = self.d.store.txn()
+                seconds = float(txn.get("budget") or 0) + 60.0
+                bake.announce(self.d.store, int(txn.get("to") or 0), seconds)
+                self.at_gate = start_carrier(self.d.settings)
+            elif phase == "gated" and self.lookout is None:
+                self.lookout = Lookout.of(self.d)
+            elif phase in ("serving", "released") and self.lookout is not None:
+                self.lookout.free.set()
             if chained is not None:
                 chained(phase)
 
-        d.on_phase = on_phase
-    return after(d, run(), verb, True, wait, started[0] if started else None)
+        return on_phase
+
+    def then(self, result: Result) -> Result:
+        held = self.lookout.close() if self.lookout is not None else None
+        result = after(self.d, result, self.verb, True, self.at_gate)
+        if held is not None:
+            _first_moments(self.d, result, held)
+        return result
+
+    def close(self) -> None:
+        if self.lookout is not None:
+            self.lookout.close()
+        bake.unannounce(self.d.store)
+
+
+class Lookout:
+    """The deploy's own watch of its new process, from its gate until its bake begins: the
+    carrier cannot hold the front while the deploy holds the unit's lock, and a bad config
+    fails in these moments (clients' requests just sent to it). A thread follows the
+    process's journal (``sample.hard_failures``'s pattern) and at the first hard failure
+    holds the front, as the early hold does (``launcher.watch.revert.EarlyHold``), under the
+    lock this deploy holds, once the handover no longer touches the front's hold (``free``:
+    the phase ``released`` after a hold, ``serving`` when the switch back sends requests to
+    the unit); ``_first_moments`` then judges it. Only for a bake a hard failure reverts for
+    sure (``bake.certain``), behind a front whose release watcher is installed."""
+
+    def __init__(self, d: Deployer, front: Front, pid: int, seconds: float) -> None:
+        self.systemd, self.front, self.pid, self.seconds = d.systemd, front, pid, seconds
+        self.stop = threading.Event()
+        #: set when the handover is done with the front's hold: a hold now is not undone
+        self.free = threading.Event()
+        #: what was held (the early hold's record), or None
+        self.held: dict[str, Any] | None = None
+        self.thread = threading.Thread(target=self._watch, name="lookout", daemon=True)
+        self.thread.start()
+
+    @classmethod
+    def of(cls, d: Deployer) -> Lookout | None:
+        try:
+            txn = d.store.txn()
+            to, previous = txn.get("to"), txn.get("from")
+            if not isinstance(to, int) or not isinstance(previous, int):
+                return None
+            front = Front(d.store.root, d.settings.unit_name, d.settings.scope)
+            if front.spec() is None or handover.watcher_missing(front) is not None:
+                return None
+            if not bake.certain(bake.plan(d.settings, d.store, to, previous)):
+                return None
+            pid = d.systemd.state().main_pid
+            drain = min(d.settings.drain_timeout, d.settings.bake_drain)
+            seconds = budgets.deploy_total(drain, d.gate.waits, budgets.last_load(d.store))
+        except (LauncherError, OSError):
+            return None
+        return cls(d, front, pid, seconds) if pid > 0 else None
+
+    def _watch(self) -> None:
+        try:  # the journal handle is this thread's (sd-journal(3))
+            follower = self.systemd.follow(None, grep=serverlog.HARD_FAILURE_GREP, pid=self.pid)
+        except (LauncherError, OSError):
+            return
+        with follower:
+            while not self.stop.is_set() and not follower.ended:
+                if follower.read(LOOK):
+                    while not self.free.wait(LOOK):
+                        if self.stop.is_set():
+                            return
+                    self._hold()
+                    return
+
+    def _hold(self) -> None:
+        t0 = time.monotonic()
+        with contextlib.suppress(LauncherError, OSError):
+            self.front.hold(self.seconds)
+            took = round(time.monotonic() - t0, 3)
+            self.held = {"held": True, "at": time.time(), "took": took, "by": "the deploy"}
+
+    def close(self) -> dict[str, Any] | None:
+        """Stop watching; what was held."""
+        self.stop.set()
+        self.thread.join(timeout=5)
+        return self.held
+
+
+def _first_moments(d: Deployer, result: Result, held: dict[str, Any]) -> None:
+    """The lookout held the front at a hard failure: the bake's first sample, taken here
+    under the deploy's lock, judges it, and a revert runs under that lock and takes the
+    hold over (or ends it at its switch); a sample that does not revert lets the front go."""
+    data = result.bake or {}
+    b = None
+    if data.get("started") and result.generation is not None:
+        gen = d.store.get(result.generation)
+
+        def rev(b: bake.Bake, why: verdict.Verdict) -> dict[str, Any]:
+            assert b.previous is not None
+            done = revert.revert(b.generation, b.previous, b.settings, b.policy.drain, why, True)
+            return {**done, "early_hold": held}
+
+        sample.sample(sample.target_for(d.settings), d.systemd, revert=rev)
+        b = bake.load(gen.path)
+    if b is None or b.running:
+        with contextlib.suppress(LauncherError, OSError):
+            hold = Front(d.store.root, d.settings.unit_name, d.settings.scope).holding()
+            if hold is not None and hold.pid == os.getpid():
+                Front(d.store.root, d.settings.unit_name, d.settings.scope).release()
+        return
+    data["verdict"] = {**b.view(), "line": bake.say(b)}
+    _outcome(result, data["verdict"])
 
 
 def _carried(settings: ToolSettings, at_gate: dict[str, Any] | None) -> dict[str, Any]:
@@ -121,14 +264,12 @@ def after(
     result: Result,
     verb: str,
     bakes: bool = True,
-    wait: bool = False,
     at_gate: dict[str, Any] | None = None,
 ) -> Result:
     """After a verb that changed the live generation: the bake it replaced ends (said in the
     result); with ``bakes`` and the setting ``bake``, the new generation's begins and its
     carrier runs (``at_gate``: the one started at the deploy's gate, which waits for it;
-    started again if it is gone); ``wait``: the result carries the bake's verdict
-    (``wait_for``)."""
+    started again if it is gone)."""
     if result.outcome != "deployed" or result.generation is None:
         return result
     prev = result.previous_generation
@@ -150,9 +291,6 @@ def after(
                 f"{data['carrier']['unit']} (within sample_interval): "
                 f"{data['carrier']['error']}"
             )
-        if wait:
-            data["verdict"] = wait_for(d, result.generation)
-            _outcome(result, data["verdict"])
     result.bake = data or None
     return result
 

@@ -521,12 +521,15 @@ def hard_failures(systemd: Systemd) -> Iterator[Callable[[float], bool] | None]:
 def _process_follower(systemd: Systemd) -> Follower | None:
     """The unit's running process's hard failures, from its first line: matched by its pid
     (a user manager's units have no ``_SYSTEMD_INVOCATION_ID`` in the journal where journald
-    cannot read the invocation from the cgroup), else from its invocation's first entry;
-    None when neither can be had (from the journal's end it would miss what came before)."""
+    cannot read the invocation from the cgroup); with none running, from its invocation's
+    first entry, or the journal's end. None when no cursor can be had (it would replay the
+    whole journal)."""
     state = systemd.state()
     if state.running and state.main_pid > 0:
         return systemd.follow(None, grep=serverlog.HARD_FAILURE_GREP, pid=state.main_pid)
-    cursor = systemd.invocation_cursor(state.invocation_id) if state.invocation_id else None
+    # no process (yet): from its invocation's first entry, or the journal's end
+    invocation = state.invocation_id
+    cursor = systemd.invocation_cursor(invocation) if invocation else systemd.cursor()
     return systemd.follow(cursor, grep=serverlog.HARD_FAILURE_GREP) if cursor else None
 
 
