@@ -7,6 +7,8 @@ an hour, so a bake sampled at all was sampled by the carrier the deploy started.
 
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
 import threading
 import time
@@ -228,3 +230,50 @@ def test_seed_000_baked_behind_the_front_loses_no_request_sent_after_the_first_h
     }
     assert not lost, (lost, said)
     assert agents.answered() > 8
+
+
+def test_a_config_failing_as_the_front_releases_it_is_reverted_by_the_deploy_itself(
+    host: Host, tmp_path: Path
+) -> None:
+    """Four requests held at the front through the restart reach the over-committed pool
+    together as the deploy releases them, and overflow it in its last moments, before the
+    deploy returns: the deploy's own lookout holds the front at the journal's line, and its
+    first sample and the revert run in the deploy, which ends ``reverted`` (exit 6)."""
+    host.env["LLAMA_LAUNCHER_SAMPLE_INTERVAL"] = "3600"
+    installed(host, *GOOD, "--front", "haproxy")
+    try:
+        text, n = repro.sized_prompt(host.url, 350, 3)
+        assert 4 * (n + 48) > CAP > n + 48, n  # each fits; the four together do not
+        go = tmp_path / "go"
+        faults = str(Path(__file__).with_name("faults.py"))
+        deployer = subprocess.Popen(
+            [sys.executable, faults, f"gated:wait:{go}", "deploy", *host.base_flags(),
+             *OVERCOMMITTED, "--bake", "10m", "--json"],
+            env=host.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + 120
+        while store.Store(host.state_dir).txn().get("phase") != "gated":
+            assert deployer.poll() is None and time.monotonic() < deadline, deployer.stderr
+            time.sleep(0.05)
+        body = {"prompt": text, "max_tokens": 48, "ignore_eos": True, "temperature": 0}
+        with ThreadPoolExecutor(4) as pool:
+            held = [
+                pool.submit(httpx.post, host.url + "/v1/completions", json=body, timeout=120)
+                for _ in range(4)
+            ]
+            time.sleep(1)  # in the front's backlog, all four
+            assert not any(f.done() for f in held)
+            go.touch()
+            out_text, err = deployer.communicate(timeout=300)
+        out = json.loads(out_text.strip().splitlines()[-1])
+        assert (deployer.returncode, out["outcome"]) == (6, "reverted"), (out, err[-2000:])
+        verdict = out["bake"]["verdict"]
+        assert verdict["state"] == "reverted", verdict
+        assert verdict["revert"]["early_hold"]["by"] == "the deploy", verdict["revert"]
+        live = store.Store(host.state_dir).live()
+        assert (
+            live is not None and live.meta["reverted_from"] == out["bake"]["started"]["generation"]
+        )
+        assert host.chat()["usage"]["completion_tokens"] > 0  # the old config serves
+    finally:
+        host.cli("uninstall")

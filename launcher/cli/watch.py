@@ -119,7 +119,7 @@ def _through_bake(target: Any, systemd: Any, as_json: bool) -> int:
 
     st = store.Store(target.state_dir)
     found = None
-    if bake.announce_path(st).exists():
+    if bake.announced(st) is not None:
         # started at a deploy's gate, before the bake it announced begins (the live one's,
         # if any, is about to end): the modules of a revert imported while it waits, not at
         # the first hard failure

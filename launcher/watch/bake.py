@@ -264,6 +264,24 @@ def unannounce(st: store.Store) -> None:
         announce_path(st).unlink(missing_ok=True)
 
 
+def announced(st: store.Store) -> tuple[int, float] | None:
+    """The deployer that announced a bake (``announce``) and until when, while it lives (a
+    stale announcement, its deployer killed, is removed)."""
+    path = announce_path(st)
+    try:
+        said = json.loads(path.read_bytes())
+        pid, until = int(said["pid"]), float(said["until"])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError):
+        unannounce(st)
+        return None
+    if not store.pid_alive(pid):
+        unannounce(st)
+        return None
+    return pid, until
+
+
 def awaited(
     st: store.Store, sleep: Callable[[float], None] = time.sleep
 ) -> tuple[store.Generation, Bake] | None:
@@ -272,12 +290,11 @@ def awaited(
     announcement stands and its deployer lives (until its deadline). Then the live
     generation's bake, if it runs (None: the deploy did not make the generation live, or
     began no bake, or its first moments decided it)."""
-    path = announce_path(st)
-    try:
-        said = json.loads(path.read_bytes())
-        pid, until = int(said["pid"]), float(said["until"])
-    except (OSError, ValueError, KeyError, TypeError):
+    said = announced(st)
+    if said is None:
         return None
+    pid, until = said
+    path = announce_path(st)
     while path.exists() and store.pid_alive(pid) and time.time() < until:
         sleep(AWAIT_POLL)
     found = live_bake(st)

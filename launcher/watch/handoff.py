@@ -141,15 +141,20 @@ class _HandOff:
         return on_phase
 
     def then(self, result: Result) -> Result:
-        held = self.lookout.close() if self.lookout is not None else None
-        result = after(self.d, result, self.verb, True, self.at_gate)
-        if held is not None:
-            _first_moments(self.d, result, held)
+        lookout, self.lookout = self.lookout, None
+        held = lookout.close() if lookout is not None else None
+        try:
+            result = after(self.d, result, self.verb, True, self.at_gate)
+        finally:
+            if held is not None:
+                _first_moments(self.d, result, held)
         return result
 
     def close(self) -> None:
-        if self.lookout is not None:
-            self.lookout.close()
+        """After the verb, whatever it ended with: the lookout stopped (a hold it took that
+        no ``then`` judged let go: the deploy did not go through), the announcement gone."""
+        if self.lookout is not None and self.lookout.close() is not None:
+            _let_go(self.d)
         bake.unannounce(self.d.store)
 
 
@@ -224,10 +229,12 @@ class Lookout:
 def _first_moments(d: Deployer, result: Result, held: dict[str, Any]) -> None:
     """The lookout held the front at a hard failure: the bake's first sample, taken here
     under the deploy's lock, judges it, and a revert runs under that lock and takes the
-    hold over (or ends it at its switch); a sample that does not revert lets the front go."""
+    hold over (or ends it at its switch); a hold of this process still recorded after it
+    (no revert, or one that failed before its handover) is let go."""
     data = result.bake or {}
-    b = None
-    if data.get("started") and result.generation is not None:
+    try:
+        if not data.get("started") or result.generation is None:
+            return
         gen = d.store.get(result.generation)
 
         def rev(b: bake.Bake, why: verdict.Verdict) -> dict[str, Any]:
@@ -237,14 +244,20 @@ def _first_moments(d: Deployer, result: Result, held: dict[str, Any]) -> None:
 
         sample.sample(sample.target_for(d.settings), d.systemd, revert=rev)
         b = bake.load(gen.path)
-    if b is None or b.running:
-        with contextlib.suppress(LauncherError, OSError):
-            hold = Front(d.store.root, d.settings.unit_name, d.settings.scope).holding()
-            if hold is not None and hold.pid == os.getpid():
-                Front(d.store.root, d.settings.unit_name, d.settings.scope).release()
-        return
-    data["verdict"] = {**b.view(), "line": bake.say(b)}
-    _outcome(result, data["verdict"])
+        if b is not None and not b.running:
+            data["verdict"] = {**b.view(), "line": bake.say(b)}
+            _outcome(result, data["verdict"])
+    finally:
+        _let_go(d)
+
+
+def _let_go(d: Deployer) -> None:
+    """The front released if the hold recorded is this process's."""
+    with contextlib.suppress(LauncherError, OSError):
+        front = Front(d.store.root, d.settings.unit_name, d.settings.scope)
+        hold = front.holding()
+        if hold is not None and hold.pid == os.getpid():
+            front.release()
 
 
 def _carried(settings: ToolSettings, at_gate: dict[str, Any] | None) -> dict[str, Any]:
