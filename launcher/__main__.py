@@ -21,7 +21,7 @@ def main() -> None:
 
         raise SystemExit(launch.main(args[1:]))
     if args[:1] == ["prestart"]:
-        from launcher.deploy import prestart
+        from launcher.install import prestart
 
         raise SystemExit(prestart.main(args[1:]))
     from launcher.cli import main as cli_main

@@ -24,7 +24,7 @@ sys.path.insert(0, str(REPO / "tests"))
 import realserver  # noqa: E402
 import tinymodel  # noqa: E402
 
-from launcher.config import build, validate  # noqa: E402
+from launcher.config import build, render_env  # noqa: E402
 from launcher.host import units  # noqa: E402
 
 
@@ -93,7 +93,7 @@ def bench_launcher(n: int = 10) -> None:
             {"llama_server": server, "model": model, "port": port, "ctx_size": 4096, "parallel": 2}
         )
         env = tmp / "bench.env"
-        env.write_text(validate.render(cfg))
+        env.write_text(render_env(cfg))
         python, _ = units.this_python()
         write_unit("bench-launcher.service", f"{python} -S -m launcher exec --env-file {env}")
         write_unit("bench-direct.service", " ".join(cfg.argv()))

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from launcher.cli import main
-from launcher.deploy.front import Front
+from launcher.deploy.restart.front import Front
 
 ACTIONS = ("kill", "pause", "wait", "stop", "kill-front", "truncate-slots")
 

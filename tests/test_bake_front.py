@@ -18,7 +18,7 @@ from test_handover import installed
 from test_watch import take
 
 from launcher.deploy import store
-from launcher.deploy.front import Front
+from launcher.deploy.restart.front import Front
 from launcher.errors import LockTimeout
 from launcher.watch import bake, revert, verdict
 

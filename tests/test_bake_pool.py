@@ -17,8 +17,8 @@ from launcher.deploy import store
 from launcher.errors import Unreadable
 from launcher.host import journalread
 from launcher.host.systemd import UnitState
-from launcher.server import slotstate
-from launcher.server.slotstate import Pressure, Slot
+from launcher.server import slots
+from launcher.server.slots import Pressure, Slot
 from launcher.watch import bake, record, sample, verdict
 from launcher.watch.verdict import Policy, Progress, Seen, Window
 
@@ -65,9 +65,9 @@ def test_the_need_counts_what_each_busy_request_may_still_generate() -> None:
 def test_a_slot_without_a_limit_says_no_remain() -> None:
     raw = {"id": 0, "n_ctx": 1024, "is_processing": True, "id_task": 3,
            "n_prompt_tokens": 10, "next_token": [{"n_decoded": 2, "n_remain": -1}]}  # fmt: skip
-    assert slotstate.parse([raw])[0].remain is None
+    assert slots.parse([raw])[0].remain is None
     raw["next_token"] = [{"n_decoded": 2, "n_remain": 46}]
-    assert slotstate.parse([raw])[0].remain == 46
+    assert slots.parse([raw])[0].remain == 46
 
 
 def test_sessions_at_the_limit_of_a_watched_pool_revert_as_hard() -> None:

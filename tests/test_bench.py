@@ -27,9 +27,9 @@ import pytest
 import realserver
 import tinymodel
 
+from launcher.bench import agents
 from launcher.cli import main
 from launcher.errors import InvalidInput, ProbeError
-from launcher.reports import bench
 
 AGENTS = (1, 4)
 MAX_TOKENS = 16
@@ -85,7 +85,7 @@ class ServerTimings(httpx.AsyncBaseTransport):
         network = httpx.AsyncHTTPTransport(verify=False)
         response = await network.handle_async_request(request)
         head = None
-        if request.url.path == bench.CHAT_PATH:
+        if request.url.path == agents.CHAT_PATH:
             head = json.loads(request.content)["messages"][0]["content"].split(":")[0]
         stream = _Tee(response.stream, network, head, self.by_head)
         return httpx.Response(
@@ -127,7 +127,7 @@ class _Tee(httpx.AsyncByteStream):
 
 @dataclass(frozen=True)
 class Concurrent:
-    result: bench.BenchResult
+    result: agents.BenchResult
     decodes: int  # the server's llama_decode() calls during the run
 
 
@@ -138,15 +138,15 @@ def concurrent(tmp_path_factory: pytest.TempPathFactory, llama_server_bin: str) 
     shape = tinymodel.Shape(layers=2, n_embd=1024, heads=8, kv_heads=4, ff=4096)
     model = tinymodel.write(tmp_path_factory.mktemp("bench") / "wide.gguf", shape)
     with realserver.run_server(model, SERVER_ARGS, binary=llama_server_bin) as srv:
-        settings = bench.BenchSettings(url=srv.url, agents=(4,), max_tokens=CONCURRENT_TOKENS)
+        settings = agents.BenchSettings(url=srv.url, agents=(4,), max_tokens=CONCURRENT_TOKENS)
         before = decode_total(srv.url)
-        result = bench.run_bench(settings)
+        result = agents.run_bench(settings)
         return Concurrent(result, decode_total(srv.url) - before)
 
 
 @dataclass(frozen=True)
 class Measured:
-    result: bench.BenchResult
+    result: agents.BenchResult
     predicted: int  # tokens the server says it generated during the run
     timings: ServerTimings
 
@@ -156,7 +156,7 @@ def measured(server: realserver.Server) -> Measured:
     """One bench run, the tokens the server says it generated meanwhile, and its timings of
     every request."""
     before = predicted_total(server.url)
-    settings = bench.BenchSettings(
+    settings = agents.BenchSettings(
         url=server.url,
         agents=AGENTS,
         max_tokens=MAX_TOKENS,
@@ -164,16 +164,16 @@ def measured(server: realserver.Server) -> Measured:
         rounds=ROUNDS,
     )
     timings = ServerTimings()
-    result = bench.run_bench(settings, generation=GENERATION, transport=timings)
+    result = agents.run_bench(settings, generation=GENERATION, transport=timings)
     return Measured(result, predicted_total(server.url) - before, timings)
 
 
 @pytest.fixture(scope="module")
-def result(measured: Measured) -> bench.BenchResult:
+def result(measured: Measured) -> agents.BenchResult:
     return measured.result
 
 
-def all_requests(result: bench.BenchResult) -> list[bench.RequestResult]:
+def all_requests(result: agents.BenchResult) -> list[agents.RequestResult]:
     reqs = [r for lv in result.levels for r in lv.requests]
     return reqs + [r for st in result.stalls for r in st.with_long.requests]
 
@@ -182,7 +182,7 @@ def all_requests(result: bench.BenchResult) -> list[bench.RequestResult]:
 
 
 @pytest.mark.real
-def test_tokens_are_the_sum_of_the_servers_usage(result: bench.BenchResult) -> None:
+def test_tokens_are_the_sum_of_the_servers_usage(result: agents.BenchResult) -> None:
     for lv in result.levels:
         assert len(lv.chat) == lv.agents * ROUNDS
         assert lv.completion_tokens == sum(r.completion_tokens for r in lv.chat)
@@ -242,7 +242,7 @@ def test_a_long_prompt_delays_the_others_first_token(measured: Measured) -> None
 
 @pytest.mark.real
 def test_the_stall_table_has_the_others_figures_without_the_long_agent(
-    result: bench.BenchResult,
+    result: agents.BenchResult,
 ) -> None:
     assert [st.agents for st in result.stalls] == list(AGENTS)
     for st in result.stalls:
@@ -258,10 +258,10 @@ def test_the_stall_table_has_the_others_figures_without_the_long_agent(
 
 @pytest.mark.real
 def test_prompt_is_sized_with_tokenize(server: realserver.Server) -> None:
-    settings = bench.BenchSettings(
+    settings = agents.BenchSettings(
         url=server.url, agents=(2,), max_tokens=2, prompt_tokens=PROMPT_TOKENS
     )
-    result = bench.run_bench(settings)
+    result = agents.run_bench(settings)
     assert result.prompt.method == "apply-template + tokenize"
     assert result.prompt.measured_tokens is not None
     assert abs(result.prompt.measured_tokens - PROMPT_TOKENS) <= 6
@@ -270,7 +270,7 @@ def test_prompt_is_sized_with_tokenize(server: realserver.Server) -> None:
 
 
 @pytest.mark.real
-def test_header_reports_the_servers_slots(result: bench.BenchResult) -> None:
+def test_header_reports_the_servers_slots(result: agents.BenchResult) -> None:
     assert result.server.total_slots == 4
     assert result.server.n_ctx_slot == 4096
     assert result.server.slots_count == 4
@@ -279,8 +279,8 @@ def test_header_reports_the_servers_slots(result: bench.BenchResult) -> None:
 
 
 @pytest.mark.real
-def test_text_report_has_a_row_per_agent_count(result: bench.BenchResult) -> None:
-    text = bench.render_text(result)
+def test_text_report_has_a_row_per_agent_count(result: agents.BenchResult) -> None:
+    text = agents.render_text(result)
     assert "total_slots 4, n_ctx per slot 4096; /slots lists 4" in text
     assert "id=7" in text
     rows = [ln.split() for ln in text.splitlines() if re.match(r"\s+\d+\s+\d", ln)]
@@ -299,7 +299,7 @@ def test_text_report_has_a_row_per_agent_count(result: bench.BenchResult) -> Non
     ],
 )
 def test_percentile(values: list[float], q: float, expected: float) -> None:
-    assert bench.percentile(values, q) == pytest.approx(expected)
+    assert agents.percentile(values, q) == pytest.approx(expected)
 
 
 # --------------------------------------------------------------------------- the CLI
@@ -330,7 +330,7 @@ def test_plot_is_a_png(
 ) -> None:
     import matplotlib.image
 
-    out = tmp_path / "bench.png"
+    out = tmp_path / "agents.png"
     code = main(["bench", "--url", server.url, "--agents", "1", "2", "--max-tokens", "4",
                  "--plot", str(out)])  # fmt: skip
     assert code == 0
@@ -344,8 +344,8 @@ def test_plot_without_matplotlib_names_the_extra() -> None:
     code = (
         "import sys; sys.modules['matplotlib'] = None\n"
         "from launcher.reports import bench\n"
-        "try:\n    bench.check_plot_available()\n"
-        "except bench.InvalidInput as e:\n    print(e)\n"
+        "try:\n    agents.check_plot_available()\n"
+        "except agents.InvalidInput as e:\n    print(e)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "pip install 'llama-launcher[plot]'" in out.stdout
@@ -382,13 +382,13 @@ def test_a_unit_without_a_live_generation_needs_a_url(
 
 def test_bad_agents_raise_invalid_input() -> None:
     with pytest.raises(InvalidInput, match="--agents 0"):
-        bench.run_bench(bench.BenchSettings(agents=(0,)))
+        agents.run_bench(agents.BenchSettings(agents=(0,)))
 
 
 def test_unreachable_server_is_a_probe_error(capsys: pytest.CaptureFixture[str]) -> None:
     url = f"http://127.0.0.1:{realserver.free_port()}"
     with pytest.raises(ProbeError, match=re.escape(url)):
-        bench.run_bench(bench.BenchSettings(url=url))
+        agents.run_bench(agents.BenchSettings(url=url))
     assert main(["bench", "--url", url, "--json"]) == 1
     data = json.loads(capsys.readouterr().out)
     assert data["ok"] is False and data["error"] == "ProbeError"

@@ -27,9 +27,8 @@ sys.path.insert(0, str(REPO / "scripts"))
 import realserver
 import repro
 
-from launcher.config import plan
 from launcher.host import systemd
-from launcher.reports import diagnose
+from launcher.reports import diagnose, plan
 from launcher.server import binary
 
 pytestmark = pytest.mark.real

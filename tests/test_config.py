@@ -76,13 +76,13 @@ def test_flags_to_argv_to_env_text_to_argv(
     if rendered is not None:
         assert argv == ["/usr/bin/llama-server", *HEAD, *rendered, "--log-colors", "off"]
     env = tmp_path / "x.env"
-    env.write_text(validate.render(cfg))
+    env.write_text(config.render_env(cfg))
     assert launch.read_argv(str(env)) == argv
 
 
 def test_render_is_deterministic() -> None:
     cfg = config.from_flags(["-c", "4096", "-a", "x"], BASE)
-    assert validate.render(cfg) == validate.render(
+    assert config.render_env(cfg) == config.render_env(
         config.from_flags(["-a", "x", "-c", "4096"], BASE)
     )
 

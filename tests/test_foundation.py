@@ -11,7 +11,6 @@ from pathlib import Path
 from conftest import REPO, Host, Sandbox
 
 from launcher import config
-from launcher.config import validate
 from launcher.host import launch, units
 from launcher.host.systemd import Systemd
 
@@ -49,7 +48,7 @@ def test_example_env_file_is_what_the_example_config_renders() -> None:
     import tomllib
 
     data = tomllib.loads((REPO / "env/llama-server.toml").read_text())
-    assert validate.render(config.build(data)) == (REPO / "env/llama-server.env").read_text()
+    assert config.render_env(config.build(data)) == (REPO / "env/llama-server.env").read_text()
     argv = launch.read_argv(str(REPO / "env/llama-server.env"))
     assert argv[argv.index("--kv-unified-per-slot") + 1] == "262144"
 

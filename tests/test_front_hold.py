@@ -1,4 +1,4 @@
-"""The front held to the standard of the transaction (launcher/deploy/front.py, handover.py,
+"""The front held to the standard of the transaction (launcher/deploy/restart/front.py, handover.py,
 release.py): a hold ends by itself, every restart of a fronted unit holds, HAProxy killed
 during a hold is noticed, the front's config is part of the transaction, what a killed
 deploy leaves is swept. Real parts: the sandboxed systemd, llama-server b11434, Debian's
@@ -27,7 +27,7 @@ from conftest import Host, Sandbox
 from test_handover import HISTORY, completion, front_stat, installed, result_of
 
 from launcher.deploy import store
-from launcher.deploy.front import Front, FrontError, FrontSpec, Hold
+from launcher.deploy.restart.front import Front, FrontError, FrontSpec, Hold
 from launcher.host import units
 
 FAULTS = str(Path(__file__).with_name("faults.py"))
@@ -275,7 +275,8 @@ def test_a_recheck_waits_for_the_record_lock_and_keeps_a_deadline_moved_meanwhil
     hold = Hold(os.getpid(), now, now + 600, front="1:1")  # paused before a HAProxy restart
     store.write_json(the_front.hold_path, hold.to_dict())
     recheck = (
-        "import sys; from pathlib import Path; from launcher.deploy.front import Front, Hold; "
+        "import sys; from pathlib import Path; "
+        "from launcher.deploy.restart.front import Front, Hold; "
         f"f = Front(Path({str(host.state_dir)!r}), {host.unit!r}); "
         f"f.recheck(Hold.from_dict({hold.to_dict()!r}), 'another process')"
     )
@@ -474,7 +475,7 @@ def test_the_record_names_the_fronts_old_config_and_prestart_puts_it_back(
     file is the old one already (an undo killed between the env file and the front's
     config: HAProxy must not start from the new config, pointing at a port nothing
     serves); it holds the front for the record's budget."""
-    from launcher.deploy import prestart
+    from launcher.install import prestart
 
     state, env = tmp_path / "state", tmp_path / "llama-server.env"
     the_front = Front(state, "llama-server.service", "system")
@@ -519,7 +520,7 @@ def test_a_haproxy_check_copy_left_by_a_killed_process_is_removed_by_the_next_ru
     slow.write_text("#!/bin/sh\nsleep 60\n")
     slow.chmod(0o755)
     check = (
-        "import sys; from pathlib import Path; from launcher.deploy.front import Front, "
+        "import sys; from pathlib import Path; from launcher.deploy.restart.front import Front, "
         f"FrontSpec; s = FrontSpec('127.0.0.1', 1, '127.0.0.1', 2, haproxy={str(slow)!r}); "
         f"f = Front(Path({str(host.state_dir)!r}), {host.unit!r}); f.validate(f.render(s, 1), s)"
     )

@@ -16,7 +16,7 @@ from test_handover import installed
 
 from launcher import config
 from launcher.deploy import defaults
-from launcher.deploy.front import FrontSpec
+from launcher.deploy.restart.front import FrontSpec
 from launcher.errors import ConfigInvalid
 
 SPEC = FrontSpec("0.0.0.0", 18300, "127.0.0.1", 41000, standby_port=41001)

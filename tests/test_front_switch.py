@@ -19,8 +19,8 @@ import httpx
 import pytest
 import realserver
 
-from launcher.deploy import front
-from launcher.deploy.front import Front, FrontError, FrontSpec
+from launcher.deploy.restart import front
+from launcher.deploy.restart.front import Front, FrontError, FrontSpec
 
 SLOTS = 2
 

@@ -1,5 +1,5 @@
-"""The front is never left down (launcher/deploy/front.py, handover.py ``front_up``): HAProxy
-killed at any moment of a hold that moves the private port, even with its start limit used
+"""The front is never left down (launcher/deploy/restart/front.py, handover.py ``front_up``):
+HAProxy killed at any moment of a hold that moves the private port, even with its start limit used
 up, leaves the public port answering when the deploy returns, or the result's first line says
 it does not and what to run. Real parts: the sandboxed systemd, llama-server b11434, Debian's
 HAProxy 2.6."""
@@ -22,9 +22,9 @@ from test_front_hold import chat_status, front_of, in_background
 from test_handover import HISTORY, completion, deploy_in_background, installed, result_of
 
 from launcher.cli.results import human
-from launcher.deploy import handover
-from launcher.deploy.front import Front, FrontSpec
-from launcher.deploy.result import Result
+from launcher.deploy.outcome import Result
+from launcher.deploy.restart import handover
+from launcher.deploy.restart.front import Front, FrontSpec
 
 
 @pytest.fixture

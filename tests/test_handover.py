@@ -1,5 +1,6 @@
-"""The handover around a restart (launcher/deploy/handover.py): drain, slot save/restore, the
-HAProxy front. Real parts: the sandboxed systemd, llama-server b11434, Debian's HAProxy 2.6."""
+"""The handover around a restart (launcher/deploy/restart/handover.py): drain, slot
+save/restore, the HAProxy front. Real parts: the sandboxed systemd, llama-server b11434,
+Debian's HAProxy 2.6."""
 
 from __future__ import annotations
 
@@ -21,9 +22,9 @@ import pytest
 import tinymodel
 from conftest import Host
 
-from launcher.deploy import drain
-from launcher.deploy.front import Front, FrontSpec
-from launcher.server import slots
+from launcher.deploy.restart import drain
+from launcher.deploy.restart.front import Front, FrontSpec
+from launcher.server import slotsave
 
 #: A model slow enough that a long generation takes seconds, long past the moment a drain
 #: begins: wider and deeper than the tiny default, still random weights.
@@ -361,9 +362,10 @@ def test_the_fingerprint_names_what_changed_the_kv_layout(
         "llama_server": {"fingerprint": "abc"},
     }
     new = {k: {**v, **change.get(k, {})} for k, v in old.items()}
-    assert slots.differences(slots.fingerprint(old), slots.fingerprint(old)) == []
+    assert slotsave.differences(slotsave.fingerprint(old), slotsave.fingerprint(old)) == []
     assert any(
-        reason in d for d in slots.differences(slots.fingerprint(old), slots.fingerprint(new))
+        reason in d
+        for d in slotsave.differences(slotsave.fingerprint(old), slotsave.fingerprint(new))
     )
 
 
@@ -371,7 +373,7 @@ def test_an_adopted_config_has_no_fingerprint_and_is_never_restored() -> None:
     new = {"config": {"port": 1}, "planned": {"n_slots": 1}}
     assert (
         "KV layout is unknown"
-        in slots.differences(slots.fingerprint({"config": {}}), slots.fingerprint(new))[0]
+        in slotsave.differences(slotsave.fingerprint({"config": {}}), slotsave.fingerprint(new))[0]
     )
 
 
@@ -387,7 +389,7 @@ def test_the_front_config_is_valid_for_the_real_haproxy(tmp_path: Path) -> None:
 
 
 def test_haproxy_refuses_a_broken_front_config_and_says_so(tmp_path: Path) -> None:
-    from launcher.deploy.front import FrontError
+    from launcher.deploy.restart.front import FrontError
 
     front = Front(tmp_path, "llama-server.service")
     spec = FrontSpec("127.0.0.1", 8080, "127.0.0.1", 18080)

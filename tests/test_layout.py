@@ -17,7 +17,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "launcher"
 
 #: lowest first; the package's own root modules (errors, waits) sit below every folder
-LAYERS = ["", "host", "server", "config", "deploy", "watch", "reports", "cli"]
+LAYERS = ["", "host", "server", "config", "deploy", "install", "watch", "reports", "bench", "cli"]
 #: the entry point imports the CLI and the unit's two standard-library paths
 TOP = {"launcher.__main__"}
 
@@ -129,7 +129,7 @@ def _imported_at_load(module: str, target: str) -> bool:
 
 
 #: The entry points of the unit's ``python -S`` paths (``exec``, ``prestart``).
-LEAN_ENTRIES = ("launcher.host.launch", "launcher.deploy.prestart")
+LEAN_ENTRIES = ("launcher.host.launch", "launcher.install.prestart")
 
 
 def loaded_by_lean_paths() -> set[str]:
@@ -160,9 +160,11 @@ def test_the_units_standard_library_paths_import_only_the_standard_library() -> 
         "launcher.host",
         "launcher.host.launch",
         "launcher.host.envfile",
-        "launcher.deploy.prestart",
+        "launcher.install",
+        "launcher.install.prestart",
         "launcher.deploy.store",
-        "launcher.deploy.front",
+        "launcher.deploy.restart",
+        "launcher.deploy.restart.front",
         "launcher.host.proc",
         "launcher.host.systemd",
         "launcher.host.units",

@@ -167,7 +167,7 @@ def test_a_running_server_the_fit_placed_frees_its_whole_estimate(
 
 
 def test_plan_shows_each_side_and_which_limits(model_8b: Path, tmp_path: Path) -> None:
-    from launcher.config.plan import make_plan
+    from launcher.reports.plan import make_plan
 
     plan = make_plan(4, 32768, "f16", model_8b, 16 * GiB, box=_box(gf.RTX_6000))
     opt = plan.option("per-slot-f16")

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import tinymodel
 
-from launcher.config import plan
 from launcher.errors import ConfigInvalid
+from launcher.reports import plan
 
 KIB, MIB, GIB = 1024, 1024**2, 1024**3
 CRAM = 8 * GIB  # the default --cache-ram the deploy's memory guard counts

@@ -1,4 +1,4 @@
-"""The second instance (launcher/deploy/standby.py, issue 28): a fronted unit whose deploys
+"""The second instance (launcher/deploy/restart/standby.py, issue 28): a fronted unit whose deploys
 are bridged by ``NAME-b.service`` on the front's standby port, so nothing is held, and whose
 previous config stays warm there for an instant rollback. Real parts: the sandboxed systemd,
 llama-server b11434, Debian's HAProxy 2.6; agents stream through the front all the while."""
@@ -27,9 +27,10 @@ from test_handover import HISTORY, installed, result_of
 from test_watch import take
 
 from launcher.config import memory
-from launcher.deploy import standby, store
-from launcher.deploy.front import SERVERS
-from launcher.server import slots
+from launcher.deploy import store
+from launcher.deploy.restart import standby
+from launcher.deploy.restart.front import SERVERS
+from launcher.server import slotsave
 from launcher.watch import bake, revert, verdict
 
 
@@ -264,7 +265,7 @@ def test_a_conversation_begun_after_its_slot_was_carried_keeps_its_cache(
         long.start()
         until(lambda: slot_busy(paired.url, 1))
         go.touch()
-        until((paired.state_dir / "slots" / slots.FILENAME.format(slot=0)).exists)
+        until((paired.state_dir / "slots" / slotsave.FILENAME.format(slot=0)).exists)
         first = completion_in(paired.url, CONVERSATION, slot=0)  # on the unit, after the save
         assert slot_busy(paired.url, 1), "the long answer ended before the new conversation"
     finally:

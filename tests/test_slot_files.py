@@ -1,4 +1,4 @@
-"""Saved slot files moved between two slot folders (``launcher.server.slots.move``): a deploy
+"""Saved slot files moved between two slot folders (``launcher.server.slotsave.move``): a deploy
 that changes ``--slot-save-path``, or a second instance with a folder of its own. Real files on
 this machine's filesystems; what a server makes of them is in tests/test_handover.py."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.server import slots
+from launcher.server import slotsave
 
 #: a user no file here belongs to (what a ``DynamicUser=`` service's uid looks like to root)
 OTHER_UID, OTHER_GID = 61234, 61234
@@ -21,11 +21,11 @@ OTHER_UID, OTHER_GID = 61234, 61234
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="chown needs root")
 
 
-def saved_file(folder: Path, slot: int = 0, data: bytes = b"cells" * 100) -> slots.Saved:
-    name = slots.FILENAME.format(slot=slot)
+def saved_file(folder: Path, slot: int = 0, data: bytes = b"cells" * 100) -> slotsave.Saved:
+    name = slotsave.FILENAME.format(slot=slot)
     (folder / name).write_bytes(data)
     (folder / name).chmod(0o644)  # as a server with another umask writes it
-    return slots.Saved(slot, name, 10, len(data), 1.0)
+    return slotsave.Saved(slot, name, 10, len(data), 1.0)
 
 
 def folders(tmp_path: Path) -> tuple[Path, Path]:
@@ -40,7 +40,7 @@ def test_a_move_within_one_filesystem_leaves_the_file_only_in_the_new_folder(
 ) -> None:
     src, dst = folders(tmp_path)
     s = saved_file(src)
-    moved, skipped = slots.move([s], src, dst)
+    moved, skipped = slotsave.move([s], src, dst)
     assert (moved, skipped) == ([s], [])
     assert not (src / s.filename).exists()
     assert (dst / s.filename).read_bytes() == b"cells" * 100
@@ -67,7 +67,7 @@ def test_a_move_across_filesystems_copies_the_bytes_private_and_removes_the_old(
         dst.mkdir()
         s = saved_file(src, data=os.urandom(3 << 20))
         data = (src / s.filename).read_bytes()
-        assert slots.move([s], src, dst) == ([s], [])
+        assert slotsave.move([s], src, dst) == ([s], [])
         assert (dst / s.filename).read_bytes() == data
         assert (dst / s.filename).stat().st_mode & 0o777 == 0o600
         assert sorted(p.name for p in dst.iterdir()) == [s.filename]  # no .part left
@@ -77,7 +77,7 @@ def test_a_move_across_filesystems_copies_the_bytes_private_and_removes_the_old(
 def test_a_renamed_file_is_private_too(tmp_path: Path) -> None:
     src, dst = folders(tmp_path)
     s = saved_file(src)
-    slots.move([s], src, dst)
+    slotsave.move([s], src, dst)
     assert (dst / s.filename).stat().st_mode & 0o777 == 0o600
 
 
@@ -86,9 +86,9 @@ def test_a_copy_replaces_what_a_killed_move_left(tmp_path: Path) -> None:
         dst = tmp_path / "new"
         dst.mkdir()
         s = saved_file(src)
-        (dst / (s.filename + slots.PART)).write_bytes(b"half")
-        assert slots.is_slot_file(s.filename + slots.PART)  # the recovery's sweep takes it
-        assert slots.move([s], src, dst) == ([s], [])
+        (dst / (s.filename + slotsave.PART)).write_bytes(b"half")
+        assert slotsave.is_slot_file(s.filename + slotsave.PART)  # the recovery's sweep takes it
+        assert slotsave.move([s], src, dst) == ([s], [])
         assert sorted(p.name for p in dst.iterdir()) == [s.filename]
 
 
@@ -96,9 +96,9 @@ def test_a_link_in_the_old_folder_is_not_followed(tmp_path: Path) -> None:
     src, dst = folders(tmp_path)
     victim = tmp_path / "victim"
     victim.write_text("root's file")
-    name = slots.FILENAME.format(slot=0)
+    name = slotsave.FILENAME.format(slot=0)
     (src / name).symlink_to(victim)
-    moved, skipped = slots.move([slots.Saved(0, name, 10, 11, 1.0)], src, dst)
+    moved, skipped = slotsave.move([slotsave.Saved(0, name, 10, 11, 1.0)], src, dst)
     assert moved == [] and "symbolic link" in skipped[0]["reason"]
     assert victim.read_text() == "root's file" and not (dst / name).exists()
 
@@ -115,8 +115,8 @@ def test_a_link_in_the_new_folder_is_replaced_not_written_through(
         src.mkdir(exist_ok=True)
         s = saved_file(src)
         (dst / s.filename).symlink_to(victim)
-        (dst / (s.filename + slots.PART)).symlink_to(victim)
-        assert slots.move([s], src, dst) == ([s], [])
+        (dst / (s.filename + slotsave.PART)).symlink_to(victim)
+        assert slotsave.move([s], src, dst) == ([s], [])
     assert victim.read_text() == "root's file"
     assert (dst / s.filename).is_file() and not (dst / s.filename).is_symlink()
 
@@ -126,7 +126,7 @@ def test_a_file_moved_into_a_services_folder_belongs_to_that_service(tmp_path: P
     src, dst = folders(tmp_path)
     os.chown(dst, OTHER_UID, OTHER_GID)
     s = saved_file(src)
-    slots.move([s], src, dst)
+    slotsave.move([s], src, dst)
     st = (dst / s.filename).stat()
     assert (st.st_uid, st.st_gid) == (OTHER_UID, OTHER_GID)
 
@@ -142,7 +142,7 @@ def test_a_file_moved_into_a_folder_of_roots_keeps_the_owner_that_wrote_it(
         src.mkdir(exist_ok=True)
         s = saved_file(src)
         os.chown(src / s.filename, OTHER_UID, OTHER_GID)
-        slots.move([s], src, dst)
+        slotsave.move([s], src, dst)
     st = (dst / s.filename).stat()
     assert (st.st_uid, st.st_gid) == (OTHER_UID, OTHER_GID)
 
@@ -151,7 +151,7 @@ def test_a_file_that_cannot_move_stays_where_it_was_and_says_why(tmp_path: Path)
     src, dst = folders(tmp_path)
     good, bad = saved_file(src, 0), saved_file(src, 1)
     (dst / bad.filename).mkdir()  # a folder where the file would go: the rename fails
-    moved, skipped = slots.move([good, bad], src, dst)
+    moved, skipped = slotsave.move([good, bad], src, dst)
     assert moved == [good]
     assert [s["slot"] for s in skipped] == [1]
     assert bad.filename in skipped[0]["reason"] and str(dst) in skipped[0]["reason"]
@@ -162,7 +162,7 @@ def test_a_missing_folder_moves_nothing_and_names_it(tmp_path: Path) -> None:
     src = tmp_path / "old"
     src.mkdir()
     s = saved_file(src)
-    moved, skipped = slots.move([s], src, tmp_path / "gone")
+    moved, skipped = slotsave.move([s], src, tmp_path / "gone")
     assert moved == []
     assert "slot folder" in skipped[0]["reason"] and "gone" in skipped[0]["reason"]
     assert (src / s.filename).is_file()

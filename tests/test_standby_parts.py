@@ -1,4 +1,4 @@
-"""The second instance's parts that need no server (launcher/deploy/standby.py, the exec
+"""The second instance's parts that need no server (launcher/deploy/restart/standby.py, the exec
 ``--port`` and the unit it runs under)."""
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ import pytest
 from payloads import REPO
 
 from launcher import config
-from launcher.deploy import install, standby
-from launcher.deploy.front import FrontSpec
+from launcher.deploy.restart import standby
+from launcher.deploy.restart.front import FrontSpec
 from launcher.errors import ConfigInvalid
 from launcher.host import launch, units
+from launcher.install import install
 
 
 def test_exec_port_replaces_the_env_files_port() -> None:

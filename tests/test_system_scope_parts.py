@@ -16,10 +16,11 @@ from conftest import Host
 
 from launcher import config
 from launcher.config import validate
-from launcher.deploy import defaults, install, prestart
+from launcher.deploy import defaults
 from launcher.errors import ConfigInvalid, ValidationFailed
 from launcher.host import launch, service, units
 from launcher.host.systemd import Systemd
+from launcher.install import install, prestart
 
 # -- the unit --------------------------------------------------------------------------------
 

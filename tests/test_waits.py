@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from launcher import config, waits
-from launcher.deploy.errorhandler import Signals, on_error
+from launcher.deploy.rollback import Signals, on_error
 from launcher.errors import Interrupted, ProbeError
 from launcher.server.probe import Probe
 

@@ -267,8 +267,8 @@ def test_the_system_sampler_can_write_what_a_bakes_revert_writes(tmp_path: Path)
     """The revert runs in the sample that carries the bake: the env file's folder, the
     client window's (the state folder's parent) and the lock's are writable, nothing else."""
     from launcher import config
-    from launcher.deploy import install
     from launcher.host import timer
+    from launcher.install import install
 
     env_file = tmp_path / "etc" / "llama-server.env"
     state = tmp_path / "ll" / "llama-server"

@@ -17,7 +17,7 @@ import realserver
 
 from launcher.errors import Unreadable
 from launcher.host import procfs
-from launcher.server import httpclient, metrics, serverlog, slotstate
+from launcher.server import httpclient, metrics, serverlog, slots
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import repro
@@ -106,13 +106,13 @@ def test_metrics_and_slots_need_the_api_key_where_one_is_set(
     binary = realserver.build_binary(build)
     with realserver.run_server(tiny_model, args, binary=binary) as s:
         with client(s.url) as c:
-            for read in (metrics.read, slotstate.read):
+            for read in (metrics.read, slots.read):
                 with pytest.raises(Unreadable) as e:
                     read(c)
                 assert e.value.status == 401
         with client(s.url, "sk-watch") as c:
             assert metrics.read(c).counters["tokens_predicted_total"] == 0
-            assert len(slotstate.read(c)) >= 1
+            assert len(slots.read(c)) >= 1
 
 
 @pytest.mark.parametrize("build", BUILDS)
@@ -121,12 +121,12 @@ def test_slots_say_what_each_slot_holds_from_b10405_on(tiny_model: Path, build: 
     with realserver.run_server(tiny_model, ["-np", "2", "-c", "2048"], binary=binary) as s:
         usage = chat(s.url)["usage"]
         with client(s.url) as c:
-            slots = slotstate.read(c)
-    used = [x for x in slots if x.tokens != 0]
-    assert len(slots) == 2 and len(used) == 1 and not used[0].busy
+            got = slots.read(c)
+    used = [x for x in got if x.tokens != 0]
+    assert len(got) == 2 and len(used) == 1 and not used[0].busy
     assert used[0].n_ctx == 1024
-    p = slotstate.Pressure(slots, 2048)
-    if build < slotstate.TOKENS_SINCE:
+    p = slots.Pressure(got, 2048)
+    if build < slots.TOKENS_SINCE:
         assert used[0].tokens is None and not p.known and p.use is None
         assert "does not say what each holds" in p.describe()
     else:
@@ -154,7 +154,7 @@ def test_a_loading_server_answers_503_to_both_reads(tmp_path: Path, tiny_model: 
             assert time.monotonic() < deadline, "the server never answered 503 while loading"
             time.sleep(0.05)
         with client(url) as c:
-            for read in (slotstate.read, metrics.read):
+            for read in (slots.read, metrics.read):
                 with pytest.raises(Unreadable) as e:
                     read(c)
                 assert e.value.status == 503 and "loading" in str(e.value)
@@ -165,7 +165,7 @@ def test_a_loading_server_answers_503_to_both_reads(tmp_path: Path, tiny_model: 
 
 def test_a_server_that_is_gone_is_named() -> None:
     with client(f"http://127.0.0.1:{realserver.free_port()}") as c, pytest.raises(Unreadable) as e:
-        slotstate.read(c)
+        slots.read(c)
     assert "does not answer" in str(e.value)
 
 

@@ -92,7 +92,7 @@ def _live(unit: str) -> dict[str, Any] | None:
 
 def run(ns: argparse.Namespace, generation: Mapping[str, Any] | None = None) -> int:
     """Run the bench. ``generation``: the live generation, when llama-launcher deployed it."""
-    from launcher.reports import bench
+    from launcher.bench import agents
 
     url = ns.url
     if ns.instance:
@@ -111,7 +111,7 @@ def run(ns: argparse.Namespace, generation: Mapping[str, Any] | None = None) -> 
                 f"--unit {ns.unit}: llama-launcher has no live generation for it, so its URL "
                 "is unknown; check the unit name, or give --url"
             )
-    settings = bench.BenchSettings(
+    settings = agents.BenchSettings(
         url=url or "http://127.0.0.1:8080",
         agents=tuple(ns.agents),
         max_tokens=ns.max_tokens,
@@ -122,15 +122,15 @@ def run(ns: argparse.Namespace, generation: Mapping[str, Any] | None = None) -> 
     )
     settings.validate()
     if ns.plot:
-        bench.check_plot_available(ns.plot)
-    api_key = bench.api_key_from_file(ns.api_key_file) if ns.api_key_file else None
-    result = bench.run_bench(settings, api_key=api_key, generation=generation)
+        agents.check_plot_available(ns.plot)
+    api_key = agents.api_key_from_file(ns.api_key_file) if ns.api_key_file else None
+    result = agents.run_bench(settings, api_key=api_key, generation=generation)
     data = result.to_dict()
     if ns.plot:
-        data["plot"] = str(bench.write_plot(result, ns.plot))
+        data["plot"] = str(agents.write_plot(result, ns.plot))
 
     def human() -> str:
-        text = bench.render_text(result)
+        text = agents.render_text(result)
         return text + (f"\nplot written to {ns.plot}" if ns.plot else "")
 
     emit(data, ns.json, human)

@@ -15,7 +15,7 @@ from launcher.cli.results import human
 
 if TYPE_CHECKING:
     from launcher.config import ServerConfig, ToolSettings
-    from launcher.deploy.result import Result
+    from launcher.deploy.outcome import Result
     from launcher.deploy.transaction import Deployer
 
 
@@ -81,7 +81,7 @@ def _memory_option(p: argparse.ArgumentParser) -> None:
 
 
 def _drain_options(p: argparse.ArgumentParser) -> None:
-    """The handover of a restart (launcher/deploy/handover.py)."""
+    """The handover of a restart (launcher/deploy/restart/handover.py)."""
     g = p.add_argument_group("before the restart")
     g.add_argument(
         "--drain-timeout",
@@ -337,7 +337,7 @@ def _mode_options(p: argparse.ArgumentParser) -> None:
 
 def settings_from(ns: argparse.Namespace) -> ToolSettings:
     from launcher import config
-    from launcher.deploy import install
+    from launcher.install import install
 
     unit = getattr(ns, "unit", None)
     if getattr(ns, "instance", None):
@@ -483,10 +483,10 @@ def _baking(ns: argparse.Namespace, d: Deployer) -> Deployer:
 
 
 def cmd_render(ns: argparse.Namespace) -> int:
-    from launcher.config import validate
+    from launcher import config
 
     deployed = deployer_for(ns, unit_needed=False).preview(config_from(ns))
-    text = validate.render(deployed.config)
+    text = config.render_env(deployed.config)
     data = {"env": text, "argv": deployed.config.argv(), "notes": list(deployed.notes)}
     for note in deployed.notes if not ns.json else ():
         print(note, file=sys.stderr)  # stdout is the env file's bytes
@@ -569,7 +569,7 @@ def cmd_recover(ns: argparse.Namespace) -> int:
 
 
 def cmd_front_release(ns: argparse.Namespace) -> int:
-    from launcher.deploy import release
+    from launcher.deploy.restart import release
 
     data = release.watch(settings_from(ns))
     emit(data, ns.json, lambda: f"front-release: {data['outcome']}")
@@ -601,7 +601,7 @@ def cmd_history(ns: argparse.Namespace) -> int:
 
 
 def cmd_install(ns: argparse.Namespace) -> int:
-    from launcher.deploy import install
+    from launcher.install import install
 
     settings = settings_from(ns)
     result = install.install(
@@ -620,7 +620,7 @@ def cmd_install(ns: argparse.Namespace) -> int:
 
 
 def cmd_uninstall(ns: argparse.Namespace) -> int:
-    from launcher.deploy import install
+    from launcher.install import install
 
     data = install.uninstall(settings_from(ns), purge=ns.purge)
     emit(data, ns.json, lambda: "\n".join(f"{k}: {v}" for k, v in data.items()))

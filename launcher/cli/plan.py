@@ -7,7 +7,7 @@ import re
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from launcher.config.plan import Plan
+    from launcher.reports.plan import Plan
 
 GIB = 1024.0
 
@@ -92,7 +92,7 @@ def _whole(flag: str, value: str, example: str) -> int:
 def handle(ns: argparse.Namespace) -> int:
     """Run the plan and print it."""
     from launcher.cli import emit
-    from launcher.config.plan import MIB, make_plan
+    from launcher.reports.plan import MIB, make_plan
 
     slots = _count("--slots", ns.slots, "4")
     window = _count("--window", ns.window, "262144")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from launcher.deploy.result import Result
+    from launcher.deploy.outcome import Result
 
 
 def human(result: Result, show_diff: bool = True) -> str:

@@ -16,7 +16,7 @@ use beside the new copy and are taken off what the host can give. On a discrete 
 process holds its own copy: the device's free memory (which excludes the running server's
 buffers) must hold the whole new side.
 
-The headroom is the planner's (``launcher.config.plan.HEADROOM_MIB``): the host keeps that much
+The headroom is the planner's (``launcher.config.memory.HEADROOM_MIB``): the host keeps that much
 of MemAvailable free beside both instances; a device keeps its ``-fitt`` margin, as the guard
 does.
 """
@@ -30,7 +30,7 @@ from typing import Any
 
 from launcher import config
 from launcher.config import memory, offload
-from launcher.config.plan import HEADROOM_MIB
+from launcher.config.memory import HEADROOM_MIB
 
 MiB = memory.MiB
 #: the load modes whose weights are the model file's page cache, shared between processes

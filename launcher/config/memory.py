@@ -34,6 +34,10 @@ MiB = 1 << 20
 DEFAULT_CACHE_RAM_MIB = 8192
 
 
+#: Memory left free for what the estimate leaves out (compute buffers, output buffer, the
+#: prompt cache's first entries): llama-server's own --fit-target default, 1024 MiB
+#: (common/arg.cpp:2899-2922). The planner's and the second instance's fit keep it.
+HEADROOM_MIB = 1024
 MEMINFO = Path("/proc/meminfo")
 
 

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 from launcher import config
 from launcher.config import memory
 from launcher.errors import CommandError, ConfigInvalid, ValidationFailed
-from launcher.host import envfile, launch, ports, proc, service, units
+from launcher.host import launch, ports, proc, service, units
 from launcher.server import binary, devices, filefacts, kvbytes, kvlayout
 
 if TYPE_CHECKING:
@@ -146,34 +146,6 @@ def _user() -> str:
         return str(os.getuid())
 
 
-def env_values(cfg: config.ServerConfig, key_file: str | None = None) -> dict[str, str]:
-    """The env file's variables for ``cfg``, in file order."""
-    values = {
-        "LLAMA_SERVER": str(cfg.llama_server),
-        "EXTRA_ARGS": envfile.join_words(cfg.server_args()),
-    }
-    key = key_file or (str(cfg.api_key_file) if cfg.api_key_file else None)
-    if key:
-        values["API_KEY_FILE"] = key
-    return values
-
-
-HEADER = (
-    "llama-server settings, rendered by llama-launcher.",
-    "Change them with `llama-launcher set ...` or `deploy`;",
-    "a hand edit is kept as a generation and replaced on the next deploy.",
-    "Values are quoted so bash `source`, systemd EnvironmentFile= and the launcher read the same.",
-)
-
-
-def render(cfg: config.ServerConfig, key_file: str | None = None) -> str:
-    """The env file text for ``cfg``: pure and deterministic."""
-    try:
-        return envfile.render_assignments(env_values(cfg, key_file), HEADER)
-    except ValueError as e:
-        raise ConfigInvalid(str(e)) from None
-
-
 def _step_lint(path: Path) -> list[str]:
     try:
         return launch.read_argv(str(path))
@@ -189,7 +161,7 @@ def _step_bash_n(path: Path) -> None:
 
 
 def check_bytes(path: Path) -> list[str]:
-    """The cheap checks on an env file's own bytes (a rollback's, ``launcher.deploy.restore``):
+    """The cheap checks on an env file's own bytes (a rollback's, ``launcher.deploy.rollback``):
     the strict parse and ``bash -n``; the argv it launches."""
     argv = _step_lint(path)
     _step_bash_n(path)
@@ -463,8 +435,8 @@ def validate(
     ``svc``: the hardened unit's view, whose user must be able to read every file (None: the
     service reads as the caller). ``made``: the slot folder the deploy makes itself.
     """
-    text = render(cfg, key_file)
-    values = env_values(cfg, key_file)
+    text = config.render_env(cfg, key_file)
+    values = config.env_values(cfg, key_file)
     expected = cfg.argv(key_file)
     with tempfile.TemporaryDirectory(prefix="llama-launcher-", dir=workdir) as tmp:
         path = Path(tmp) / "candidate.env"

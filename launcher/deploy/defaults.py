@@ -32,8 +32,9 @@ from pathlib import Path
 
 from launcher import config
 from launcher.config import endpoints
-from launcher.deploy import handover, keys, store
-from launcher.deploy.front import Front, FrontSpec
+from launcher.deploy import keys, store
+from launcher.deploy.restart import handover
+from launcher.deploy.restart.front import Front, FrontSpec
 from launcher.errors import ConfigInvalid, LauncherError
 from launcher.host import service, units
 from launcher.host.systemd import Systemd

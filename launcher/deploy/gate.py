@@ -31,7 +31,8 @@ from urllib.parse import urlsplit
 import tenacity
 
 from launcher import waits
-from launcher.deploy import budgets, drain
+from launcher.deploy import budgets
+from launcher.deploy.restart import drain
 from launcher.errors import GateFailure, LauncherError, ProbeError
 from launcher.host import envfile, ports
 from launcher.host.systemd import Follower, Systemd, UnitState

@@ -3,16 +3,16 @@
 A config change ends either with the new config serving real completions, or with the old
 one serving again::
 
-    lock -> recover an interrupted transaction (launcher.deploy.recovery) -> render + validate
+    lock -> recover an interrupted transaction (launcher.deploy.rollback) -> render + validate
     -> unchanged? stop here -> register the rollback (the transaction record names the old
-    text; launcher.deploy.errorhandler) -> store the new generation -> atomic swap of the env file
+    text; launcher.deploy.rollback) -> store the new generation -> atomic swap of the env file
     -> systemctl restart -> gate (launcher.deploy.gate) -> commit: mark the generation deployed
     -> any failure, SIGINT, SIGTERM or SIGHUP: restore the previous generation and gate it
        -> rolled_back, or rollback_failed (a swap that did not happen restarts nothing).
 
 A rollback skips render and the memory and pool checks: it takes a stored generation's own
 bytes, checked by the strict parse, ``bash -n`` and what can change after a config served
-(``validate.check_served``; launcher.deploy.restore).
+(``validate.check_served``; launcher.deploy.rollback).
 
 If the deployer dies (kill -9), the next invocation finds ``txn.json`` and reverts it first.
 """
@@ -27,22 +27,12 @@ from typing import Any
 
 from launcher import config, waits
 from launcher.config import beside, memory, validate
-from launcher.deploy import (
-    budgets,
-    defaults,
-    handover,
-    home,
-    keys,
-    restore,
-    standby,
-    store,
-    window,
-)
-from launcher.deploy.errorhandler import Signals, on_error
-from launcher.deploy.front import Front
+from launcher.deploy import budgets, defaults, home, keys, rollback, store, window
 from launcher.deploy.gate import Gate, Progress, together
-from launcher.deploy.recovery import Reverter
-from launcher.deploy.result import Result
+from launcher.deploy.outcome import Result
+from launcher.deploy.restart import handover, standby
+from launcher.deploy.restart.front import Front
+from launcher.deploy.rollback import Reverter, Signals, on_error
 from launcher.errors import ConfigInvalid, Interrupted, LauncherError, StoreError
 from launcher.host.systemd import Systemd, UnitState
 
@@ -150,7 +140,7 @@ class Deployer:
 
     def rollback(self, to: int | None = None) -> Result:
         """Go back to generation ``to`` or the last known-good one: its stored bytes, checked
-        cheaply (``launcher.deploy.restore``), through the same gate."""
+        cheaply (``launcher.deploy.rollback``), through the same gate."""
         with self._locked() as recovered:
             t0 = time.monotonic()
             live = self.store.live()
@@ -160,7 +150,7 @@ class Deployer:
             self.restoring = target  # the gate gets the budget this generation needed
             self.gate.say("validate")
             unit = self._target()
-            checked = restore.candidate(target, unit.view, unit.slot_folder)
+            checked = rollback.candidate(target, unit.view, unit.slot_folder)
             defaults.make_slot_folder(self.settings, unit, checked.config)
             origin = f"rollback to {target.number}"
             result = self._proceed(checked, state, False, origin, True, recovered, t0)
@@ -290,7 +280,7 @@ class Deployer:
             return result
         assert running is not None
         prev = result.previous_generation
-        result.previous_generation = restore.adopt_unmanaged(
+        result.previous_generation = rollback.adopt_unmanaged(
             self.store, live_text, prev, str(self.env_file)
         )
         old_text = live_text

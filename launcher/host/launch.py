@@ -136,7 +136,7 @@ def read_argv(path: str) -> list[str]:
     argv = argv_from_values(values, path, _key_lines(text))
     key = _credential(KEY_CREDENTIAL)
     if values.get("API_KEY_FILE") and key and os.path.getsize(key):
-        argv[-1] = key  # the staged copy of API_KEY_FILE (launcher.deploy.prestart)
+        argv[-1] = key  # the staged copy of API_KEY_FILE (launcher.install.prestart)
     return argv
 
 

@@ -60,7 +60,7 @@ class Sampler:
     #: the setting ``wedged_samples`` (``launcher.watch.wedge``): the service reads no settings
     wedged_samples: int = 3
     #: the folders a bake's revert writes besides the state folder, in system scope (the
-    #: env file's, the client window's, the lock's: ``launcher.deploy.install`` names them)
+    #: env file's, the client window's, the lock's: ``launcher.install.install`` names them)
     revert_paths: tuple[str, ...] = ()
 
 

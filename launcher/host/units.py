@@ -338,16 +338,16 @@ def render_standby(
     state_dir: str | None = None,
     site: Site | None = None,
 ) -> str:
-    """The unit file of ``unit``'s second instance (``launcher.deploy.standby``): llama-server
-    on the front's standby ``port``, from an env file of its own (``env_file``: the config it
-    serves while the unit restarts, then keeps warm), with the unit's own hardening, user and
-    ``StateDirectory=`` (so each reads the other's saved slots). No prestart (only a deployer
-    starts it, under the unit's lock, after writing its env file) and no ``[Install]``: it is
-    never enabled, and a boot starts the unit alone."""
+    """The unit file of ``unit``'s second instance (``launcher.deploy.restart.standby``):
+    llama-server on the front's standby ``port``, from an env file of its own (``env_file``:
+    the config it serves while the unit restarts, then keeps warm), with the unit's own
+    hardening, user and ``StateDirectory=`` (so each reads the other's saved slots). No
+    prestart (only a deployer starts it, under the unit's lock, after writing its env file)
+    and no ``[Install]``: it is never enabled, and a boot starts the unit alone."""
     name = unit.removesuffix(".service")
     state = state_dir or f"/var/lib/llama-launcher/{name}"
     system = scope == "system"
-    key_stage = f"{state}/standby-api-key"  # its own (launcher.deploy.standby.key_stage)
+    key_stage = f"{state}/standby-api-key"  # its own (launcher.deploy.restart.standby.key_stage)
     hardening = _USER_HARDENING
     if system:
         user = dynamic_user(unit)

@@ -9,8 +9,9 @@ from typing import Any
 from launcher import config
 from launcher.config import argv_diff
 from launcher.config.memory import process_memory
-from launcher.deploy import home, standby, store
-from launcher.deploy.front import Front, FrontError
+from launcher.deploy import home, store
+from launcher.deploy.restart import standby
+from launcher.deploy.restart.front import Front, FrontError
 from launcher.errors import LauncherError, StoreError
 from launcher.host import envfile, launch
 from launcher.host.systemd import Systemd
@@ -73,7 +74,7 @@ def front_status(settings: config.ToolSettings) -> dict[str, Any]:
 
 
 def second_instance(settings: config.ToolSettings, the_front: Front) -> dict[str, Any] | None:
-    """The unit's second instance (``launcher.deploy.standby``): its unit, whether it runs,
+    """The unit's second instance (``launcher.deploy.restart.standby``): its unit, whether it runs,
     whether the front sends it requests, and until when it keeps the previous config warm."""
     with contextlib.suppress(FrontError):
         spec = the_front.spec()

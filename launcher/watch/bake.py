@@ -40,7 +40,7 @@ from launcher import waits
 from launcher.deploy import store
 from launcher.errors import LauncherError, StoreError
 from launcher.host import procfs
-from launcher.server import slotstate
+from launcher.server import slots
 from launcher.watch import record, verdict
 from launcher.watch.verdict import Baseline, Policy, Progress, Verdict
 
@@ -372,8 +372,8 @@ def seen_of(
     busy: int | None,
     unit: UnitState,
     unread: dict[str, str],
-    pool: slotstate.Pressure | None = None,
-    peak: slotstate.Pressure | None = None,
+    pool: slots.Pressure | None = None,
+    peak: slots.Pressure | None = None,
     wedged: str | None = None,
     stuck: bool = False,
 ) -> verdict.Seen:
@@ -540,7 +540,7 @@ class Sampled(Protocol):
 
 #: What ``carry`` takes a sample with: the fullest look since the sample before, and the
 #: revert to judge it with (None: the default one).
-SampleOnce = Callable[[slotstate.Pressure | None, "Revert | None"], "Sampled | None"]
+SampleOnce = Callable[[slots.Pressure | None, "Revert | None"], "Sampled | None"]
 #: Around a sample the journal's line woke, given the bake: yields the revert to judge it
 #: with (``launcher.watch.revert.EarlyHold``: the front held at once), or None.
 Brace = Callable[["Bake"], contextlib.AbstractContextManager["Revert | None"]]
@@ -562,7 +562,7 @@ def carry(
     generation: int,
     sample_once: SampleOnce,
     sleep: Callable[[float], None] = time.sleep,
-    look: Callable[[], slotstate.Pressure | None] | None = None,
+    look: Callable[[], slots.Pressure | None] | None = None,
     clock: Callable[[], float] = time.monotonic,
     wall: Callable[[], float] = time.time,
     lock: Callable[[], contextlib.AbstractContextManager[bool]] | None = None,
@@ -732,7 +732,7 @@ class _Looks:
     def __init__(
         self,
         policy: Policy,
-        look: Callable[[], slotstate.Pressure | None] | None,
+        look: Callable[[], slots.Pressure | None] | None,
         sleep: Callable[[float], None],
         clock: Callable[[], float],
         note: Callable[[str], None],
@@ -747,7 +747,7 @@ class _Looks:
             wake,
         )
         self.on = look is not None and bool(policy.pool_limit and policy.pool_poll)
-        self.fullest: slotstate.Pressure | None = None
+        self.fullest: slots.Pressure | None = None
         self.unread, self.why = 0, ""
         #: what ended the last wait early ("limit", "journal"): the next wait runs on past
         #: it, to its end (each cuts one wait short in two)
@@ -765,7 +765,7 @@ class _Looks:
         if self.wake is not None and self.wake(seconds):
             self._cut("journal")
 
-    def take(self) -> slotstate.Pressure | None:
+    def take(self) -> slots.Pressure | None:
         """The fullest look since the sample before (and none kept for the next)."""
         peak, self.fullest = self.fullest, None
         return peak
@@ -809,7 +809,7 @@ class _Looks:
         self.cut_by = why
         return True
 
-    def _one(self) -> slotstate.Pressure | None:
+    def _one(self) -> slots.Pressure | None:
         """One look; None when it could not read the pool (counted: ``give_up``)."""
         assert self.look is not None
         try:

@@ -39,9 +39,10 @@ from collections.abc import Callable
 from typing import Any
 
 from launcher.config import ToolSettings
-from launcher.deploy import budgets, handover
-from launcher.deploy.front import Front
-from launcher.deploy.result import Result
+from launcher.deploy import budgets
+from launcher.deploy.outcome import Result
+from launcher.deploy.restart import handover
+from launcher.deploy.restart.front import Front
 from launcher.deploy.transaction import Deployer
 from launcher.errors import ConfigInvalid, LauncherError, StoreError
 from launcher.host import timer

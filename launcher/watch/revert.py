@@ -31,9 +31,10 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from launcher import config, waits
-from launcher.deploy import budgets, handover, home, store
-from launcher.deploy.front import Front
-from launcher.deploy.result import Result
+from launcher.deploy import budgets, home, store
+from launcher.deploy.outcome import Result
+from launcher.deploy.restart import handover
+from launcher.deploy.restart.front import Front
 from launcher.deploy.transaction import Deployer
 from launcher.errors import DeployFailed, LauncherError, RollbackFailed
 from launcher.watch.bake import note

@@ -39,11 +39,12 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from launcher import waits
-from launcher.deploy import budgets, front, home, keys, store
+from launcher.deploy import budgets, home, keys, store
+from launcher.deploy.restart import front
 from launcher.errors import LauncherError, ProbeError, StoreError, Unreadable
 from launcher.host import journalread, procfs
 from launcher.host.systemd import Follower, Systemd, UnitState
-from launcher.server import httpclient, metrics, probe, serverlog, slotstate
+from launcher.server import httpclient, metrics, probe, serverlog, slots
 from launcher.server.httpclient import url_from_argv
 from launcher.watch import bake, record, textfile, verdict, wedge
 
@@ -243,7 +244,7 @@ class Reads:
     """What one read of the unit found (``read_server``; the sampler adds the journal)."""
 
     unit: UnitState
-    slots: list[slotstate.Slot] | None = None
+    slots: list[slots.Slot] | None = None
     metrics: metrics.Metrics | None = None
     memory: procfs.Memory | None = None
     journal: journalread.Read = field(default_factory=journalread.Read)
@@ -266,7 +267,7 @@ def sample(
     write: record.Writer = default_writer,
     transport: httpx.BaseTransport | None = None,
     revert: bake.Revert | None = None,
-    peak: slotstate.Pressure | None = None,
+    peak: slots.Pressure | None = None,
 ) -> Outcome:
     """Take one sample of ``target`` (see the module docstring); a running bake of the live
     generation is judged on it (``launcher.watch.bake.step``; ``revert``: the revert;
@@ -294,7 +295,7 @@ def _sample(
     transport: httpx.BaseTransport | None,
     out: Outcome,
     revert: bake.Revert | None = None,
-    peak: slotstate.Pressure | None = None,
+    peak: slots.Pressure | None = None,
 ) -> None:
     st = store.Store(target.state_dir)
     state, before = load_state(target)
@@ -351,8 +352,8 @@ def _judge(
     reads: Reads,
     out: Outcome,
     revert: bake.Revert | None,
-    pressure: slotstate.Pressure | None,
-    peak: slotstate.Pressure | None,
+    pressure: slots.Pressure | None,
+    peak: slots.Pressure | None,
     wedged: str | None = None,
     stuck: bool = False,
 ) -> bake.Bake | None:
@@ -432,8 +433,8 @@ def read_server(
             _read_http(reads, client)
         if reads.slots and any(s.tokens is None for s in reads.slots):
             reads.unread["slots"] = (
-                f"this build's /slots has no {slotstate.TOKENS_FIELD} (it came with "
-                f"b{slotstate.TOKENS_SINCE}): what the slots hold and the pool use are unknown"
+                f"this build's /slots has no {slots.TOKENS_FIELD} (it came with "
+                f"b{slots.TOKENS_SINCE}): what the slots hold and the pool use are unknown"
             )
         reads.memory = _try(reads, "proc", lambda: procfs.memory(reads.unit.main_pid))
         reads.process = _try(reads, "proc", lambda: procfs.process(reads.unit.main_pid))
@@ -451,7 +452,7 @@ def _read_http(reads: Reads, client: httpx.Client) -> None:
         reads.unread.update({"slots": why, "metrics": why})
         reads.silent.update({"slots", "metrics"})
         return
-    reads.slots = _try(reads, "slots", lambda: slotstate.read(client))
+    reads.slots = _try(reads, "slots", lambda: slots.read(client))
     if "slots" in reads.silent:
         why = f"skipped: /slots did not answer ({reads.unread['slots']}); the server's loop "
         reads.unread["metrics"] = why + "answers /metrics alike"
@@ -473,15 +474,13 @@ def _client(
 
 def look(
     target: Target, gen: store.Generation, transport: httpx.BaseTransport | None = None
-) -> slotstate.Pressure:
+) -> slots.Pressure:
     """The slots alone, now (``GET /slots``: no journal, no unit, no record): the bake's
     looks at an over-committed pool between its samples (``launcher.watch.bake.carry``).
     Raises ``LauncherError`` when they cannot be read."""
     key = keys.key_of_env(gen.env_text, str(gen.path / "env"))
     with _client(target, gen, key, transport, LOOK_TIMEOUT) as client:
-        return slotstate.Pressure(
-            slotstate.read(client), (gen.meta.get("planned") or {}).get("pool_cells")
-        )
+        return slots.Pressure(slots.read(client), (gen.meta.get("planned") or {}).get("pool_cells"))
 
 
 @contextlib.contextmanager
@@ -577,11 +576,11 @@ def default_revert(b: bake.Bake, why: verdict.Verdict) -> dict[str, Any]:
     return revert.revert(b.generation, b.previous, b.settings, b.policy.drain, why)
 
 
-def pressure_of(gen: store.Generation, reads: Reads) -> slotstate.Pressure | None:
+def pressure_of(gen: store.Generation, reads: Reads) -> slots.Pressure | None:
     """The pool and the slots now, against the generation's planned pool."""
     if reads.slots is None:
         return None
-    return slotstate.Pressure(reads.slots, (gen.meta.get("planned") or {}).get("pool_cells"))
+    return slots.Pressure(reads.slots, (gen.meta.get("planned") or {}).get("pool_cells"))
 
 
 def _read(
@@ -828,7 +827,7 @@ def _delta(
     rec: record.Record,
     previous: set[int],
     out: Outcome,
-) -> tuple[record.Delta, slotstate.Pressure | None]:
+) -> tuple[record.Delta, slots.Pressure | None]:
     lines = own_lines(
         reads.journal.lines, previous, deployed_at(gen), reads.unit.main_pid, state.generation
     )
@@ -954,7 +953,7 @@ def _failures(
 
 def _warnings(
     target: Target,
-    pressure: slotstate.Pressure | None,
+    pressure: slots.Pressure | None,
     delta: record.Delta,
     state: State,
 ) -> list[str]:
@@ -1054,7 +1053,7 @@ def _page(
     st: store.Store,
     state: State,
     rec: record.Record | None,
-    pressure: slotstate.Pressure | None,
+    pressure: slots.Pressure | None,
     reads: Reads | None,
 ) -> textfile.Page:
     page = textfile.Page(target.unit)

@@ -192,7 +192,7 @@ class Seen:
     gap: float | None = None
     rebooted: bool = False
     #: the slots' need of the pool (held and still to generate): the most this sample or a
-    #: look at /slots since the sample before saw (``slotstate.Pressure.need``), with its
+    #: look at /slots since the sample before saw (``slots.Pressure.need``), with its
     #: line
     pool_need: float | None = None
     pool_line: str | None = None

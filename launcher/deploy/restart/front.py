@@ -30,7 +30,7 @@ frontend``), to the new config or, after a rollback, to the old one.
 A hold never depends on its holder staying alive. Before it pauses, the holder writes
 ``front/hold.json`` (its pid, since when, and a deadline one deploy's budget away); the
 path unit ``NAME-front-release.path`` starts the release watcher
-(``launcher.deploy.release``) while that file exists. The watcher waits for the unit's
+(``launcher.deploy.restart.release``) while that file exists. The watcher waits for the unit's
 deploy lock: a holder that dies lets go of it, and the watcher recovers the transaction
 (the previous env file and front config, restarted under the hold and gated) and releases;
 a holder still holding at the deadline is released without. Releasing removes the file.
@@ -61,7 +61,7 @@ from launcher.host.systemd import Systemd
 if TYPE_CHECKING:
     import httpx
 
-    from launcher.deploy import drain
+    from launcher.deploy.restart import drain
 
 HAPROXY = "/usr/sbin/haproxy"
 FRONTEND = "public"
@@ -529,7 +529,7 @@ RestartSec=5
         config, spec and states back before it raises. ``maint`` cuts nothing: what the
         timeout left runs to its end on the old server (the report names it). Returns the
         spec that serves now and the drain's report."""
-        from launcher.deploy import drain  # here: prestart's lean path loads this module
+        from launcher.deploy.restart import drain  # here: prestart's lean path loads this module
 
         if spec.standby_port is None:
             raise FrontError("the front has one server: there is nothing to switch to")

@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from launcher import config, waits
-from launcher.deploy import budgets, front, home, standby, store
+from launcher.deploy import budgets, home, store
 from launcher.deploy.gate import Progress
-from launcher.deploy.result import Result
+from launcher.deploy.outcome import Result
+from launcher.deploy.restart import front, standby
 from launcher.deploy.transaction import Deployer
 from launcher.deploy.window import client_window_path
 from launcher.errors import ConfigInvalid, LauncherError
@@ -229,8 +230,8 @@ def install(
     ``--slot-save-path`` the service can write unless it names one (``handover.slot_folder``:
     ``STATE_DIR/slots``; in system scope the unit's ``StateDirectory=``).
     ``front_kind="haproxy"``: HAProxy holds the config's address and llama-server moves to a
-    private one (``launcher.deploy.front``); ``second_instance``: and a second instance on a
-    standby port of the front (``launcher.deploy.standby``), which serves while the unit
+    private one (``launcher.deploy.restart.front``); ``second_instance``: and a second instance on a
+    standby port of the front (``launcher.deploy.restart.standby``), which serves while the unit
     restarts and keeps the previous config warm after.
     Nothing is changed when the input is refused (a hand-edited unit without ``force``,
     system scope without root, user scope without linger, any step of the validation chain,

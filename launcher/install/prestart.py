@@ -9,7 +9,7 @@ The record's previous env file is restored (atomically, owner and mode kept), an
 front's previous config if the record names one; the record stays, so the next
 ``llama-launcher`` command finishes the recovery (generation outcomes, the live pointer) and
 gates the restored config. A fronted unit's requests are held meanwhile: the hold is
-recorded (``launcher.deploy.front``), so the front's release watcher takes the lock as soon
+recorded (``launcher.deploy.restart.front``), so the front's release watcher takes the lock as soon
 as this step lets go of it, recovers (the restart held, the gate) and releases. A held lock
 means a deploy is running and restarting the unit itself: it is left alone.
 
@@ -29,7 +29,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from launcher.deploy import front, store
+from launcher.deploy import store
+from launcher.deploy.restart import front
 from launcher.errors import StoreError
 from launcher.host import envfile
 

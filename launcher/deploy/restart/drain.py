@@ -4,8 +4,8 @@ llama-server does not drain on SIGTERM (b11434, measured: every stream in flight
 once, and the process then lingers ~30 s until systemd's ``TimeoutStopSec`` ends it with
 SIGKILL; idle, it exits in ~20 ms). So a restart waits until ``GET /slots`` shows no slot
 ``is_processing``, bounded by a timeout; with an admission-holding front
-(``launcher.deploy.front``) it also waits until the front has no request in flight or queued,
-which closes the race of a request that arrives between the last poll and the SIGTERM.
+(``launcher.deploy.restart.front``) it also waits until the front has no request in flight
+or queued, which closes the race of a request that arrives between the last poll and the SIGTERM.
 
 The HTTP client is passed in (``httpx.Client`` with the base URL and the API key), so a test
 hands in the real server.

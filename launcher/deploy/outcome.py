@@ -35,7 +35,7 @@ class Result:
     rollback: dict[str, Any] | None = None
     recovered: dict[str, Any] | None = None
     handover: dict[str, Any] | None = (
-        None  # drain, slots, front, stop (launcher/deploy/handover.py)
+        None  # drain, slots, front, stop (launcher/deploy/restart/handover.py)
     )
     #: the argv and the env file the deploy writes (wrote, would write: --check), defaults
     #: included (launcher/deploy/defaults.py): what every preview prints

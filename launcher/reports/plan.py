@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.config import memory, offload
-from launcher.config.memory import DEFAULT_CACHE_RAM_MIB, mem_available
+from launcher.config.memory import DEFAULT_CACHE_RAM_MIB, HEADROOM_MIB, mem_available
 from launcher.errors import ConfigInvalid
 from launcher.server import binary, kvbytes, kvlayout
 from launcher.server.devices import Device
@@ -33,10 +33,6 @@ from launcher.server.devices import Device
 MIB = 1024 * 1024
 #: The per-slot cap of a shared pool (b10901 and later).
 CAP = "--kv-unified-per-slot"
-#: Memory left free for what the estimate leaves out (compute buffers, output buffer, the
-#: prompt cache's first entries): llama-server's own --fit-target default, 1024 MiB
-#: (common/arg.cpp:2899-2922).
-HEADROOM_MIB = 1024
 #: Cache types the per-slot rows compare (f16, then 8 and 4 bit).
 PER_SLOT_TYPES = ("f16", "q8_0", "q4_0")
 #: The smaller-window option is a multiple of this (1k tokens: a number to tell clients).

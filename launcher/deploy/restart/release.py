@@ -25,7 +25,7 @@ from typing import Any
 
 from launcher import config
 from launcher.deploy import home, store
-from launcher.deploy.front import Front, FrontError, Hold
+from launcher.deploy.restart.front import Front, FrontError, Hold
 from launcher.deploy.transaction import Deployer
 from launcher.errors import LockTimeout
 

@@ -1,7 +1,7 @@
 """The handover around a restart: what the deploy transaction does so that a config change
 costs no agent its request or its prompt cache.
 
-Hooks in ``launcher.deploy.transaction`` and ``launcher.deploy.recovery`` call it, each
+Hooks in ``launcher.deploy.transaction`` and ``launcher.deploy.rollback`` call it, each
 marked ``# handover``::
 
     front_change()    before anything live changes: the front's config for the new server
@@ -15,7 +15,7 @@ marked ``# handover``::
     rehold()          before a rollback's restart: the front held (again) for its budget
     after_rollback()  the old config serves again: point the front at it, restore the
                       slots into the old config, release the front
-    hold_front()      a recovery's restart of the old config (``launcher.deploy.recovery``)
+    hold_front()      a recovery's restart of the old config (``launcher.deploy.rollback``)
     recover()         after a recovery: the front pointed at the restored config, released
 
 Whatever a deploy, a rollback or a recovery ends with, its last step (``front_up``, under the
@@ -43,12 +43,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from launcher import config
-from launcher.deploy import drain
-from launcher.deploy.front import BACKEND, SERVERS, Front, FrontDown, FrontError, FrontSpec, Hold
-from launcher.deploy.standby import Standby
+from launcher.deploy.restart import drain
+from launcher.deploy.restart.front import (
+    BACKEND,
+    SERVERS,
+    Front,
+    FrontDown,
+    FrontError,
+    FrontSpec,
+    Hold,
+)
+from launcher.deploy.restart.standby import Standby
 from launcher.errors import ConfigInvalid, GateFailure, LauncherError, Unreadable
 from launcher.host.systemd import Scope, Systemd, UnitState
-from launcher.server import slots, slotstate
+from launcher.server import slots, slotsave
 
 if TYPE_CHECKING:
     import httpx
@@ -101,7 +109,7 @@ class Endpoint:
 
 @dataclass
 class Bridge:
-    """A restart bridged by the second instance (``launcher.deploy.standby``): it serves
+    """A restart bridged by the second instance (``launcher.deploy.restart.standby``): it serves
     ``text`` (its generation's ``meta``) while the unit restarts, and keeps it warm for
     ``warm`` seconds after (0: stopped once the unit serves again)."""
 
@@ -155,7 +163,7 @@ class Handover:
     old_meta: dict[str, Any] | None = None
     front: Front | None = None
     held_at: float | None = None
-    saved: list[slots.Saved] = field(default_factory=list)
+    saved: list[slotsave.Saved] = field(default_factory=list)
     save_dir: Path | None = None
     watch: drain.ExitWatch | None = None
     change: FrontChange | None = None
@@ -317,17 +325,19 @@ class Handover:
         self.carry = None
         try:
             with self._carrying(carried, src_meta):
-                self.save_dir = slots.save_path(src_meta.get("config") or {})
+                self.save_dir = slotsave.save_path(src_meta.get("config") or {})
                 if self.save_dir is None:
                     carried["note"] = "no --slot-save-path: no cache is carried"
                     return
-                why = slots.differences(slots.fingerprint(src_meta), slots.fingerprint(dst_meta))
+                why = slotsave.differences(
+                    slotsave.fingerprint(src_meta), slotsave.fingerprint(dst_meta)
+                )
                 if why:  # nothing could be restored: nothing is saved (a revert switches at once)
                     carried["note"] = "KV layout changed: " + "; ".join(why) + "; nothing saved"
                     return
                 with src.client() as client:
                     saved_at = _tasks(client, carried)
-                    self.saved, skipped = slots.save_all(client, self.save_dir)
+                    self.saved, skipped = slotsave.save_all(client, self.save_dir)
                 carried["saved"] = [s.to_dict() for s in self.saved]
                 carried["skipped"] = skipped
                 self._restore(dst, dst_meta, what, crash_fails)
@@ -401,14 +411,14 @@ class Handover:
         if c is None:
             return
         out = c.report.setdefault("after_switch", {"saved": [], "restored": [], "skipped": []})
-        folder = slots.save_path(c.src_meta.get("config") or {})
+        folder = slotsave.save_path(c.src_meta.get("config") or {})
         phase, self.phase = self.phase, None  # the transaction's phases are the carry's
         try:
             ready = self._changed(c, out, final)
             if not ready or folder is None:
                 return
             with c.src.client() as client:  # idle slots: each saved at once
-                saved, skipped = slots.save_all(client, folder, list(ready))
+                saved, skipped = slotsave.save_all(client, folder, list(ready))
             c.saved_at.update(ready)
             out["saved"] += [s.to_dict() for s in saved]
             out["skipped"] += skipped
@@ -425,11 +435,11 @@ class Handover:
         whose slot on the destination took no request since (slot -> that task); the others
         are skipped, in ``out``."""
         with c.src.client() as client:
-            now = [s for s in slotstate.read(client) if s.task != c.saved_at.get(s.id)]
+            now = [s for s in slots.read(client) if s.task != c.saved_at.get(s.id)]
         if not now:
             return {}
         with c.dst.client() as client:
-            there = {s.id: s for s in slotstate.read(client)}
+            there = {s.id: s for s in slots.read(client)}
         ready: dict[int, int | None] = {}
         for s in now:
             d = there.get(s.id)
@@ -603,7 +613,7 @@ class Handover:
 
     def _save(self, drain_timeout: float) -> None:
         cfg = (self.old_meta or {}).get("config") or {}
-        self.save_dir = slots.save_path(cfg)
+        self.save_dir = slotsave.save_path(cfg)
         report: dict[str, Any] = {"saved": [], "restored": [], "skipped": []}
         self.report["slots"] = report
         if self.save_dir is None:
@@ -615,13 +625,13 @@ class Handover:
             report["note"] = f"nothing saved ({why}; a save waits for its slot to finish)"
             return
         estimate = ((self.old_meta or {}).get("memory") or {}).get("estimate") or {}
-        full = slots.no_room(self.save_dir, estimate.get("kv_bytes"))
+        full = slotsave.no_room(self.save_dir, estimate.get("kv_bytes"))
         if full is not None:
             report["note"] = f"nothing saved: {full}"
             self.warnings.append(f"the slots' caches are not carried: {full}")
             return
         with self.old.client() as client:
-            self.saved, skipped = slots.save_all(client, self.save_dir)
+            self.saved, skipped = slotsave.save_all(client, self.save_dir)
         report["saved"] = [s.to_dict() for s in self.saved]
         report["skipped"] = skipped
 
@@ -671,7 +681,7 @@ class Handover:
             if ok and self.old is not None and self.old_meta is not None:
                 self._restore(self.old, self.old_meta, "the restored config")
             else:
-                slots.discard(self.save_dir, self.saved)
+                slotsave.discard(self.save_dir, self.saved)
         finally:
             self.release()
         return self.finish()
@@ -681,7 +691,7 @@ class Handover:
         assert b is not None and front is not None
         sw = self.report.setdefault("switch", {})
         if self.bridged is None:  # it never served: nothing to switch back from
-            slots.discard(self.save_dir, self.saved)
+            slotsave.discard(self.save_dir, self.saved)
             return self.finish()
         if not ok or self.old is None or self.old_meta is None:
             with contextlib.suppress(FrontError, OSError):
@@ -751,10 +761,12 @@ class Handover:
         takes the server down fails the gate (a rollback then restores none of them)."""
         report = self.report.get("slots")
         if report is None or not self.saved:
-            slots.discard(self.save_dir, self.saved)
+            slotsave.discard(self.save_dir, self.saved)
             return
-        why = slots.differences(slots.fingerprint(self.old_meta or {}), slots.fingerprint(new_meta))
-        new_dir = slots.save_path(new_meta.get("config") or {})
+        why = slotsave.differences(
+            slotsave.fingerprint(self.old_meta or {}), slotsave.fingerprint(new_meta)
+        )
+        new_dir = slotsave.save_path(new_meta.get("config") or {})
         if why or new_dir is None:
             reason = (
                 "KV layout changed: " + "; ".join(why)
@@ -768,15 +780,15 @@ class Handover:
             if new_dir != self.save_dir:
                 self._move_to(new_dir, report)
             self._restore_checked(new, new_meta, report, crash_fails)
-        slots.discard(self.save_dir, self.saved)
+        slotsave.discard(self.save_dir, self.saved)
         self.saved = []
 
     def _move_to(self, folder: Path, report: dict[str, Any]) -> None:
         """The saved files into ``folder``, where the config to restore into reads them
         (its ``--slot-save-path`` changed); those that cannot move are discarded."""
         assert self.save_dir is not None
-        moved, skipped = slots.move(self.saved, self.save_dir, folder)
-        slots.discard(self.save_dir, [s for s in self.saved if s not in moved])
+        moved, skipped = slotsave.move(self.saved, self.save_dir, folder)
+        slotsave.discard(self.save_dir, [s for s in self.saved if s not in moved])
         report["skipped"] += skipped
         report["moved"] = {"from": str(self.save_dir), "to": str(folder), "files": len(moved)}
         self.save_dir, self.saved = folder, moved
@@ -785,8 +797,8 @@ class Handover:
         self, new: Endpoint, new_meta: dict[str, Any], report: dict[str, Any], crash_fails: bool
     ) -> None:
         assert self.save_dir is not None
-        sound, damaged = slots.check_files(
-            self.save_dir, self.saved, slots.bytes_per_token(new_meta)
+        sound, damaged = slotsave.check_files(
+            self.save_dir, self.saved, slotsave.bytes_per_token(new_meta)
         )
         report["skipped"] += damaged
         if sound:
@@ -794,9 +806,9 @@ class Handover:
         window = (new_meta.get("planned") or {}).get("n_ctx_slot")
         with new.client() as client:
             try:
-                restored, skipped = slots.restore_all(client, sound, window)
-            except slots.RestoreCrashed as e:
-                slots.discard(self.save_dir, self.saved)
+                restored, skipped = slotsave.restore_all(client, sound, window)
+            except slotsave.RestoreCrashed as e:
+                slotsave.discard(self.save_dir, self.saved)
                 self.saved = []
                 report["skipped"].append({"slot": e.slot, "reason": str(e)})
                 if crash_fails:
@@ -929,7 +941,7 @@ def _tasks(client: httpx.Client, report: dict[str, Any]) -> dict[int, int | None
     """Each slot's last task (``Carry``); None, and why in ``report``, when ``/slots``
     cannot be read (nothing is topped up after the switch)."""
     try:
-        return {s.id: s.task for s in slotstate.read(client)}
+        return {s.id: s.task for s in slots.read(client)}
     except Unreadable as e:
         report["note"] = f"no top-up after the switch: {e}"
         return None
@@ -1011,7 +1023,7 @@ def front_change(
         old_spec,
         private_host=str(cfg.get("host") or old_spec.private_host),
         private_port=int(cfg.get("port") or old_spec.private_port),
-        serving="a",  # a transaction ends with the unit serving (launcher.deploy.standby)
+        serving="a",  # a transaction ends with the unit serving (launcher.deploy.restart.standby)
     )
     n = int(planned_slots or 1)
     old_n = int(((old_meta or {}).get("planned") or {}).get("n_slots") or n)

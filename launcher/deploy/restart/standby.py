@@ -38,8 +38,8 @@ from typing import Any
 
 from launcher import waits
 from launcher.deploy import budgets, store
-from launcher.deploy.front import FrontSpec
 from launcher.deploy.gate import Gate, GateResult, Progress
+from launcher.deploy.restart.front import FrontSpec
 from launcher.errors import LauncherError
 from launcher.host import proc
 from launcher.host.systemd import Scope, Systemd

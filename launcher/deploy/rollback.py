@@ -1,26 +1,58 @@
-"""Putting the previous config back: after a failed deploy (``undo``), and after a deployer
-that died mid-transaction (``recover``, run first by every verb that takes the lock).
+"""Going back: every way the deploy puts a config that served back in place.
 
-Both restore the old env file first (every millisecond here is clients without a model),
-and the front's old config with it (the transaction record names both), restart it, held at
-the front if the unit has one, and run the same gate on it; the outcome is "restored and
-serving" or "restore failed", never an exception from the restore itself.
+One word for one concept, three ways in:
+
+- **rollback** (``llama-launcher rollback [--to N]``; ``candidate``): a person puts back a
+  generation that served, from its stored bytes, not a re-rendering of its config. Serving
+  before proved what the memory guard and the pool check would say (and a generation
+  deployed with ``--force-memory`` was let past them on purpose), so they are not run
+  again; the cheap checks on the bytes are (``validate.check_bytes``: the launcher's strict
+  parse and ``bash -n``), and so are the checks of what can change under a config after it
+  served (``validate.check_served``: the binary runs and knows the flags, every file it
+  names is there and the service can read it, the slot folder can be written). A refusal
+  there changes nothing: the old process keeps serving. The gate still proves the restored
+  config serves. A hand-written live file the store adopts (``adopted``) gets the argv and
+  the typed config read from its bytes, so ``history`` shows what it ran and a later
+  ``set`` can build on it.
+- **undo** (``Reverter.undo``): a deploy whose new config failed puts the old one back.
+  ``on_error`` registers it before the risky step and runs it on an exception and on a
+  signal alike (certbot's ``error_handler`` in this tool's terms: ``Signals`` turns SIGINT,
+  SIGTERM and SIGHUP into ``Interrupted`` while a command holds the lock, so the transaction
+  unwinds through its ``except`` like any other failure; while an undo, a recovery or the
+  bookkeeping after a passed gate runs, a signal waits, ``Signals.deferred``, and is acted
+  on when it is done).
+- **recovery** (``Reverter.recover``, run first by every verb that takes the lock, by the
+  front's release watcher and by the unit's prestart step): what a deployer that died
+  mid-transaction left is undone from its transaction record.
+
+Undo and recovery restore the old env file first (every millisecond here is clients without
+a model), and the front's old config with it (the transaction record names both), restart
+it, held at the front if the unit has one, and run the same gate on it; the outcome is
+"restored and serving" or "restore failed", never an exception from the restore itself.
+
+A bake's **revert** (``launcher.watch.revert``) is a rollback the bake decides: the same
+verb, run by the sampler when the new config is worse under load.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from launcher import config
-from launcher.deploy import budgets, handover, keys, store
-from launcher.deploy.errorhandler import Signals
-from launcher.deploy.front import Front
+from launcher.config import memory, validate
+from launcher.deploy import budgets, keys, store
 from launcher.deploy.gate import Gate, together
+from launcher.deploy.restart import handover
+from launcher.deploy.restart.front import Front
 from launcher.errors import (
     ConfigInvalid,
     DeployFailed,
@@ -31,16 +63,177 @@ from launcher.errors import (
     StoreError,
     SwapFailed,
 )
-from launcher.host import launch
+from launcher.host import envfile, launch, service
 from launcher.host.systemd import Systemd, UnitState
-from launcher.server import slots
+from launcher.server import slotsave
 
 if TYPE_CHECKING:
-    from launcher.deploy.result import Result
+    from launcher.deploy.outcome import Result
+
+
+# -- signals: the undo registered before the risky step --------------------------------------
+
+#: The signals that roll a transaction back (a closed terminal sends SIGHUP).
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class Signals:
+    """The signal handlers of one command, and the signal that arrived while deferred."""
+
+    def __init__(self) -> None:
+        self.deferring = False
+        self.pending: int | None = None
+
+    def _handler(self, signum: int, frame: FrameType | None) -> None:
+        if self.deferring:
+            self.pending = signum  # finish restoring first
+            return
+        raise Interrupted(signum)
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """Signals raise ``Interrupted`` inside the block (the previous handlers after it)."""
+        old = {s: signal.signal(s, self._handler) for s in SIGNALS}
+        try:
+            yield
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """A signal inside waits until the block is done (``pending``)."""
+        was, self.deferring = self.deferring, True
+        try:
+            yield
+        finally:
+            self.deferring = was
+
+    def stop_if_asked(self) -> None:
+        """Act on a signal that arrived while deferred."""
+        if self.pending is not None:
+            raise Interrupted(self.pending)
+
+
+@contextlib.contextmanager
+def on_error(signals: Signals, rollback: Callable[[BaseException], NoReturn]) -> Iterator[None]:
+    """Run ``rollback(error)`` (signals deferred) when the block raises a ``LauncherError``,
+    an ``OSError`` or ``Interrupted``; ``rollback`` raises the outcome."""
+    try:
+        yield
+    except (LauncherError, OSError, Interrupted) as e:
+        with signals.deferred():
+            rollback(e)
+
+
+# -- rollback: a stored generation's own bytes, checked --------------------------------------
+
+#: The checks a restore runs: on the stored bytes, and on what can change after serving (the
+#: pool and the memory guard of ``validate.STEPS`` served).
+STEPS = ("lint", "bash -n", "llama-server", "flags", "model", "files", "service")
+
+
+def config_of_argv(argv: list[str], key_file: str | None = None) -> config.ServerConfig:
+    """The typed config an env file's argv means; ``ConfigInvalid`` when it has none (no
+    ``-m``, a relative path, ...)."""
+    words, i = [], 1
+    while i < len(argv):
+        if argv[i] in ("--log-colors", "--api-key-file"):  # the launcher adds these itself
+            i += 2
+            continue
+        words.append(argv[i])
+        i += 1
+    base: dict[str, Any] = {"llama_server": argv[0]}
+    if key_file:
+        base["api_key_file"] = key_file
+    return config.from_flags(words, base)
+
+
+def adopted(text: str, source: str) -> dict[str, Any]:
+    """argv and masked config of a hand-written env file (empty where its bytes do not
+    parse: it is kept all the same, and restored as it is)."""
+    try:
+        values = envfile.parse(text, source)
+        argv = launch.argv_from_values(values, source)
+    except (envfile.EnvFileError, launch.LaunchError):
+        return {"argv": [], "config": {}}
+    try:
+        cfg = config_of_argv(argv, values.get("API_KEY_FILE"))
+    except ConfigInvalid:
+        return {"argv": argv, "config": {}}
+    return {"argv": argv, "config": cfg.masked()}
+
+
+def adopt_unmanaged(
+    st: store.Store, live_text: str | None, prev: int | None, source: str
+) -> int | None:
+    """A live env file the store does not know (hand-written) is kept as a generation, so it
+    can be rolled back to; its number (``prev`` when the live file is that generation's)."""
+    if live_text is None or (prev is not None and st.get(prev).env_text == live_text):
+        return prev
+    meta = {
+        "origin": "adopted: found in the live env file",
+        "time": time.time(),
+        **adopted(live_text, source),
+    }
+    gen = st.new(live_text, meta)
+    st.update(gen, outcome="adopted")
+    return gen.number
+
+
+def candidate(
+    gen: store.Generation,
+    svc: service.ServiceView | None = None,
+    made: Path | None = None,
+    workdir: Path | None = None,
+) -> validate.Validated:
+    """Generation ``gen``'s stored bytes, checked cheaply, as the deploy's ``Validated``;
+    ``svc`` and ``made`` as for ``validate.validate``."""
+    text = gen.env_text
+    with tempfile.TemporaryDirectory(prefix="llama-launcher-", dir=workdir) as tmp:
+        path = Path(tmp) / "restore.env"
+        path.write_bytes(text.encode())
+        os.chmod(path, 0o600)
+        argv = validate.check_bytes(path)
+    values = envfile.parse(text, str(gen.path / "env"))
+    cfg = _config(gen, argv, values.get("API_KEY_FILE"))
+    model = dict(gen.meta.get("model") or {"path": str(cfg.model)})
+    plan = cfg.pool_plan(model.get("n_ctx_train"))
+    info = validate.check_served(cfg, argv, svc, made)
+    need = _need(gen.meta.get("kv_estimate"))
+    return validate.Validated(cfg, text, values, argv, plan, model, info, need, steps=STEPS)
+
+
+def _config(gen: store.Generation, argv: list[str], key_file: str | None) -> config.ServerConfig:
+    """The stored typed config; read from the bytes for an adopted hand edit (stored
+    without one before the adoption read it)."""
+    data = gen.meta.get("config") or {}
+    try:
+        return config.build(dict(data)) if data else config_of_argv(argv, key_file)
+    except ConfigInvalid as e:
+        raise ConfigInvalid(
+            f"generation {gen.number}'s env file ({gen.path / 'env'}) has no config the gate "
+            f"can check ({e}); put it back by hand with cp, then restart the unit"
+        ) from e
+
+
+def _need(estimate: dict[str, Any] | None) -> memory.Need:
+    """The memory estimate recorded when the generation was deployed (not re-made)."""
+    e = estimate or {}
+    return memory.Need(
+        kv=e.get("kv_bytes"),
+        weights=int(e.get("weights_bytes") or 0),
+        cache_ram=int(e.get("cache_ram_bytes") or 0),
+        estimate=e.get("estimate"),
+        unsupported=e.get("unsupported") or (None if e else "not recorded"),
+    )
+
+
+# -- undo and recovery: the old env file back, restarted and gated ---------------------------
 
 #: Phases of the record before ``systemctl restart`` was asked for: the old process still
 #: runs the old config, so undoing the swap is all a rollback does (nothing restarts).
-#: ``bridge``, ``bridged``: the second instance serves (launcher.deploy.standby), the unit
+#: ``bridge``, ``bridged``: the second instance serves (launcher.deploy.restart.standby), the unit
 #: still runs the old config.
 BEFORE_RESTART = ("begin", "stored", "bridge", "bridged", "swap", "swapped")
 NOT_RESTARTED = {
@@ -227,7 +420,7 @@ class Reverter:
         folders = [self.env_file.parent, root, root / "keys", root.parent, root / "front"]
         folders += [self.store.gen_dir / f"{n:04d}" for n in self.store.numbers()]
         return store.sweep_temp(folders) + store.remove_left(
-            self._slot_folders(), slots.is_slot_file
+            self._slot_folders(), slotsave.is_slot_file
         )
 
     def _slot_folders(self) -> list[Path]:
@@ -240,7 +433,7 @@ class Reverter:
             if not isinstance(n, int):
                 continue
             with contextlib.suppress(StoreError):
-                folder = slots.save_path(self.store.get(n).meta.get("config") or {})
+                folder = slotsave.save_path(self.store.get(n).meta.get("config") or {})
                 if folder is not None and folder not in folders:
                     folders.append(folder)
         return folders
@@ -365,7 +558,7 @@ class Reverter:
     ) -> NoReturn:
         """Restore generation ``prev_number`` after ``error``; raise ``DeployFailed`` when it
         serves again, ``RollbackFailed`` when it does not (signals are deferred by the
-        caller, ``errorhandler.on_error``). ``after_restore`` gets whether the old config
+        caller, ``on_error``). ``after_restore`` gets whether the old config
         serves again (the handover: the front's old config, the slots, the release);
         ``hold`` is called with the restart's budget before it (the front held for it)."""
         failure = self._failure(error)
