@@ -65,6 +65,8 @@ sys.path.insert(0, str(REPO / "tests"))
 import realserver  # noqa: E402
 import tinymodel  # noqa: E402
 
+from launcher.bench import chat  # noqa: E402
+
 UNIT_DIR = Path(os.environ["LLAMA_LAUNCHER_SANDBOX"]) / "units"
 AGENTS = 4
 # the tiny vocabulary spells a word byte by byte: about 7.5 tokens a word
@@ -163,36 +165,23 @@ class Agent(threading.Thread):
         body = {
             "messages": self.messages,
             "max_tokens": REPLY_TOKENS,
-            "stream": True,
             "ignore_eos": True,
             "temperature": 0,
-            "stream_options": {"include_usage": True},
         }
-        parts: list[str] = []
-        finish = None
-        try:
-            with client.stream("POST", self.url + "/v1/chat/completions", json=body) as r:
-                turn.status = r.status_code
-                for line in r.iter_lines():
-                    if line == "data: [DONE]":
-                        turn.complete = finish is not None
-                    elif line.startswith("data: "):
-                        chunk = json.loads(line[6:])
-                        usage = chunk.get("usage") or {}
-                        self.tokens = int(usage.get("total_tokens") or self.tokens)
-                        if usage:
-                            turn.prompt_tokens = int(usage.get("prompt_tokens", 0))
-                            details = usage.get("prompt_tokens_details") or {}
-                            turn.cached_tokens = int(details.get("cached_tokens", 0))
-                        for choice in chunk.get("choices", []):
-                            if turn.ttft is None:
-                                turn.ttft = time.monotonic() - turn.start
-                            parts.append(choice.get("delta", {}).get("content") or "")
-                            finish = choice.get("finish_reason") or finish
-        except (httpx.HTTPError, ValueError) as e:
-            turn.error = type(e).__name__
-        turn.end = time.monotonic()
-        return "".join(parts)
+        answer = chat.stream_chat(client, body, url=self.url + chat.CHAT_PATH)
+        turn.status = answer.status
+        turn.ttft = answer.first_chunk_s
+        turn.complete = answer.done and answer.finish_reason is not None
+        if answer.usage is not None:
+            self.tokens = answer.usage.total_tokens or self.tokens
+            turn.prompt_tokens = answer.usage.prompt_tokens
+            turn.cached_tokens = answer.usage.cached_tokens or 0
+        if answer.cut is not None:
+            turn.error = type(answer.cut).__name__
+        elif answer.malformed is not None:
+            turn.error = "ValueError"
+        turn.end = turn.start + answer.elapsed_s
+        return answer.text
 
 
 def cli(env: dict[str, str], *args: str) -> dict[str, Any]:

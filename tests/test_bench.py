@@ -343,7 +343,7 @@ def test_plot_is_a_png(
 def test_plot_without_matplotlib_names_the_extra() -> None:
     code = (
         "import sys; sys.modules['matplotlib'] = None\n"
-        "from launcher.reports import bench\n"
+        "from launcher.bench import agents\n"
         "try:\n    agents.check_plot_available()\n"
         "except agents.InvalidInput as e:\n    print(e)\n"
     )

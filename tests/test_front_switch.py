@@ -19,6 +19,7 @@ import httpx
 import pytest
 import realserver
 
+from launcher.bench import chat
 from launcher.deploy.restart import front
 from launcher.deploy.restart.front import Front, FrontError, FrontSpec
 
@@ -46,28 +47,11 @@ def stream(url: str, max_tokens: int) -> Answer:
         "messages": [{"role": "user", "content": "Tell a long story."}],
         "max_tokens": max_tokens,
         "ignore_eos": True,
-        "stream": True,
     }
-    a = Answer(time.monotonic(), 0.0, None, None, False)
-    try:
-        with httpx.stream(
-            "POST", url + "/v1/chat/completions", json=body, timeout=60, trust_env=False
-        ) as r:
-            a.status = r.status_code
-            for line in r.iter_lines():
-                if line == "data: [DONE]":
-                    a.done = True
-                elif line.startswith("data: "):
-                    data = json.loads(line[6:])
-                    a.model = data.get("model", a.model)
-                    if "error" in data:
-                        a.error = str(data["error"])
-                    for choice in data.get("choices", []):
-                        a.finish = choice.get("finish_reason") or a.finish
-    except (httpx.HTTPError, ValueError) as e:
-        a.error = f"{type(e).__name__}: {e}"
-    a.ended = time.monotonic()
-    return a
+    started = time.monotonic()
+    with httpx.Client(timeout=60, trust_env=False) as client:
+        r = chat.stream_chat(client, body, url=url + chat.CHAT_PATH)
+    return Answer(started, time.monotonic(), r.model, r.status, r.done, r.finish_reason, r.failure)
 
 
 @dataclass

@@ -22,6 +22,7 @@ import pytest
 import tinymodel
 from conftest import Host
 
+from launcher.bench import chat
 from launcher.deploy.restart import drain
 from launcher.deploy.restart.front import Front, FrontSpec
 from launcher.server import slotsave
@@ -54,26 +55,19 @@ class Stream(threading.Thread):
             "messages": [{"role": "user", "content": self.content}],
             "max_tokens": self.max_tokens,
             "ignore_eos": True,
-            "stream": True,
         }
         try:
-            with httpx.stream(
-                "POST", self.url + "/v1/chat/completions", json=body, timeout=120
-            ) as r:
-                self.status = r.status_code
-                for line in r.iter_lines():
-                    if line == "data: [DONE]":
-                        self.done = True
-                    elif line.startswith("data: "):
-                        data = json.loads(line[6:])
-                        for choice in data.get("choices", []):
-                            self.chunks += 1
-                            self.finish = choice.get("finish_reason") or self.finish
-                        self.first_chunk.set()
-        except (httpx.HTTPError, ValueError) as e:
-            self.error = f"{type(e).__name__}: {e}"
+            with httpx.Client(timeout=120) as client:
+                answer = chat.stream_chat(
+                    client,
+                    body,
+                    url=self.url + chat.CHAT_PATH,
+                    on_chunk=lambda _: self.first_chunk.set(),
+                )
+            self.status, self.chunks = answer.status, answer.chunks
+            self.finish, self.done, self.error = answer.finish_reason, answer.done, answer.failure
         finally:
-            self.first_chunk.set()
+            self.first_chunk.set()  # a request that failed at once: the waiter reads why
 
 
 FAULTS = str(Path(__file__).with_name("faults.py"))

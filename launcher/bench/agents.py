@@ -3,8 +3,9 @@ time to first token, with and without one long prompt read alongside.
 
 Works against any OpenAI-compatible llama-server URL. Each agent is one
 ``httpx.AsyncClient`` that streams ``/v1/chat/completions`` with
-``stream_options.include_usage``; generated tokens are the server's own
-``usage.completion_tokens`` from the final chunk (``choices: []``), never estimated.
+``stream_options.include_usage`` (read by ``launcher.bench.chat``); generated tokens are the
+server's own ``usage.completion_tokens`` from the final chunk (``choices: []``), never
+estimated.
 
 A level of N agents runs ``rounds`` rounds; in each round all N agents send one request at
 once and the round ends when the last one finishes. With ``long_prompt_tokens``, every level
@@ -22,7 +23,6 @@ Only the CLI prints; this module returns frozen dataclasses and raises ``Launche
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import os
 import time
@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from launcher.bench import chat
 from launcher.errors import InvalidInput, ProbeError
 
 if TYPE_CHECKING:
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
     from pydantic import SecretStr
 
 DEFAULT_URL = "http://127.0.0.1:8080"
-CHAT_PATH = "/v1/chat/completions"
+CHAT_PATH = chat.CHAT_PATH
 #: Words for filler text. Common English words are about one token each for most tokenizers.
 FILLER_TEXT = (
     "the river runs past the old mill and the model reads every token of the text while "
@@ -529,90 +530,55 @@ class _Request:
     body: dict[str, Any]
 
 
-def _has_text(chunk: Mapping[str, Any]) -> bool:
-    """True once a chunk carries generated output (a role-only first delta does not)."""
-    for choice in chunk.get("choices") or ():
-        delta = choice.get("delta") or {}
-        for key, value in delta.items():
-            if key != "role" and value:
-                return True
-    return False
-
-
 async def _stream_chat(
     client: httpx.AsyncClient, req: _Request, round_start: float, delay_s: float = 0.0
 ) -> RequestResult:
     """Send one streamed chat completion ``delay_s`` into the round; time it; take its usage
     from the final chunk."""
-    import httpx
-
     if delay_s > 0:
         await asyncio.sleep(delay_s)
-    start = time.perf_counter()
-    first: float | None = None
-    first_chunk: float | None = None
-    usage: Mapping[str, Any] | None = None
-    try:
-        async with client.stream("POST", CHAT_PATH, json=req.body) as resp:
-            if resp.status_code != 200:
-                await resp.aread()
-                raise _request_failed(client, resp)
-            async for line in resp.aiter_lines():
-                if line.startswith("error:"):  # llama-server's in-stream error event
-                    raise _stream_error(client, line[6:].strip())
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                chunk = _parse_chunk(client, data)
-                now = time.perf_counter()
-                if first_chunk is None and chunk.get("choices"):
-                    first_chunk = now
-                if first is None and _has_text(chunk):
-                    first = now
-                if chunk.get("usage"):
-                    usage = _usage(client, chunk["usage"])
-    except httpx.TimeoutException as e:
-        raise ProbeError(
-            f"{client.base_url}{CHAT_PATH} did not finish within the timeout ({e!r}); "
-            "raise --timeout, lower --max-tokens or --long-prompt, or use fewer agents"
-        ) from e
-    except httpx.HTTPError as e:
-        raise ProbeError(f"{client.base_url}{CHAT_PATH} failed: {e!r}") from e
-    end = time.perf_counter()
-    if usage is None:
-        raise ProbeError(
-            f"{client.base_url}{CHAT_PATH} sent no usage in its stream; tokens are counted "
-            "from the server's usage, never estimated: use a server that honours "
-            "stream_options.include_usage (llama-server does)"
-        )
+    answer = await chat.stream_chat_async(client, req.body)
+    usage = _usage_of(client, answer)
     # Text held back (an incomplete UTF-8 sequence) still means a token was generated.
-    first = first if first is not None else (first_chunk if first_chunk is not None else end)
+    ttft = answer.ttft_s if answer.ttft_s is not None else answer.elapsed_s
     return RequestResult(
         agent=req.agent,
         round=req.round,
         long_prompt=req.long_prompt,
-        prompt_tokens=int(usage.get("prompt_tokens", 0)),
-        completion_tokens=int(usage.get("completion_tokens", 0)),
-        start_s=start - round_start,
-        latency_s=end - start,
-        ttft_s=first - start,
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        start_s=answer.sent_at - round_start,
+        latency_s=answer.elapsed_s,
+        ttft_s=ttft,
     )
 
 
-def _parse_chunk(client: httpx.AsyncClient, data: str) -> dict[str, Any]:
-    try:
-        chunk = json.loads(data)
-    except ValueError as e:
+def _usage_of(client: httpx.AsyncClient, answer: chat.ChatResult) -> chat.Usage:
+    """The answer's usage; ``ProbeError`` naming the fix when it failed or has none."""
+    import httpx
+
+    where = f"{client.base_url}{CHAT_PATH}"
+    if isinstance(answer.cut, httpx.TimeoutException):
         raise ProbeError(
-            f"{client.base_url}{CHAT_PATH} streamed a line that is not JSON: {data[:200]!r}"
-        ) from e
-    if not isinstance(chunk, dict):
-        raise ProbeError(f"{client.base_url}{CHAT_PATH} streamed {data[:200]!r}, not an object")
-    if "error" in chunk:
-        raise _stream_error(client, data)
-    return chunk
+            f"{where} did not finish within the timeout ({answer.cut!r}); "
+            "raise --timeout, lower --max-tokens or --long-prompt, or use fewer agents"
+        ) from answer.cut
+    if answer.cut is not None:
+        raise ProbeError(f"{where} failed: {answer.cut!r}") from answer.cut
+    if answer.error is not None and not answer.error.in_stream:
+        raise _request_failed(where, answer.status, answer.error)
+    if answer.error is not None:
+        raw = answer.error.raw
+        raise ProbeError(f"{where} streamed an error: {raw[:500]}{_context_hint(raw)}")
+    if answer.malformed is not None:
+        raise ProbeError(f"{where} streamed {answer.malformed}")
+    if answer.usage is None:
+        raise ProbeError(
+            f"{where} sent no usage in its stream; tokens are counted "
+            "from the server's usage, never estimated: use a server that honours "
+            "stream_options.include_usage (llama-server does)"
+        )
+    return answer.usage
 
 
 def _context_hint(text: str) -> str:
@@ -621,34 +587,13 @@ def _context_hint(text: str) -> str:
     return "; the prompt does not fit a slot: lower --prompt-tokens/--long-prompt or raise -c"
 
 
-def _stream_error(client: httpx.AsyncClient, data: str) -> ProbeError:
-    return ProbeError(
-        f"{client.base_url}{CHAT_PATH} streamed an error: {data[:500]}{_context_hint(data)}"
-    )
-
-
-def _usage(client: httpx.AsyncClient, usage: object) -> Mapping[str, Any]:
-    """The stream's usage object, its token counts whole numbers (never estimated)."""
-    if not isinstance(usage, Mapping) or not all(
-        isinstance(usage.get(k, 0), int) for k in ("prompt_tokens", "completion_tokens")
-    ):
-        raise ProbeError(
-            f"{client.base_url}{CHAT_PATH} streamed a usage that is not token counts: "
-            f"{str(usage)[:200]}"
-        )
-    return usage
-
-
-def _request_failed(client: httpx.AsyncClient, resp: httpx.Response) -> ProbeError:
-    if resp.status_code == 401:
+def _request_failed(where: str, status: int | None, error: chat.ServerError) -> ProbeError:
+    if status == 401:
         return ProbeError(
-            f"{client.base_url}{CHAT_PATH} answered 401 Invalid API Key; "
-            "pass --api-key-file with the server's key"
+            f"{where} answered 401 Invalid API Key; pass --api-key-file with the server's key"
         )
-    hint = _context_hint(resp.text) if resp.status_code == 400 else ""
-    return ProbeError(
-        f"{client.base_url}{CHAT_PATH} answered {resp.status_code}: {_error_text(resp)}{hint}"
-    )
+    hint = _context_hint(error.raw) if status == 400 else ""
+    return ProbeError(f"{where} answered {status}: {error.message}{hint}")
 
 
 # --------------------------------------------------------------------------- the run
@@ -679,8 +624,6 @@ class _Run:
             "messages": [{"role": "user", "content": content}],
             "max_tokens": max_tokens,
             "temperature": 0,
-            "stream": True,
-            "stream_options": {"include_usage": True},
             # llama-server extension: generate exactly max_tokens, so every level counts
             # the same work (a random-weight model would otherwise stop at random).
             "ignore_eos": True,
