@@ -284,13 +284,15 @@ def test_a_new_process_in_the_same_boot_is_a_restart() -> None:
 
 
 def bake_series(st: store.Store) -> dict[str, float]:
-    from launcher.watch import sample, textfile
+    from test_watch_record import samples_of
+
+    from launcher.watch import textfile
 
     page = textfile.Page("llama-server.service")
-    sample._bake_lines(st, page)
+    textfile.bake_lines(st, page)
     return {
         name + (f"{{{lab['state']}}}" if "state" in lab else ""): v
-        for name, lab, v in textfile.parse(page.render())
+        for name, lab, v in samples_of(page.render())
     }
 
 

@@ -28,6 +28,7 @@ import httpx
 import pytest
 import realserver
 from conftest import Host, Sandbox
+from test_watch_record import samples_of
 
 from launcher.deploy import home, store
 from launcher.host import timer
@@ -284,7 +285,7 @@ def test_node_exporter_reads_the_metrics_file(watched: Host) -> None:
     finally:
         exporter.terminate()
         exporter.wait(10)
-    samples = {(n, tuple(sorted(lab.items()))): v for n, lab, v in textfile.parse(page)}
+    samples = {(n, tuple(sorted(lab.items()))): v for n, lab, v in samples_of(page)}
     file = textfile.file_name(watched.unit)
     assert samples[("node_textfile_scrape_error", ())] == 0
     assert any(n == "node_textfile_mtime_seconds" and file in str(lab) for n, lab in samples)

@@ -7,8 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
 
 from launcher.watch import record, textfile
 from launcher.watch.record import Delta, Now, Record
@@ -161,6 +162,14 @@ def test_any_samples_fold_without_losing_a_request_or_a_peak(
 # -- the metrics file ------------------------------------------------------------------------
 
 
+def samples_of(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """Every sample of a text page as (name, labels, value), read by prometheus_client's
+    parser (what Prometheus' own clients read with)."""
+    return [
+        (s.name, s.labels, s.value) for f in text_string_to_metric_families(text) for s in f.samples
+    ]
+
+
 def test_the_metrics_file_has_one_help_and_type_per_metric_and_no_timestamps() -> None:
     page = textfile.Page("llama-server.service")
     page.add("llama_launcher_deploys_total", 3, outcome="deployed")
@@ -170,7 +179,7 @@ def test_the_metrics_file_has_one_help_and_type_per_metric_and_no_timestamps() -
     page.add("llama_launcher_kv_pool_tokens", None)  # unknown: left out
     text = page.render()
     assert text.count("# TYPE llama_launcher_deploys_total counter") == 1
-    assert text.count('llama_launcher_slot_tokens{unit="llama-server.service",slot="0"}') == 1
+    assert text.count('llama_launcher_slot_tokens{slot="0",unit="llama-server.service"}') == 1
     assert "kv_pool_tokens" not in text
     for line in text.splitlines():
         if not line.startswith("#"):
@@ -180,8 +189,20 @@ def test_the_metrics_file_has_one_help_and_type_per_metric_and_no_timestamps() -
 def test_label_values_are_escaped() -> None:
     page = textfile.Page('we"ird\\unit')
     page.add("llama_launcher_serving_generation", 2)
-    [(name, labels, value)] = list(textfile.parse(page.render()))
+    [(name, labels, value)] = samples_of(page.render())
     assert (name, labels["unit"], value) == ("llama_launcher_serving_generation", 'we"ird\\unit', 2)
+
+
+@given(st.text())
+@example("back\\nslash")  # a backslash, then n: not a newline
+@example("back\\\\n")
+@example("new\nline")
+@example('\\"\\n"')
+def test_a_label_value_comes_back_the_same_a_backslash_before_n_too(unit: str) -> None:
+    page = textfile.Page(unit)
+    page.add("llama_launcher_serving_generation", 2)
+    [(_, labels, _)] = samples_of(page.render())
+    assert labels["unit"] == unit
 
 
 def test_an_unchanged_metrics_file_is_not_rewritten_only_touched(tmp_path: Path) -> None:

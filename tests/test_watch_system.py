@@ -20,8 +20,7 @@ from typing import Any
 import pytest
 import sysbed
 from test_watch import ran_once, sampled
-
-from launcher.watch import textfile
+from test_watch_record import samples_of
 
 UNIT = "llama-server.service"
 SERVICE, TIMER = "llama-server-sample.service", "llama-server-sample.timer"
@@ -177,7 +176,7 @@ def test_node_exporter_reads_the_metrics_file_in_system_scope(system: System) ->
             time.sleep(0.1)
     finally:
         system.bed.systemctl("stop", "llw-node-exporter")
-    samples = {(n, tuple(sorted(lab.items()))): v for n, lab, v in textfile.parse(page)}
+    samples = {(n, tuple(sorted(lab.items()))): v for n, lab, v in samples_of(page)}
     assert samples[("node_textfile_scrape_error", ())] == 0
     unit = ("unit", UNIT)
     for s in system.slots():

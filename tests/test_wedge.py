@@ -22,6 +22,7 @@ from conftest import Host
 from test_bake import T0, Reverts, two_generations
 from test_bake import settings as bake_settings
 from test_watch import first_timer_sample, take
+from test_watch_record import samples_of
 
 from launcher.deploy import store
 from launcher.host import procfs, timer
@@ -327,7 +328,7 @@ def test_a_stopped_server_is_restarted_by_the_sampler_after_the_count(host: Host
     assert hist["generations"][-1]["wedged_restarts"] == [kept]
     assert "restarted: wedged 2 samples in a row" in host.cli("history").stdout
     page = (prom / textfile.file_name(host.unit)).read_text()
-    series = {name: v for name, _, v in textfile.parse(page)}
+    series = {name: v for name, _, v in samples_of(page)}
     assert series["llama_launcher_wedged_restarts_total"] == 1
     assert series["llama_launcher_wedged_samples"] == 0
     assert record.load(gen.path, gen.number).summary().restarts == 1

@@ -60,7 +60,6 @@ CLEAR_AT = 0.8
 HTTP_TIMEOUT = 10.0
 #: A look at /slots between a bake's samples (``look``): short, a look never holds a sample up
 LOOK_TIMEOUT = 1.0
-SOURCES = ("slots", "metrics", "proc", "journal")
 #: The 1-token completion of the wedge rules is sent once, never retried: it has its bound
 ONCE = waits.Waits(probe_retry=(1, 0.0))
 
@@ -305,7 +304,8 @@ def _sample(
         return
     if live is None:
         out.skipped = f"nothing deployed for {target.unit} yet (no live generation)"
-        _publish(target, _page(target, st, state, None, None, None), write, out)
+        page = textfile.page_of(target.unit, st, state, None, None, None)
+        textfile.publish_page(target.textfile_dir, page, write, out)
         return
     gen = st.get(live)
     out.generation = live
@@ -330,7 +330,7 @@ def _sample(
         rec.add(delta)
         if reads.journal.lost:
             rec.notes.append(reads.journal.lost)
-    page = _page(target, st, state, rec, pressure, reads)  # it keeps its caches in the state
+    page = textfile.page_of(target.unit, st, state, rec, pressure, reads)  # caches in the state
     # the state first: a record written without it would be counted twice by the next sample
     if _save_state(target, state, write, out) and changed:
         _save(gen.path, rec, write, out, "live record")
@@ -340,9 +340,9 @@ def _sample(
     if due and not _reverted(judged):
         _restart(target, systemd, st, live, state, write, out)
     _settle(target, st, out)
-    _bake_lines(st, page)  # after the judge: the file says this sample's verdict
+    textfile.bake_lines(st, page)  # after the judge: the file says this sample's verdict
     _wedge_lines(state, page)
-    _publish(target, page, write, out)
+    textfile.publish_page(target.textfile_dir, page, write, out)
 
 
 def _judge(
@@ -1035,105 +1035,3 @@ def _why(e: OSError) -> str:
     return f"cannot write {e.filename or '?'}: {e.strerror or e}" + (
         f"; {fix[e.errno]}" if e.errno in fix else ""
     )
-
-
-def _publish(target: Target, page: textfile.Page, write: record.Writer, out: Outcome) -> None:
-    """The metrics file, when a folder is set (``metrics_textfile_dir``)."""
-    if target.textfile_dir is None:
-        return
-    try:
-        if textfile.publish(target.textfile_dir, target.unit, page.render(), write):
-            out.wrote.append(str(target.textfile_dir / textfile.file_name(target.unit)))
-    except OSError as e:
-        out.errors.append(f"the metrics file was not updated (the old one stays): {_why(e)}")
-
-
-def _page(
-    target: Target,
-    st: store.Store,
-    state: State,
-    rec: record.Record | None,
-    pressure: slots.Pressure | None,
-    reads: Reads | None,
-) -> textfile.Page:
-    page = textfile.Page(target.unit)
-    _deploys(st, state, page)
-    page.add("llama_launcher_serving_generation", st.live_number())
-    if pressure is not None:
-        page.add("llama_launcher_kv_pool_tokens", pressure.pool_cells)
-        page.add("llama_launcher_kv_pool_used_tokens", pressure.held(True), state="busy")
-        page.add("llama_launcher_kv_pool_used_tokens", pressure.held(False), state="idle")
-        for s in pressure.slots:
-            page.add("llama_launcher_slot_tokens", s.tokens, slot=str(s.id))
-            page.add("llama_launcher_slot_limit_tokens", s.n_ctx, slot=str(s.id))
-    totals = _totals(st, state, rec)
-    page.add("llama_launcher_requests_total", totals.get("requests", 0))
-    for kind in ("context_exceeded", "too_long", "decode_failed"):
-        page.add("llama_launcher_request_failures_total", totals.get(kind, 0), kind=kind)
-    page.add("llama_launcher_context_exceeded_total", totals.get("context_exceeded", 0))
-    page.add("llama_launcher_decode_tokens_per_second", state.decode_tps)
-    if reads is not None:
-        gauges = reads.metrics.gauges if reads.metrics else {}
-        page.add("llama_launcher_requests_deferred", gauges.get("requests_deferred"))
-        # as recorded (within a MiB): a page of memory is no reason to rewrite the file
-        page.add("llama_launcher_process_memory_bytes", rec.now.memory if rec else None)
-        page.add("llama_launcher_unit_restarts_total", reads.unit.n_restarts)
-        for source in SOURCES:
-            page.add("llama_launcher_sample_source_up", source not in reads.unread, source=source)
-    return page
-
-
-def _bake_lines(st: store.Store, page: textfile.Page) -> None:
-    """The newest bake's state (one series per state, 1 for its own), generation and
-    deadline; none when the unit never baked."""
-    b = bake.newest(st)
-    if b is None:
-        return
-    for state in bake.STATES:
-        page.add("llama_launcher_bake_state", b.state == state, state=state)
-    page.add("llama_launcher_bake_generation", b.generation)
-    page.add("llama_launcher_bake_deadline_timestamp_seconds", round(b.deadline, 3))
-
-
-def _deploys(st: store.Store, state: State, page: textfile.Page) -> None:
-    """Generations by outcome: read once per generation (an outcome is final once a deploy
-    is done), again when one was still pending."""
-    numbers = st.numbers()
-    cached = state.outcomes
-    if [int(n) for n in cached] != numbers or "pending" in cached.values():
-        cached = {}
-        for n in numbers:
-            with contextlib.suppress(StoreError):
-                gen = st.get(n)
-                # a bake's revert is a rollback that deployed: counted as what it was
-                cached[str(n)] = "reverted" if gen.meta.get("reverted_from") else gen.outcome
-        state.outcomes = cached
-        newest = st.get(numbers[-1]).meta if numbers else {}
-        total = (newest.get("timings") or {}).get("total")
-        state.last_deploy = [newest.get("time"), total]
-    by: dict[str, int] = {}
-    for outcome in cached.values():
-        if outcome != "pending":
-            by[outcome] = by.get(outcome, 0) + 1
-    for outcome, n in sorted(by.items()):
-        page.add("llama_launcher_deploys_total", n, outcome=outcome)
-    page.add("llama_launcher_last_deploy_timestamp_seconds", state.last_deploy[0])
-    page.add("llama_launcher_last_deploy_duration_seconds", state.last_deploy[1])
-
-
-def _totals(st: store.Store, state: State, rec: record.Record | None) -> dict[str, float]:
-    """Counts over every generation's record: the ones before the live one, summed once and
-    kept in the state; the live one's own."""
-    if state.past is None:
-        state.past = {}
-        live = st.live_number()
-        for n in st.numbers():
-            if n == live:
-                continue
-            with contextlib.suppress(StoreError):
-                for k, v in record.load(st.get(n).path, n).totals.items():  # read only
-                    state.past[k] = state.past.get(k, 0) + v
-    totals = dict(state.past)
-    for k, v in (rec.totals if rec else {}).items():
-        totals[k] = totals.get(k, 0) + v
-    return totals

@@ -1,4 +1,5 @@
-"""Metrics for Prometheus through node_exporter's textfile collector.
+"""Metrics for Prometheus through node_exporter's textfile collector: the page of one unit,
+assembled from the store and one sample's reads, rendered and written.
 
 node_exporter reads every ``*.prom`` file in ``--collector.textfile.directory`` at each
 scrape (prometheus/node_exporter, collector/textfile.go). Its rules, kept here: one file per
@@ -9,18 +10,33 @@ per metric. It exports ``node_textfile_mtime_seconds{file}``: a file whose bytes
 change is not rewritten, only its mtime is refreshed, so that figure says the sampler runs.
 
 Names follow Prometheus' guide (prometheus.io/docs/practices/naming): one prefix, base units
-as suffixes, ``_total`` for counters, ``_timestamp_seconds`` for times. The format needs no
-library: a few lines of text.
+as suffixes, ``_total`` for counters, ``_timestamp_seconds`` for times. The page is a
+``prometheus_client`` collector and its text is ``generate_latest``'s (escaping, HELP and
+TYPE as every exporter writes them). The file is not written by ``write_to_textfile``: that
+rewrites it every time (an unchanged page only gets a new mtime here), gives its temp file
+the umask's mode and a name ``store.sweep_temp`` does not know, and cannot be handed the
+sampler's writer (a full disk, in the tests).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
+from prometheus_client.exposition import generate_latest
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from launcher.deploy import store
+from launcher.errors import StoreError
+from launcher.host.systemd import UnitState
+from launcher.server.metrics import Metrics
+from launcher.server.slots import Pressure
+from launcher.watch import bake, record
 from launcher.watch.record import Writer
 
 #: name -> (type, help)
@@ -91,12 +107,17 @@ METRICS = {
     ),
 }
 
+#: The sources of ``llama_launcher_sample_source_up`` (what ``Read.unread`` names)
+SOURCES = ("slots", "metrics", "proc", "journal")
+
 _NAME = re.compile(r"[^A-Za-z0-9_]")
+_FAMILY = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily}
 
 
 @dataclass
 class Page:
-    """The samples of one file, in ``METRICS`` order when rendered."""
+    """The samples of one file, in ``METRICS`` order when rendered: a ``prometheus_client``
+    collector of one unit."""
 
     unit: str
     samples: dict[str, list[tuple[dict[str, str], float]]] = field(default_factory=dict)
@@ -109,33 +130,24 @@ class Page:
             return
         self.samples.setdefault(name, []).append(({"unit": self.unit, **labels}, float(value)))
 
-    def render(self) -> str:
-        out: list[str] = []
+    def collect(self) -> Iterator[Metric]:
+        """One family per metric that has a series, each series once."""
         for name, (kind, text) in METRICS.items():
             series = self.samples.get(name)
             if not series:
                 continue
-            out += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
-            seen: set[str] = set()
+            names = list(series[0][0])
+            family = _FAMILY[kind](name, text, labels=names)
+            seen: set[tuple[str, ...]] = set()
             for labels, value in series:
-                line = f"{name}{{{_labels(labels)}}} {_value(value)}"
-                key = line.rsplit(" ", 1)[0]
-                if key not in seen:  # a duplicate series makes the collector skip the file
-                    seen.add(key)
-                    out.append(line)
-        return "\n".join(out) + "\n"
+                values = tuple(labels[k] for k in names)
+                if values not in seen:  # a duplicate series makes the collector skip the file
+                    seen.add(values)
+                    family.add_metric(values, value)
+            yield family
 
-
-def _labels(labels: dict[str, str]) -> str:
-    return ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def _value(v: float) -> str:
-    return str(int(v)) if v.is_integer() and abs(v) < 2**53 else repr(v)
+    def render(self) -> str:
+        return generate_latest(self).decode()
 
 
 def file_name(unit: str) -> str:
@@ -158,22 +170,140 @@ def publish(folder: Path, unit: str, text: str, write: Writer) -> bool:
     return True
 
 
-def parse(text: str) -> Iterable[tuple[str, dict[str, str], float]]:
-    """The samples of a text page: (name, labels, value). For reading a page back (the
-    tests parse node_exporter's /metrics with it)."""
-    sample = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)$")
-    label = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = sample.match(line)
-        if m is None:
-            continue
-        labels = {
-            k: v.replace('\\"', '"').replace("\\n", "\n").replace("\\\\", "\\")
-            for k, v in label.findall(m[2] or "")
-        }
-        try:
-            yield m[1], labels, float(m[3])
-        except ValueError:
-            continue
+# -- the page of one sample ------------------------------------------------------------------
+
+
+class Kept(Protocol):
+    """What the page keeps between samples, in the sampler's state
+    (``launcher.watch.sample.State``)."""
+
+    #: generation number -> outcome, and the newest deploy's time and duration
+    outcomes: dict[str, str]
+    last_deploy: list[float | None]
+    #: the counts of the generations before the live one
+    past: dict[str, float] | None
+    decode_tps: float | None
+
+
+class Read(Protocol):
+    """What the page shows of one read of the unit (``launcher.watch.sample.Reads``)."""
+
+    @property
+    def unit(self) -> UnitState: ...
+    @property
+    def metrics(self) -> Metrics | None: ...
+    @property
+    def unread(self) -> dict[str, str]: ...
+
+
+class Told(Protocol):
+    """Where a sample says what it wrote and what failed (``launcher.watch.sample.Outcome``)."""
+
+    wrote: list[str]
+    errors: list[str]
+
+
+def publish_page(folder: Path | None, page: Page, write: Writer, out: Told) -> None:
+    """The metrics file, when a folder is set (``metrics_textfile_dir``); a failed write
+    leaves the old one and is named in ``out``."""
+    if folder is None:
+        return
+    try:
+        if publish(folder, page.unit, page.render(), write):
+            out.wrote.append(str(folder / file_name(page.unit)))
+    except OSError as e:
+        why = store.write_failed(e, folder, "--textfile-dir")
+        out.errors.append(f"the metrics file was not updated (the old one stays): {why}")
+
+
+def page_of(
+    unit: str,
+    st: store.Store,
+    state: Kept,
+    rec: record.Record | None,
+    pressure: Pressure | None,
+    reads: Read | None,
+) -> Page:
+    """The unit's page: its deploys, the pool as ``pressure`` saw it, the counts of every
+    generation and what ``reads`` found (the caches go in ``state``)."""
+    page = Page(unit)
+    _deploys(st, state, page)
+    page.add("llama_launcher_serving_generation", st.live_number())
+    if pressure is not None:
+        page.add("llama_launcher_kv_pool_tokens", pressure.pool_cells)
+        page.add("llama_launcher_kv_pool_used_tokens", pressure.held(True), state="busy")
+        page.add("llama_launcher_kv_pool_used_tokens", pressure.held(False), state="idle")
+        for s in pressure.slots:
+            page.add("llama_launcher_slot_tokens", s.tokens, slot=str(s.id))
+            page.add("llama_launcher_slot_limit_tokens", s.n_ctx, slot=str(s.id))
+    totals = _totals(st, state, rec)
+    page.add("llama_launcher_requests_total", totals.get("requests", 0))
+    for kind in ("context_exceeded", "too_long", "decode_failed"):
+        page.add("llama_launcher_request_failures_total", totals.get(kind, 0), kind=kind)
+    page.add("llama_launcher_context_exceeded_total", totals.get("context_exceeded", 0))
+    page.add("llama_launcher_decode_tokens_per_second", state.decode_tps)
+    if reads is not None:
+        gauges = reads.metrics.gauges if reads.metrics else {}
+        page.add("llama_launcher_requests_deferred", gauges.get("requests_deferred"))
+        # as recorded (within a MiB): a page of memory is no reason to rewrite the file
+        page.add("llama_launcher_process_memory_bytes", rec.now.memory if rec else None)
+        page.add("llama_launcher_unit_restarts_total", reads.unit.n_restarts)
+        for source in SOURCES:
+            page.add("llama_launcher_sample_source_up", source not in reads.unread, source=source)
+    return page
+
+
+def bake_lines(st: store.Store, page: Page) -> None:
+    """The newest bake's state (one series per state, 1 for its own), generation and
+    deadline; none when the unit never baked."""
+    b = bake.newest(st)
+    if b is None:
+        return
+    for state in bake.STATES:
+        page.add("llama_launcher_bake_state", b.state == state, state=state)
+    page.add("llama_launcher_bake_generation", b.generation)
+    page.add("llama_launcher_bake_deadline_timestamp_seconds", round(b.deadline, 3))
+
+
+def _deploys(st: store.Store, state: Kept, page: Page) -> None:
+    """Generations by outcome: read once per generation (an outcome is final once a deploy
+    is done), again when one was still pending."""
+    numbers = st.numbers()
+    cached = state.outcomes
+    if [int(n) for n in cached] != numbers or "pending" in cached.values():
+        cached = {}
+        for n in numbers:
+            with contextlib.suppress(StoreError):
+                gen = st.get(n)
+                # a bake's revert is a rollback that deployed: counted as what it was
+                cached[str(n)] = "reverted" if gen.meta.get("reverted_from") else gen.outcome
+        state.outcomes = cached
+        newest = st.get(numbers[-1]).meta if numbers else {}
+        total = (newest.get("timings") or {}).get("total")
+        state.last_deploy = [newest.get("time"), total]
+    by: dict[str, int] = {}
+    for outcome in cached.values():
+        if outcome != "pending":
+            by[outcome] = by.get(outcome, 0) + 1
+    for outcome, n in sorted(by.items()):
+        page.add("llama_launcher_deploys_total", n, outcome=outcome)
+    page.add("llama_launcher_last_deploy_timestamp_seconds", state.last_deploy[0])
+    page.add("llama_launcher_last_deploy_duration_seconds", state.last_deploy[1])
+
+
+def _totals(st: store.Store, state: Kept, rec: record.Record | None) -> dict[str, float]:
+    """Counts over every generation's record: the ones before the live one, summed once and
+    kept in the state; the live one's own."""
+    if state.past is None:
+        state.past = {}
+        live = st.live_number()
+        for n in st.numbers():
+            if n == live:
+                continue
+            with contextlib.suppress(StoreError):
+                for k, v in record.load(st.get(n).path, n).totals.items():  # read only
+                    state.past[k] = state.past.get(k, 0) + v
+    totals = dict(state.past)
+    for k, v in (rec.totals if rec else {}).items():
+        totals[k] = totals.get(k, 0) + v
+    return totals
