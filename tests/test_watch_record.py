@@ -229,7 +229,7 @@ def test_the_files_name_is_the_units_with_safe_characters() -> None:
 
 
 def test_every_metric_name_follows_the_guide() -> None:
-    for name, (kind, _) in textfile.METRICS.items():
+    for name, (kind, _, _) in textfile.METRICS.items():
         assert name.startswith("llama_launcher_")
         assert (kind == "counter") == name.endswith("_total"), name
     assert json.dumps(sorted(textfile.METRICS))  # names are plain ASCII

@@ -26,7 +26,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -39,70 +39,124 @@ from launcher.server.slots import Pressure
 from launcher.watch import bake, record
 from launcher.watch.record import Writer
 
-#: name -> (type, help)
-METRICS = {
-    "llama_launcher_deploys_total": (
+
+class Declared(NamedTuple):
+    """One metric of the file: its type, its labels besides ``unit``, and what it means."""
+
+    kind: str
+    labels: tuple[str, ...]
+    help: str
+
+
+#: Every metric of the file (the metrics reference is generated from it)
+METRICS: dict[str, Declared] = {
+    "llama_launcher_deploys_total": Declared(
         "counter",
+        ("outcome",),
         "Generations llama-launcher wrote for the unit, by outcome (deployed, failed: "
         "rolled back, interrupted, adopted: a hand edit kept).",
     ),
-    "llama_launcher_serving_generation": ("gauge", "The generation in the live env file."),
-    "llama_launcher_last_deploy_timestamp_seconds": (
+    "llama_launcher_serving_generation": Declared(
         "gauge",
+        (),
+        "The generation in the live env file.",
+    ),
+    "llama_launcher_last_deploy_timestamp_seconds": Declared(
+        "gauge",
+        (),
         "When the newest generation's deploy began (Unix time).",
     ),
-    "llama_launcher_last_deploy_duration_seconds": (
+    "llama_launcher_last_deploy_duration_seconds": Declared(
         "gauge",
+        (),
         "How long the newest generation's deploy took, to serving or rolled back.",
     ),
-    "llama_launcher_kv_pool_tokens": ("gauge", "KV cells of the pool, as planned."),
-    "llama_launcher_kv_pool_used_tokens": (
+    "llama_launcher_kv_pool_tokens": Declared(
         "gauge",
+        (),
+        "KV cells of the pool, as planned.",
+    ),
+    "llama_launcher_kv_pool_used_tokens": Declared(
+        "gauge",
+        ("state",),
         "Tokens the slots hold in the pool, busy (processing) or idle (cached; purged first).",
     ),
-    "llama_launcher_slot_tokens": ("gauge", "Tokens one slot holds (prompt and generated)."),
-    "llama_launcher_slot_limit_tokens": ("gauge", "The tokens one slot may hold (its n_ctx)."),
-    "llama_launcher_requests_total": ("counter", "Requests the unit's server started."),
-    "llama_launcher_request_failures_total": (
+    "llama_launcher_slot_tokens": Declared(
+        "gauge",
+        ("slot",),
+        "Tokens one slot holds (prompt and generated).",
+    ),
+    "llama_launcher_slot_limit_tokens": Declared(
+        "gauge",
+        ("slot",),
+        "The tokens one slot may hold (its n_ctx).",
+    ),
+    "llama_launcher_requests_total": Declared(
         "counter",
+        (),
+        "Requests the unit's server started.",
+    ),
+    "llama_launcher_request_failures_total": Declared(
+        "counter",
+        ("kind",),
         "Requests answered with an error, by kind (context_exceeded, too_long, decode_failed).",
     ),
-    "llama_launcher_context_exceeded_total": (
+    "llama_launcher_context_exceeded_total": Declared(
         "counter",
+        (),
         "Requests that failed with 'Context size has been exceeded' (the pool ran out).",
     ),
-    "llama_launcher_decode_tokens_per_second": (
+    "llama_launcher_decode_tokens_per_second": Declared(
         "gauge",
+        (),
         "Decode speed between the last two samples that decoded, from llama-server's counters.",
     ),
-    "llama_launcher_requests_deferred": ("gauge", "Requests waiting for a free slot."),
-    "llama_launcher_process_memory_bytes": (
+    "llama_launcher_requests_deferred": Declared(
         "gauge",
+        (),
+        "Requests waiting for a free slot.",
+    ),
+    "llama_launcher_process_memory_bytes": Declared(
+        "gauge",
+        (),
         "RssAnon + VmSwap of the server process (what a leak grows).",
     ),
-    "llama_launcher_unit_restarts_total": ("counter", "systemd's NRestarts of the unit."),
-    "llama_launcher_wedged_samples": (
+    "llama_launcher_unit_restarts_total": Declared(
+        "counter",
+        (),
+        "systemd's NRestarts of the unit.",
+    ),
+    "llama_launcher_wedged_samples": Declared(
         "gauge",
+        (),
         "Samples in a row in which the server lived but did not answer (restarted at the "
         "setting wedged_samples).",
     ),
-    "llama_launcher_wedged_restarts_total": (
+    "llama_launcher_wedged_restarts_total": Declared(
         "counter",
+        (),
         "Restarts of the unit by the sampler because its server lived but did not answer.",
     ),
-    "llama_launcher_bake_state": (
+    "llama_launcher_bake_state": Declared(
         "gauge",
+        ("state",),
         "1 for the state of the unit's newest bake (the live generation's, or the one its "
         "revert ended), 0 for the others: baking, reverting, passed, inconclusive, reverted, "
         "revert_failed, ended.",
     ),
-    "llama_launcher_bake_generation": ("gauge", "The generation the newest bake watches."),
-    "llama_launcher_bake_deadline_timestamp_seconds": (
+    "llama_launcher_bake_generation": Declared(
         "gauge",
+        (),
+        "The generation the newest bake watches.",
+    ),
+    "llama_launcher_bake_deadline_timestamp_seconds": Declared(
+        "gauge",
+        (),
         "When the newest bake's window ends (Unix time).",
     ),
-    "llama_launcher_sample_source_up": (
+    "llama_launcher_sample_source_up": Declared(
         "gauge",
+        ("source",),
         "1 when the last sample could read the source (slots, metrics, proc, journal).",
     ),
 }
@@ -126,13 +180,15 @@ class Page:
         """One series (``unit`` is added); a value of None leaves it out."""
         if name not in METRICS:
             raise KeyError(f"{name} is not a metric of this file")
+        if tuple(labels) != METRICS[name].labels:
+            raise KeyError(f"{name} has the labels {METRICS[name].labels}, not {tuple(labels)}")
         if value is None:
             return
         self.samples.setdefault(name, []).append(({"unit": self.unit, **labels}, float(value)))
 
     def collect(self) -> Iterator[Metric]:
         """One family per metric that has a series, each series once."""
-        for name, (kind, text) in METRICS.items():
+        for name, (kind, _, text) in METRICS.items():
             series = self.samples.get(name)
             if not series:
                 continue
