@@ -25,7 +25,10 @@
     └── RollbackFailed                 exit 4: the old config failed as well; nothing was deleted
     Interrupted (a BaseException)      exit 128+signal: SIGINT/SIGTERM/SIGHUP before it went live
 
-Every message names the value at fault and the fix. Causes are chained with ``raise ... from``.
+Every message names the value at fault and the fix; every class says what to do in ``fix``
+(the error reference is made from the tree). Causes are chained with ``raise ... from``.
+The exit statuses are ``EXIT_CODES``; a verb's outcome that is no error maps through
+``OUTCOME_EXIT``.
 """
 
 from __future__ import annotations
@@ -33,9 +36,45 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+#: Every exit status of llama-launcher and what it means (``--help`` and the exit code
+#: reference are made from it).
+EXIT_CODES: tuple[tuple[str, str], ...] = (
+    ("0", "success (changed or not)"),
+    ("1", "other error"),
+    ("2", "invalid input: nothing was changed"),
+    (
+        "3",
+        "deploy failed: the previous config was restored and serves again (a failed first"
+        " "
+        "install: the unit is left stopped)",
+    ),
+    ("4", "rollback failed: both configs failed; nothing was deleted"),
+    ("5", "lock timeout: another deploy holds the unit's lock"),
+    (
+        "6",
+        "reverted: the new config passed the gate, but its bake found it worse under "
+        "load; "
+        "the previous config serves again (--wait, or a failure in the deploy's own last "
+        "moments)",
+    ),
+    (
+        "7",
+        "revert failed (--wait): the bake found the new config worse under load, but its "
+        "revert did not put the previous one back; the new config serves still",
+    ),
+    ("78", "exec only: the env file or its values are refused (systemd does not restart)"),
+    ("128+signal", "SIGINT/SIGTERM/SIGHUP before the change went live (130, 143, 129)"),
+    ("141", "the reader of the output went away (a closed pipe)"),
+)
+#: A verb's outcome -> its exit status, where the outcome is a result and not an error (the
+#: errors carry theirs: ``exit_code``).
+OUTCOME_EXIT = {"reverted": 6, "rollback_failed": 4, "revert_failed": 7}
+
 
 class LauncherError(Exception):
     """Root of every error llama-launcher raises on purpose."""
+
+    fix = "read the message: it names what failed and what to do; --json gives the details"
 
     exit_code = 1
 
@@ -47,15 +86,24 @@ class LauncherError(Exception):
 class InvalidInput(LauncherError):
     """The input is wrong; nothing on the host was changed."""
 
+    fix = "change the value the message names; nothing on the host was changed"
+
     exit_code = 2
 
 
 class ConfigInvalid(InvalidInput):
     """A value of the typed config or the tool settings is invalid."""
 
+    fix = "give a valid value: the message quotes the bad one and shows a good one"
+
 
 class StateDirMismatch(ConfigInvalid):
     """The state dir given is not the one recorded as the home of the unit's env file."""
+
+    fix = (
+        "give the state folder the message names as the unit's (or none: it is read from the "
+        "record beside the env file)"
+    )
 
     def __init__(self, message: str, given: object, recorded: object, record: object) -> None:
         self.given, self.recorded, self.record = str(given), str(recorded), str(record)
@@ -67,6 +115,11 @@ class StateDirMismatch(ConfigInvalid):
 
 class ValidationFailed(InvalidInput):
     """A step of the validation chain failed on the rendered file."""
+
+    fix = (
+        "fix what the named step says (the env file, the binary, the model, a file the "
+        "service cannot read, the port)"
+    )
 
     def __init__(self, step: str, message: str) -> None:
         self.step = step
@@ -80,13 +133,25 @@ class OvercommitError(InvalidInput):
     """Under a unified pool, n_slots x n_ctx_slot exceeds the pool: requests fail with
     "Context size has been exceeded" when the slots fill up together."""
 
+    fix = (
+        "cap the slots and size the pool for all of them (the message gives the set line), "
+        "split the pool, or accept the risk with --allow-overcommit (and a --bake)"
+    )
+
 
 class MemoryGuardError(InvalidInput):
     """The config's memory estimate exceeds what the box can give."""
 
+    fix = (
+        "choose a smaller config (fewer slots, a smaller window, a q8_0 cache: llama-launcher"
+        " plan), free memory, or --force-memory"
+    )
+
 
 class CommandError(LauncherError):
     """A subprocess exited non-zero or could not run."""
+
+    fix = "read the command's stderr tail in the message; run it by hand to see more"
 
     def __init__(
         self, argv: Sequence[str], status: int | None, stderr: str, note: str = ""
@@ -110,13 +175,22 @@ class CommandError(LauncherError):
 class CommandTimeout(CommandError):
     """A subprocess did not finish within its timeout."""
 
+    fix = "the command hung: look at the host's load and the named command"
+
 
 class SystemdError(LauncherError):
     """systemd did something the tool cannot work with."""
 
+    fix = (
+        "check that systemd runs and the unit is installed (systemctl status; llama-launcher "
+        "install)"
+    )
+
 
 class ProbeError(LauncherError):
     """llama-server did not answer the probe as it should."""
+
+    fix = "the server did not answer as expected: llama-launcher status, and the unit's journal"
 
 
 class Unreadable(ProbeError):
@@ -124,6 +198,11 @@ class Unreadable(ProbeError):
     endpoint is off (501), a build lacks a field, a process is gone. ``source`` names it;
     the message says why and, where there is one, the fix. A sample records it and goes on
     with the other sources."""
+
+    fix = (
+        "the sampler records it and goes on; fix the named source (the server down, an "
+        "endpoint turned off, a build without the field)"
+    )
 
     def __init__(self, source: str, message: str, status: int | None = None) -> None:
         self.source, self.status = source, status
@@ -135,6 +214,11 @@ class Unreadable(ProbeError):
 
 class GateFailure(LauncherError):
     """The gate refused the running config. Carries the phase, a class and the log tail."""
+
+    fix = (
+        "the deploy rolled back by itself; the failure's phase, class and log tail say why "
+        "the new config did not serve"
+    )
 
     def __init__(self, phase: str, kind: str, message: str, log_tail: list[str]) -> None:
         self.phase, self.kind, self.log_tail = phase, kind, log_tail
@@ -152,10 +236,19 @@ class GateFailure(LauncherError):
 class StoreError(LauncherError):
     """The generation store is unreadable or inconsistent."""
 
+    fix = (
+        "the message names the path: free space, fix its permissions, or move a damaged file aside"
+    )
+
 
 class SwapFailed(StoreError):
     """The live env file's folder cannot be written: the swap did not happen, the old file is
     live, whole, and nothing was restarted."""
+
+    fix = (
+        "make the env file's folder writable (or free space) and deploy again; the old file "
+        "is live and nothing restarted"
+    )
 
     def __init__(self, message: str, env_file: object) -> None:
         self.env_file = str(env_file)
@@ -168,11 +261,18 @@ class SwapFailed(StoreError):
 class LockTimeout(LauncherError):
     """Another deploy holds the unit's lock."""
 
+    fix = (
+        "another deploy of the unit runs: wait for it (llama-launcher status shows it), or "
+        "raise --lock-timeout"
+    )
+
     exit_code = 5
 
 
 class DeployFailed(LauncherError):
     """The new config failed its gate; the previous generation was restored and is healthy."""
+
+    fix = "the previous config serves again; fix what the failure names and deploy again"
 
     exit_code = 3
 
@@ -183,6 +283,11 @@ class DeployFailed(LauncherError):
 
 class RollbackFailed(LauncherError):
     """The restore failed too. Nothing was deleted; the message says what was tried."""
+
+    fix = (
+        "neither config serves: llama-launcher history and the unit's journal; roll back to a"
+        " generation that served (rollback --to N) or deploy a config that does"
+    )
 
     exit_code = 4
 

@@ -16,25 +16,15 @@ import importlib
 import json
 import pkgutil
 import sys
+import textwrap
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
-EPILOG = """exit codes:
-  0  success (changed or not)
-  1  other error
-  2  invalid input: nothing was changed
-  3  deploy failed: the previous config was restored and serves again
-     (a failed first install: the unit is left stopped)
-  4  rollback failed: both configs failed; nothing was deleted
-  5  lock timeout: another deploy holds the unit's lock
-  6  reverted (--wait): the new config passed the gate, but its bake found it
-     worse under load; the previous config serves again
-  7  revert failed (--wait): the bake found the new config worse under load, but
-     its revert did not put the previous one back; the new config serves still
-  78 exec only: the env file or its values are refused (systemd does not restart)
-  128+signal  SIGINT/SIGTERM/SIGHUP before the change went live (130, 143, 129)
-  141 the reader of the output went away (a closed pipe)
-"""
+from launcher.errors import EXIT_CODES
+
+EPILOG = "exit codes:\n" + "\n".join(
+    f"  {code:<3} {textwrap.fill(text, 76, subsequent_indent=' ' * 6)}" for code, text in EXIT_CODES
+)
 
 Handler = Callable[[argparse.Namespace], int]
 

@@ -448,10 +448,6 @@ def _progress() -> Any:
     return show
 
 
-#: A result's outcome -> the exit code (the failures the core raises carry their own).
-EXIT_CODES = {"reverted": 6, "rollback_failed": 4, "revert_failed": 7}
-
-
 def _finish(ns: argparse.Namespace, result: Result) -> int:
     if not ns.json and sys.stderr.isatty():
         print("\r\x1b[2K", end="", file=sys.stderr)
@@ -460,7 +456,9 @@ def _finish(ns: argparse.Namespace, result: Result) -> int:
         ns.json,
         lambda: human(result, getattr(ns, "diff", True) or result.outcome == "checked"),
     )
-    return EXIT_CODES.get(result.outcome, 0)
+    from launcher.errors import OUTCOME_EXIT
+
+    return OUTCOME_EXIT.get(result.outcome, 0)
 
 
 def _baked(ns: argparse.Namespace, d: Deployer, run: Callable[[], Result]) -> Result:

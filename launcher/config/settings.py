@@ -75,12 +75,35 @@ class ToolSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="LLAMA_LAUNCHER_", extra="forbid", frozen=True)
 
-    unit: str = "llama-server.service"
-    scope: Literal["system", "user"] = Field(default_factory=_default_scope)
-    env_file: Path | None = None
-    state_dir: Path | None = None
-    unit_dir: Path | None = None
-    base_url: str | None = None
+    unit: str = Field(
+        "llama-server.service",
+        description="the systemd unit (--instance NAME: llama-server@NAME.service)",
+    )
+    scope: Literal["system", "user"] = Field(
+        default_factory=_default_scope,
+        description="the systemd manager: system as root where systemd runs, else user",
+    )
+    env_file: Path | None = Field(
+        None,
+        description="the live env file (unset: /etc/llama-launcher/NAME.env in system scope, "
+        "~/.config/llama-launcher/NAME.env in user scope)",
+    )
+    state_dir: Path | None = Field(
+        None,
+        description="generations, the transaction record and the live records (unset: the "
+        "one recorded beside the env file, else /var/lib/llama-launcher/NAME or "
+        "~/.local/state/llama-launcher/NAME)",
+    )
+    unit_dir: Path | None = Field(
+        None,
+        description="where install writes the unit files (unset: /etc/systemd/system, or "
+        "~/.config/systemd/user)",
+    )
+    base_url: str | None = Field(
+        None,
+        description="where the gate and the sampler reach llama-server (unset: from the "
+        "config's --host and --port; behind a front the server's private address)",
+    )
     # unset: sized from the unit's last measured load, max(floor, 4 x measured) (budgets.py)
     start_timeout: float | None = Field(
         None, gt=0, description="the old process gone until the startup line, seconds"

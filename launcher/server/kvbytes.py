@@ -223,6 +223,10 @@ Kind = Literal["attention", "iswa", "hybrid", "recurrent", "none"]
 class EstimateUnsupported(LauncherError):
     """The model needs a cache the estimator does not model; no number is better than a guess."""
 
+    fix = (
+        "the memory guard leaves that model's KV memory to the server: measure it after the deploy"
+    )
+
     def __init__(self, path: str, arch: str, why: str) -> None:
         self.path = path
         self.arch = arch

@@ -80,10 +80,17 @@ PAUSED = ("PAUSED", "STOP")
 class FrontError(LauncherError):
     """The front (HAProxy or its runtime API) did not do what was asked."""
 
+    fix = (
+        "llama-launcher status shows the front; the message names the HAProxy command it "
+        "refused or the unit to start (systemctl start NAME-front.socket NAME-front.service)"
+    )
+
 
 class FrontDown(FrontError):
     """HAProxy did not answer at all (not running, stopping, or its start failed), as
     opposed to answering and refusing: nothing is wrong with what was asked of it."""
+
+    fix = "run the command the message names: it resets and starts the front's units"
 
 
 @dataclass(frozen=True)
