@@ -1,7 +1,8 @@
-"""The journal read in place (``launcher.host.sdjournal``) on the sandbox's real journal,
-with ``journalctl -f -o json --after-cursor``'s meaning (as systemd 252's journalctl
-ought to read it: see ``launcher.host.systemd``); ``journalctl -f`` where it cannot be read
-so. How soon a line arrives is ``scripts/bench-journal``'s to measure, not a test's."""
+"""The journal read in place (``launcher.host.sdjournal``, systemd's Python binding) on the
+sandbox's real journal, with ``journalctl -f -o json --after-cursor``'s meaning (as systemd
+252's journalctl ought to read it: see ``launcher.host.systemd``); ``journalctl -f`` where
+it cannot be read so. How soon a line arrives is ``scripts/bench-journal``'s to measure,
+not a test's."""
 
 from __future__ import annotations
 
@@ -133,16 +134,19 @@ def test_the_poller_leaves_out_the_lines_of_the_process_it_skips(sandbox: Sandbo
     assert both[0] == "from the first" and kept[0] == "from the second"
 
 
-def test_a_journal_the_poller_cannot_open_is_followed_with_journalctl(
-    sandbox: Sandbox, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # libsystemd missing or refusing cannot be made here: its error is passed in
-    def unavailable(*args: object, **kw: object) -> None:
-        raise sdjournal.Unavailable("libsystemd.so.0 cannot be loaded: (passed in by the test)")
+def missing() -> object:
+    """An import of systemd's binding where it is not installed (it is in the test venv)."""
+    raise ModuleNotFoundError("No module named 'systemd'")
 
-    monkeypatch.setattr(sdjournal, "Poller", unavailable)
+
+def test_a_poller_without_the_binding_is_unavailable_and_names_the_fix() -> None:
+    with pytest.raises(sdjournal.Unavailable, match=r"llama-launcher\[journal\]"):
+        sdjournal.Poller(matches(unit("nobinding")), None, binding=missing)
+
+
+def test_a_journal_without_the_binding_is_followed_with_journalctl(sandbox: Sandbox) -> None:
     u = unit("fallback")
-    systemd = Systemd(u, "user")
+    systemd = Systemd(u, "user", binding=missing)
     with systemd.follow(systemd.cursor()) as follower:
         assert isinstance(follower, JournalFollower)
         sandbox.log_as(u, "through journalctl")

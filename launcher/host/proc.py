@@ -3,7 +3,7 @@
 argv lists only (never a shell string), an explicit environment, a timeout, and every
 failure turned into ``CommandError`` naming the command and the tail of its stderr.
 ``run`` goes through ``sh``; the two long-running readers (``spawn``: ``journalctl -f``, the
-journal's follower where libsystemd cannot read it in place; ``stream``: a journal read in
+journal's follower where it cannot be read in place; ``stream``: a journal read in
 constant memory) stay on ``subprocess``: they
 are killed or read while they run, which sh's buffered, thread-fed output does not allow
 without holding all of it.

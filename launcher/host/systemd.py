@@ -1,13 +1,14 @@
 """systemctl and journalctl, read in their machine-readable forms.
 
 ``systemctl show -p ...`` (never ``status`` prose) and ``journalctl -o json --cursor``;
-a journal followed is read in place (``launcher.host.sdjournal``), ``journalctl -f`` where
-it cannot be. Entries after a cursor are read with ``--cursor C`` and C's own entry left
-out: systemd 252's ``--after-cursor`` skips one entry more than it should when C's entry is
-not the unit's (``cursor()`` is the whole journal's end), the unit's first.
+a journal followed is read in place (``launcher.host.sdjournal``, systemd's Python
+binding), ``journalctl -f`` where it cannot be. Entries after a cursor are read with
+``--cursor C`` and C's own entry left out: systemd 252's ``--after-cursor`` skips one entry
+more than it should when C's entry is not the unit's (``cursor()`` is the whole journal's
+end), the unit's first.
 The journal is matched with ``_SYSTEMD_UNIT=U + _SYSTEMD_USER_UNIT=U`` so the same query finds
 a system unit and a user unit. The runner is passed in (default: ``launcher.host.proc.run``), so
-tests hand in the real sandbox, never a patched module.
+tests hand in the real sandbox, never a patched module; so is the binding's import.
 """
 
 from __future__ import annotations
@@ -103,10 +104,19 @@ def _int(value: str | None) -> int:
 class Systemd:
     """One unit under one manager (system, or the calling user's)."""
 
-    def __init__(self, unit: str, scope: Scope = "system", runner: Runner = proc.run) -> None:
+    def __init__(
+        self,
+        unit: str,
+        scope: Scope = "system",
+        runner: Runner = proc.run,
+        binding: Callable[[], Any] | None = None,
+    ) -> None:
         self.unit = unit
         self.scope = scope
         self.run = runner
+        #: imports systemd's Python binding's journal module for ``follow`` (None:
+        #: ``systemd.journal``; the tests hand in one that fails, as where it is missing)
+        self.binding = binding
         self.env = proc.base_env()
 
     def _ctl(self, *args: str, check: bool = True, timeout: float = 90.0) -> proc.Result:
@@ -235,16 +245,17 @@ class Systemd:
         """Follow the unit's journal from ``after_cursor``, without what process
         ``skip_pid`` logs; ``grep``: only the messages that match it; ``pid``: only what that
         process of the unit logs (from its first line, with no cursor). Read in place
-        (``launcher.host.sdjournal``: a new line within 20 ms), else with ``journalctl -f``
-        (journald tells it of new lines every 250 ms; ``grep`` is then journalctl's
-        ``--grep``, a PCRE2 pattern: a journalctl built without PCRE2 exits at once)."""
+        (``launcher.host.sdjournal``, systemd's Python binding: a new line within 20 ms),
+        else with ``journalctl -f`` (journald tells it of new lines every 250 ms; ``grep`` is
+        then journalctl's ``--grep``, a PCRE2 pattern: a journalctl built without PCRE2
+        exits at once)."""
         # imported here: the unit's ExecStart (python -S) loads this module and has no use
-        # for ctypes and libsystemd (tests/test_layout.py)
+        # for the journal's binding (tests/test_layout.py)
         from launcher.host import sdjournal
 
         with contextlib.suppress(sdjournal.Unavailable):
             matches = unit_matches(self.unit, pid)
-            return sdjournal.Poller(matches, after_cursor, skip_pid, grep)
+            return sdjournal.Poller(matches, after_cursor, skip_pid, grep, self.binding)
         return self.follow_journalctl(after_cursor, skip_pid, grep, pid)
 
     def follow_journalctl(
