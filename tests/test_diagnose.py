@@ -13,6 +13,7 @@ import pytest
 from launcher.errors import ConfigInvalid
 from launcher.host import systemd
 from launcher.reports import diagnose
+from launcher.reports.diagnose import scanner
 from launcher.server import kvlayout
 
 
@@ -235,11 +236,11 @@ VARIANTS = {
 def test_cascade_runs_give_what_line_by_line_gives(
     name: str, block: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The run-at-once path (``_Scanner.cascade``) changes nothing in the report."""
+    """The run-at-once path (``Scanner.cascade``) changes nothing in the report."""
     data = VARIANTS[name]
     kw: dict[str, Any] = dict(block=block, keep=3, pool_hint=1024)
     fast = diagnose.diagnose(io.BytesIO(data), "x", **kw)
-    monkeypatch.setattr(diagnose._Scanner, "cascade", lambda *a: False)
+    monkeypatch.setattr(scanner.Scanner, "cascade", lambda *a: False)
     slow = diagnose.diagnose(io.BytesIO(data), "x", **kw)
     assert fast == slow
     assert fast.lines == len(data.splitlines())

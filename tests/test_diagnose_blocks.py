@@ -24,11 +24,12 @@ from test_diagnose import NEW_BATCH, SEED
 from test_forms import B9093_FAILURE, B9093_STARTUP, DATA
 
 from launcher.reports import diagnose
+from launcher.reports.diagnose import blocks
 
 #: A busy server's request traffic between failures (the real b11434 lines of NEW_BATCH's
 #: last request), enough of it that the failure lies past the first window's reach back.
 TRAFFIC = b"".join(line for line in NEW_BATCH.splitlines(keepends=True) if b"task 86" in line) * (
-    2 * diagnose._BEFORE // 150
+    2 * blocks.BEFORE // 150
 )
 
 #: The real logs, and the line each failure's sweep starts at (it ends after the last error).
@@ -227,13 +228,13 @@ def test_a_log_where_the_anchor_byte_is_common_reads_the_same(tmp_path: Path) ->
     zeus every line of a journal holds it, and a block that reaches its budget of hits is
     searched for the phrases themselves from there: every kind of anchor is still found (a
     failure, a rejection, a startup far from any failure), in small blocks and in one."""
-    far = TRAFFIC * (diagnose._AFTER // len(TRAFFIC) + 1)  # beyond a failure's window
+    far = TRAFFIC * (blocks.AFTER // len(TRAFFIC) + 1)  # beyond a failure's window
     log = LOGS["b11434"][0] + far + REJECTION + far + LOGS["b11434-busy"][0]
     plain = read(far * 4 + log, diagnose.BLOCK, tmp_path / "log")
     assert (plain.failures_total, plain.rejections_total, plain.startups) == (2, 1, 2)
     zeus = journal_form("short", log, b"zeus")
     data = far * 4 + zeus  # a first block whose start holds no 'z'
     assert b"z" not in far
-    assert zeus.count(b"z") > len(zeus) // diagnose._ANCHOR_HITS_PER_BLOCK
+    assert zeus.count(b"z") > len(zeus) // blocks._ANCHOR_HITS_PER_BLOCK
     for block in [diagnose.BLOCK, *range(len(far * 4), len(data), 2999)]:
         assert read(data, block, tmp_path / "log") == plain, block

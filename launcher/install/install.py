@@ -239,6 +239,52 @@ def install(
     template gets the site settings it was given in a drop-in of its own
     (``llama-server@NAME.service.d/``), so another instance's install never changes them.
     """
+    the_front, spec = _refuse_early(settings, cfg, template, front_kind, second_instance)
+    env_file = settings.resolved_env_file()
+    if template:
+        _check_template(settings, env_file, settings.resolved_unit_dir())
+    site = site or site_for()
+    unit_file, pending = _pending_units(settings, env_file, template, site, force)
+    systemd = systemd or Systemd(settings.unit_name, settings.scope)
+    deployer = Deployer(settings, systemd, progress, force_memory, on_phase)
+    # the whole validation chain on the unit as it will be, before anything is written: a
+    # refused install changes nothing (no unit, folder, key file or wants link left behind)
+    deployer.pending = pending
+    deployer.deploy(cfg, check=True, origin="install")
+    deployer.pending = {}
+    state_dir = _make_folders(settings, env_file)
+    if front_kind == "haproxy":
+        spec = _front_spec(cfg, spec, second_instance)
+    if spec is not None:
+        # llama-server listens on the private address; the front holds the config's one
+        cfg = cfg.model_copy(update={"host": spec.private_host, "port": spec.private_port})
+    stage = Path(units.key_stage_path(str(state_dir)))
+    if settings.scope == "system" and not stage.exists():
+        store.atomic_write(stage, b"", 0o600)  # LoadCredential= needs it before any start
+    _write_pending(pending, force)
+    systemd.daemon_reload()
+    systemd.enable()
+    install_sampler(settings, env_file, template, systemd)
+    # no stop on failure here: with no previous config the rollback stops the unit itself,
+    # and with one it serves that config again
+    result = deployer.deploy(cfg, origin="install")
+    if front_kind == "haproxy" and spec is not None:
+        _install_front_units(
+            settings, result, the_front, spec, unit_file.parent, site, systemd, force
+        )
+    return result
+
+
+def _refuse_early(
+    settings: config.ToolSettings,
+    cfg: config.ServerConfig,
+    template: bool,
+    front_kind: str,
+    second_instance: bool,
+) -> tuple[front.Front, front.FrontSpec | None]:
+    """Refuse what install cannot do before anything is written (a front it does not know,
+    no HAProxy, a second instance without the front, no root, no linger, an installed
+    front's public address moved); the unit's front and its spec (None: none installed)."""
     if front_kind not in FRONTS:
         raise ConfigInvalid(
             f"--front {front_kind!r} is not a front; use one of {', '.join(FRONTS)}"
@@ -253,10 +299,14 @@ def install(
     spec = the_front.spec()
     if front_kind == "haproxy":
         require_same_public(the_front, spec, cfg)
-    env_file = settings.resolved_env_file()
-    if template:
-        _check_template(settings, env_file, settings.resolved_unit_dir())
-    site = site or site_for()
+    return the_front, spec
+
+
+def _pending_units(
+    settings: config.ToolSettings, env_file: Path, template: bool, site: units.Site, force: bool
+) -> tuple[Path, dict[Path, str | None]]:
+    """The unit file and the files install will write (an instance's drop-in beside it);
+    a hand-edited one is refused here, unless ``force``, before any folder is made."""
     unit_file, text = _unit_text(settings, env_file, template, site)
     pending: dict[Path, str | None] = {unit_file: text}
     if template and settings.scope == "system":
@@ -264,48 +314,42 @@ def install(
         pending[dropin] = dropin_text
     for path, new in pending.items():
         if new is not None and path.exists() and units.hand_edited(path.read_text()) and not force:
-            write_unit(path, new)  # raises, before any folder is made
-    systemd = systemd or Systemd(settings.unit_name, settings.scope)
-    deployer = Deployer(settings, systemd, progress, force_memory, on_phase)
-    # the whole validation chain on the unit as it will be, before anything is written: a
-    # refused install changes nothing (no unit, folder, key file or wants link left behind)
-    deployer.pending = pending
-    deployer.deploy(cfg, check=True, origin="install")
-    deployer.pending = {}
+            write_unit(path, new)  # raises
+    return unit_file, pending
+
+
+def _make_folders(settings: config.ToolSettings, env_file: Path) -> Path:
+    """The env file's folder and the state folder (private to the service), made; the
+    state folder."""
     env_file.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
     state_dir = home.state_dir(settings)
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(state_dir, 0o700)
-    if front_kind == "haproxy":
-        spec = _front_spec(cfg, spec, second_instance)
-        # llama-server listens on the private address; the front holds the config's one
-        cfg = cfg.model_copy(update={"host": spec.private_host, "port": spec.private_port})
-    elif spec is not None:
-        cfg = cfg.model_copy(update={"host": spec.private_host, "port": spec.private_port})
-    stage = Path(units.key_stage_path(str(state_dir)))
-    if settings.scope == "system" and not stage.exists():
-        store.atomic_write(stage, b"", 0o600)  # LoadCredential= needs it before any start
-    _write_pending(pending, force)
-    systemd.daemon_reload()
-    systemd.enable()
-    install_sampler(settings, env_file, template, systemd)
-    # no stop on failure here: with no previous config the rollback stops the unit itself,
-    # and with one it serves that config again
-    result = deployer.deploy(cfg, origin="install")
-    if front_kind == "haproxy" and spec is not None:
-        slots = int((result.planned or {}).get("n_slots") or 1)
-        watcher = the_front.release_service_text(*units.this_python(), home.where(settings))
-        result.handover = {
-            **(result.handover or {}),
-            "front": install_front(
-                the_front, spec, slots, settings.scope, unit_file.parent, watcher
-            ),
-        }
-        if spec.standby_port is not None:
-            result.handover["second_instance"] = install_standby(
-                settings, spec, unit_file.parent, site, systemd, force
-            )
-    return result
+    return state_dir
+
+
+def _install_front_units(
+    settings: config.ToolSettings,
+    result: Result,
+    the_front: front.Front,
+    spec: front.FrontSpec,
+    unit_dir: Path,
+    site: units.Site,
+    systemd: Systemd,
+    force: bool,
+) -> None:
+    """After the first deploy: the front (sized for the slots the deploy planned) and the
+    second instance, when it has a standby port; what they are goes into the handover."""
+    slots = int((result.planned or {}).get("n_slots") or 1)
+    watcher = the_front.release_service_text(*units.this_python(), home.where(settings))
+    result.handover = {
+        **(result.handover or {}),
+        "front": install_front(the_front, spec, slots, settings.scope, unit_dir, watcher),
+    }
+    if spec.standby_port is not None:
+        result.handover["second_instance"] = install_standby(
+            settings, spec, unit_dir, site, systemd, force
+        )
 
 
 def require_second_instance(settings: config.ToolSettings, front_kind: str, template: bool) -> None:

@@ -349,6 +349,24 @@ def make_plan(
     lacks = server.lacks(CAP) if server is not None else None
     b = _Builder(model, avail, cram, box, n_gpu_layers, capped=lacks is None)
     w, n = window, slots
+    opts = _rows(b, n, w, cache, model)
+    notes = _server_notes(lacks, server)
+    if b.info is not None and not b.per_slot(n, w, cache).fits(headroom_mib):
+        opts += _alternatives(b, n, w, cache, headroom_mib)
+    elif b.info is not None:
+        notes.append(f"{n} x {w} fits at {cache}: no need for fewer slots or a smaller window")
+    key, reason = _recommend(opts, headroom_mib, n, w, cache, b.guarded)
+    if box and b.info is not None:
+        notes += _fewer_layers(b, next(o for o in opts if o.key == key), headroom_mib)
+    notes += _memory_notes(b, model, box, cram)
+    return Plan(
+        n, w, cache, model, avail, headroom_mib, tuple(opts), key, reason, tuple(notes), tuple(box)
+    )
+
+
+def _rows(b: _Builder, n: int, w: int, cache: str, model: ModelSummary | None) -> list[Option]:
+    """The rows every plan has: the over-committed shared pool, the split pool, and the
+    guaranteed window at each cache type the model can use (and at ``cache``)."""
     opts = [
         b.option(
             "shared",
@@ -366,49 +384,48 @@ def make_plan(
     per_slot = [b.per_slot(n, w, t) for t in types]
     if cache not in types:
         per_slot.append(b.per_slot(n, w, cache))
-    opts += per_slot
-    notes: list[str] = []
+    return opts + per_slot
+
+
+def _server_notes(lacks: str | None, server: binary.BinaryInfo | None) -> list[str]:
+    """What the rows assume of the llama-server they are for."""
     if lacks:
-        notes.append(f"{lacks}: the guaranteed rows split the pool instead")
-    elif server is None:
-        notes.append(
+        return [f"{lacks}: the guaranteed rows split the pool instead"]
+    if server is None:
+        return [
             f"no --llama-server: the rows assume a build with {CAP} "
             f"(b{binary.FLAG_ADDED_IN[CAP]} or later)"
-        )
-    if b.info is not None and not b.per_slot(n, w, cache).fits(headroom_mib):
-        opts += _alternatives(b, n, w, cache, headroom_mib)
-    elif b.info is not None:
-        notes.append(f"{n} x {w} fits at {cache}: no need for fewer slots or a smaller window")
-    key, reason = _recommend(opts, headroom_mib, n, w, cache, b.guarded)
-    if box and b.info is not None:
-        notes += _fewer_layers(b, next(o for o in opts if o.key == key), headroom_mib)
+        ]
+    return []
+
+
+def _memory_notes(
+    b: _Builder, model: ModelSummary | None, box: Sequence[Device], cram: int
+) -> list[str]:
+    """How the free memory of the rows was counted, or why it could not be."""
     if model is None:
-        notes.append("no --model: the KV memory cannot be estimated; pass the GGUF to get it")
-    elif model.info is None and model.unsupported:
-        notes.append(model.unsupported)
-    elif box:
+        return ["no --model: the KV memory cannot be estimated; pass the GGUF to get it"]
+    if model.info is None and model.unsupported:
+        return [model.unsupported]
+    if box:
         sides = ", ".join(
             f"{d.name} {d.free / MIB:,.0f} MiB free"
             + (" (unified: the host's memory)" if d.unified else "")
             for d in box
         )
-        notes.append(
+        return [
             f"placed as llama-server places -ngl {b.ngl} on {sides}: free is what the side that "
             f"limits an option keeps (host: MemAvailable - host weights - host KV - --cache-ram "
             f"{cram} MiB; a device: its free memory - its weights and KV); it leaves out compute "
-            "buffers (the headroom is kept on every side)"
-        )
-        notes += b.deferred
-    else:
-        notes.append(
-            f"free = MemAvailable - weights - KV - the host prompt cache (--cache-ram {cram} "
-            "MiB, as the deploy's memory guard counts it; plan --cache-ram N to change it); "
-            "it leaves out compute buffers; run plan while llama-server is stopped, or its "
-            "current KV is counted as used"
-        )
-    return Plan(
-        n, w, cache, model, avail, headroom_mib, tuple(opts), key, reason, tuple(notes), tuple(box)
-    )
+            "buffers (the headroom is kept on every side)",
+            *b.deferred,
+        ]
+    return [
+        f"free = MemAvailable - weights - KV - the host prompt cache (--cache-ram {cram} "
+        "MiB, as the deploy's memory guard counts it; plan --cache-ram N to change it); "
+        "it leaves out compute buffers; run plan while llama-server is stopped, or its "
+        "current KV is counted as used"
+    ]
 
 
 def _fewer_layers(b: _Builder, opt: Option, headroom_mib: int) -> list[str]:

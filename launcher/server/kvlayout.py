@@ -23,6 +23,16 @@ def pad(x: int, n: int = CELL_PAD) -> int:
     return (x + n - 1) // n * n
 
 
+def padded(n_ctx: int, n_slots: int, unified: bool) -> tuple[int, int]:
+    """The cells of the whole pool and of one stream that a context of ``n_ctx`` cells
+    becomes: padded, and when split, padded per stream (llama-context.cpp:292-307)."""
+    n_ctx = pad(n_ctx)
+    if unified:
+        return n_ctx, n_ctx
+    n_ctx_seq = pad(n_ctx // n_slots)
+    return n_ctx_seq * n_slots, n_ctx_seq
+
+
 @dataclass(frozen=True)
 class PoolPlan:
     """What llama-server will make of the context flags."""
@@ -109,12 +119,7 @@ def resolve(
         # fit (on by default) asks for n_ctx_train per stream; it may shrink it when memory
         # is short, which the deploy gate detects in the startup line.
         c = n_ctx_train * (1 if unified else n_slots)
-    n_ctx = pad(c)
-    if unified:
-        n_ctx_seq = n_ctx
-    else:
-        n_ctx_seq = pad(n_ctx // n_slots)
-        n_ctx = n_ctx_seq * n_slots
+    n_ctx, n_ctx_seq = padded(c, n_slots, unified)
     n_ctx_slot = n_ctx_seq
     if per_slot > 0:
         n_ctx_slot = min(n_ctx_slot, per_slot)
