@@ -111,5 +111,5 @@ def test_a_deploy_says_whether_a_second_instance_would_fit(host: Host) -> None:
     seen = out["memory"]["beside"]
     assert seen["fits"] is True, seen
     assert seen["sides"][0]["weights_shared"] is True
-    text = host.cli("set", "--check", "-c", "8192").stdout
+    text = host.cli("set", "--check", "-c", "8192", "-v").stdout
     assert "a second instance beside the running one: fits: both KV pools fit, the host's" in text

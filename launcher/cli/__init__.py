@@ -1,8 +1,10 @@
 """The command line: parse arguments, call one core function per verb, print, map exit codes.
 
-Only this package prints to the user or exits. Each module in it registers its verbs with
-``register(subparsers)`` and imports the core it calls lazily, so ``llama-launcher X`` pays
-only for the imports X needs.
+Only this package prints to the user or exits. Every verb is a declaration in
+``launcher.cli.table`` (name, group, help, options, the function), turned into argparse's
+subparsers by ``launcher.cli.verbs``; the functions live in the modules beside it and import
+the core they call lazily, so ``llama-launcher X`` pays only for the imports X needs. What
+they print: ``launcher.cli.results``.
 
 Exit codes: 0 success (changed or not), 1 other error, 2 invalid input (nothing changed),
 3 deploy failed and rolled back, 4 rollback failed, 5 lock timeout, 6 reverted by its bake,
@@ -12,13 +14,9 @@ Exit codes: 0 success (changed or not), 1 other error, 2 invalid input (nothing 
 from __future__ import annotations
 
 import argparse
-import importlib
-import json
-import pkgutil
 import sys
 import textwrap
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Any
 
 from launcher.errors import EXIT_CODES
 
@@ -26,9 +24,7 @@ EPILOG = "exit codes:\n" + "\n".join(
     f"  {code:<3} {textwrap.fill(text, 76, subsequent_indent=' ' * 6)}" for code, text in EXIT_CODES
 )
 
-Handler = Callable[[argparse.Namespace], int]
-
-#: The options of every verb that names a unit (cli/deploy.py ``_settings_options``), with
+#: The options of every verb that names a unit (``launcher.cli.table.SETTINGS``), with
 #: the number of values each takes: given before the verb, they are read after it
 #: (``llama-launcher --scope system status``).
 GLOBAL_OPTIONS = {
@@ -43,6 +39,8 @@ GLOBAL_OPTIONS = {
     "--probe-timeout": 1,
     "--lock-timeout": 1,
     "--json": 0,
+    "-v": 0,
+    "--verbose": 0,
 }
 
 
@@ -81,67 +79,20 @@ def verb_options(parser: argparse.ArgumentParser) -> dict[str, set[str]]:
     return {}
 
 
+DESCRIPTION = (
+    "Launch llama-server under systemd and deploy its flags safely. The options that say "
+    "where (--unit, --instance, --scope, --env-file, --state-dir, --base-url, the timeouts, "
+    "--json, -v) may come before the verb or after it, for a verb that takes them (diagnose, "
+    "bench and plan take only some: see their --help). `llama-launcher guide` lists the guides."
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="llama-launcher",
-        allow_abbrev=False,
-        description="Launch llama-server under systemd and deploy its flags safely. The "
-        "options that say where (--unit, --instance, --scope, --env-file, --state-dir, "
-        "--base-url, the timeouts, --json) may come before the verb or after it, for a verb "
-        "that takes them (diagnose, bench and plan take only some: see their --help).",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    """The parser of every verb in ``launcher.cli.table``."""
     from launcher import __version__
+    from launcher.cli import table, verbs
 
-    parser.add_argument("--version", action="version", version=f"llama-launcher {__version__}")
-    sub = parser.add_subparsers(dest="verb", metavar="VERB")
-    sub.required = True
-    exec_p = sub.add_parser(
-        "exec", help="the unit's ExecStart: read the env file strictly and exec llama-server"
-    )
-    exec_p.add_argument("--env-file", required=True)
-    exec_p.add_argument("--port", help="listen on this port whatever the env file says")
-    exec_p.add_argument("--print-argv", action="store_true")
-    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
-        module = importlib.import_module(f"{__name__}.{info.name}")
-        register = getattr(module, "register", None)
-        if register is not None:
-            register(sub)
-    return parser
-
-
-def emit(data: dict[str, Any], as_json: bool, human: Callable[[], str]) -> None:
-    """Print ``data`` as one JSON object, or the human text."""
-    if as_json:
-        print(json.dumps(data, indent=None, sort_keys=False, default=str))
-    else:
-        text = human()
-        if text:
-            print(text)
-
-
-def fail(error: Exception, as_json: bool) -> int:
-    """Report a ``LauncherError`` and return its exit code."""
-    from launcher.errors import LauncherError
-
-    code = error.exit_code if isinstance(error, LauncherError) else 1
-    if as_json:
-        data: dict[str, Any] = {"ok": False, "error": type(error).__name__, "message": str(error)}
-        if isinstance(error, LauncherError):
-            data.update(error.details())
-        result = getattr(error, "result", None)
-        if result is not None and hasattr(result, "to_dict"):
-            data.update(result.to_dict())
-        print(json.dumps(data, default=str))
-    else:
-        result = getattr(error, "result", None)
-        if result is not None:
-            from launcher.cli.results import human
-
-            print(human(result))
-        print(f"llama-launcher: {error}", file=sys.stderr)
-    return code
+    return verbs.parser(table.VERBS, DESCRIPTION, EPILOG, f"llama-launcher {__version__}")
 
 
 def main(args: Sequence[str], on_phase: Callable[[str], None] | None = None) -> int:
@@ -158,28 +109,18 @@ def main(args: Sequence[str], on_phase: Callable[[str], None] | None = None) -> 
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     ns.flags = extra
     ns.on_phase = on_phase
-    if ns.verb == "exec":
-        from launcher.host import launch
-
-        return launch.main(
-            [
-                "--env-file",
-                ns.env_file,
-                *(["--port", ns.port] if ns.port else []),
-                *(["--print-argv"] if ns.print_argv else []),
-            ]
-        )
-    handler: Handler = ns.func
+    from launcher.cli.results import fail
     from launcher.errors import Interrupted, LauncherError
 
+    as_json, verbose = getattr(ns, "json", False), getattr(ns, "verbose", False)
     try:
-        return handler(ns)
+        return int(ns.func(ns))
     except LauncherError as e:
-        return fail(e, getattr(ns, "json", False))
+        return fail(e, as_json, verbose)
     except BrokenPipeError:
         raise  # the reader went away: __main__ exits 141
     except OSError as e:  # one the core did not type: a clear line still (JSON with --json)
-        return fail(e, getattr(ns, "json", False))
+        return fail(e, as_json, verbose)
     except Interrupted as e:
         print(f"llama-launcher: {e} before the change went live", file=sys.stderr)
         return 128 + e.signum

@@ -1,4 +1,5 @@
-"""``llama-launcher bench``: total and per-agent speed of several agents on one llama-server."""
+"""``llama-launcher bench``: total and per-agent speed of several agents on one llama-server (its
+options: ``launcher.cli.table``)."""
 
 from __future__ import annotations
 
@@ -6,64 +7,7 @@ import argparse
 from collections.abc import Mapping
 from typing import Any
 
-from launcher.cli import emit
-
-HELP = "measure total and per-agent tok/s, latency and time to first token with N agents"
-DESCRIPTION = """\
-Send concurrent streamed chat completions to any OpenAI-compatible llama-server and report,
-per number of agents: total tok/s, mean per-agent tok/s, wall time, p50/p95 latency and time
-to first token. Tokens are the server's own usage counts. With --long-prompt, one extra agent
-sends a long prompt while the others chat, and the others' latency and time to first token
-are shown with and without it: llama-server reads a long prompt in the same batches as the
-other slots' decode steps, so every agent waits while it is read.
-"""
-
-
-def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = subparsers.add_parser(
-        "bench",
-        help=HELP,
-        description=DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument(
-        "--url",
-        help="server base URL (default: the --unit's live generation, else http://127.0.0.1:8080)",
-    )
-    p.add_argument(
-        "--unit",
-        help="a unit llama-launcher deployed: measure its live generation and name it",
-    )
-    p.add_argument("--instance", metavar="NAME", help="the same for llama-server@NAME.service")
-    p.add_argument("--api-key-file", metavar="F", help="file holding the server's --api-key")
-    p.add_argument(
-        "--agents", type=int, nargs="+", default=[1, 2, 4], metavar="N",
-        help="agent counts to measure (default: 1 2 4)",
-    )  # fmt: skip
-    p.add_argument(
-        "--max-tokens", type=int, default=64, metavar="N", help="tokens per answer (%(default)s)"
-    )
-    p.add_argument(
-        "--prompt-tokens", type=int, metavar="N",
-        help="size each agent's prompt to about N tokens (default: one chat line)",
-    )  # fmt: skip
-    p.add_argument(
-        "--long-prompt", type=int, metavar="TOKENS",
-        help="also measure with one extra agent sending a prompt of about TOKENS tokens",
-    )  # fmt: skip
-    p.add_argument(
-        "--rounds", type=int, default=1, metavar="R", help="rounds per agent count (%(default)s)"
-    )
-    p.add_argument(
-        "--timeout",
-        type=float,
-        default=300.0,
-        metavar="S",
-        help="seconds per request (%(default)s)",
-    )
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--plot", metavar="FILE.png", help="write a PNG of tok/s against agents")
-    p.set_defaults(func=run)
+from launcher.cli.results import emit
 
 
 def _live(unit: str) -> dict[str, Any] | None:

@@ -1,4 +1,5 @@
-"""``llama-launcher diagnose``: why requests failed with "Context size has been exceeded"."""
+"""``llama-launcher diagnose``: why requests failed with "Context size has been exceeded" (its
+options: ``launcher.cli.table``)."""
 
 from __future__ import annotations
 
@@ -12,49 +13,6 @@ if TYPE_CHECKING:
     from launcher.deploy.store import Generation
     from launcher.reports.diagnose import Failure, Fix, MemoryCost, Report
     from launcher.server.kvlayout import PoolPlan
-
-
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "diagnose",
-        help="read llama-server's log: count context errors, add up the slots, name the fix",
-        description=(
-            "Read a llama-server log (a unit's journal, a file, or stdin) and explain every "
-            "'Context size has been exceeded' failure: the startup promise, the batch-halving "
-            "cascade, the slot release lines that add up to the pool, the class, and the fix."
-        ),
-    )
-    src = p.add_mutually_exclusive_group()
-    src.add_argument(
-        "--unit",
-        help="read this systemd unit's journal (system or --user; default: the configured "
-        "unit, LLAMA_LAUNCHER_UNIT or settings.toml, else llama-server.service)",
-    )
-    src.add_argument(
-        "--instance", metavar="NAME", help="read the journal of llama-server@NAME.service"
-    )
-    src.add_argument("--log", metavar="FILE", help="read a log file ('-' for stdin)")
-    src.add_argument("stdin", nargs="?", choices=["-"], help="read stdin")
-    p.add_argument("--since", metavar="TIME", help="with --unit: journalctl --since TIME")
-    p.add_argument(
-        "--pool",
-        type=int,
-        metavar="N",
-        help="the KV pool in cells, when the log does not state it (-c)",
-    )
-    p.add_argument(
-        "--model",
-        metavar="GGUF",
-        help="the model, to price each fix in KV memory (default: the live generation's)",
-    )
-    p.add_argument(
-        "--llama-server",
-        metavar="PATH",
-        help="the llama-server the fixes are for: only its flags are offered (default: the "
-        "live generation's, else $LLAMA_SERVER_BIN)",
-    )
-    p.add_argument("--json", action="store_true", help="one JSON object")
-    p.set_defaults(func=run)
 
 
 @contextlib.contextmanager
@@ -153,7 +111,7 @@ def _lacks_cap(path: str | None, live: Generation | None) -> str | None:
 
 
 def run(ns: argparse.Namespace) -> int:
-    from launcher.cli import emit
+    from launcher.cli.results import emit
     from launcher.errors import ConfigInvalid
     from launcher.reports import diagnose
 

@@ -1,4 +1,5 @@
-"""``llama-launcher plan``: the options for N slots x W tokens, their memory, a recommendation."""
+"""``llama-launcher plan``: the options for N slots x W tokens, their memory, a recommendation
+(its options: ``launcher.cli.table``)."""
 
 from __future__ import annotations
 
@@ -10,65 +11,6 @@ if TYPE_CHECKING:
     from launcher.reports.plan import Plan
 
 GIB = 1024.0
-
-
-def register(subparsers: Any) -> None:
-    """Add the ``plan`` verb."""
-    p = subparsers.add_parser(
-        "plan",
-        help="compare shared, split and per-slot KV pools for N slots x W tokens",
-        description=(
-            "Lay out the options for N clients that each need a W-token window: the "
-            "shared over-committed pool, split pools, the per-slot cap at f16/q8_0/q4_0, fewer "
-            "slots and a smaller window; with --model, the KV memory of each and what is left "
-            "of MemAvailable; with --devices (or --llama-server) also on each device, the "
-            "weights and KV placed as -ngl places them, and which side limits. Changes nothing."
-        ),
-    )
-    p.add_argument("--slots", required=True, metavar="N", help="clients served at once (-np)")
-    p.add_argument(
-        "--window", required=True, metavar="W", help="tokens each client needs, e.g. 262144 or 256k"
-    )
-    p.add_argument("--cache", default="f16", metavar="TYPE", help="KV cache type (default f16)")
-    p.add_argument("--model", metavar="FILE", help="the GGUF model, for the memory estimate")
-    p.add_argument(
-        "--mem-available",
-        metavar="MIB",
-        help="memory to plan for in MiB (default: MemAvailable of this machine)",
-    )
-    p.add_argument(
-        "--cache-ram",
-        metavar="MIB",
-        help="llama-server's host prompt cache (-cram) in MiB, counted as used "
-        "(default 8192, llama-server's; 0 turns it off and adds --cache-ram 0 to the lines)",
-    )
-    p.add_argument(
-        "--devices",
-        metavar="FILE",
-        help="the output of `llama-server --list-devices` saved to a file: plan for those "
-        "devices (another box's GPUs)",
-    )
-    p.add_argument(
-        "--llama-server",
-        metavar="BIN",
-        help="the llama-server to plan for: only its flags are offered, and without --devices "
-        "the devices it sees now (its --list-devices); default for the flags: "
-        "$LLAMA_SERVER_BIN; without either a build with --kv-unified-per-slot is assumed",
-    )
-    p.add_argument(
-        "--ngl",
-        metavar="N",
-        help="layers offloaded to the devices (-ngl; default all)",
-    )
-    p.add_argument(
-        "--unified-memory",
-        choices=("auto", "yes", "no"),
-        default="auto",
-        help="whether the devices' memory is the host's (auto: a device as large as the "
-        "host's MemTotal, or Metal)",
-    )
-    p.add_argument("--json", action="store_true", help="one JSON object")
-    p.set_defaults(func=handle)
 
 
 def _count(flag: str, value: str, example: str) -> int:
@@ -91,7 +33,7 @@ def _whole(flag: str, value: str, example: str) -> int:
 
 def handle(ns: argparse.Namespace) -> int:
     """Run the plan and print it."""
-    from launcher.cli import emit
+    from launcher.cli.results import emit
     from launcher.reports.plan import MIB, make_plan
 
     slots = _count("--slots", ns.slots, "4")

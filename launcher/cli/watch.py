@@ -1,4 +1,5 @@
-"""Verbs of the live watch: sample (what the sampler's timer runs), top, compare."""
+"""Verbs of the live watch: sample (what the sampler's timer runs), top, compare (their
+options: ``launcher.cli.table``)."""
 
 from __future__ import annotations
 
@@ -6,75 +7,14 @@ import argparse
 import dataclasses
 import os
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from launcher.cli import emit
-from launcher.cli.deploy import _parser, _settings_options, settings_from
+from launcher.cli.deploy import settings_from
+from launcher.cli.results import emit
 from launcher.host import notify
 
 if TYPE_CHECKING:
     from launcher.watch.sample import Outcome
-
-
-def register(sub: Any) -> None:
-    p = _parser(
-        sub,
-        "sample",
-        "take one live sample of the unit: read /slots, /metrics, /proc and the journal, "
-        "add it to the live generation's record, write the metrics file, warn when the KV "
-        "pool or a slot passes 90 percent; while the live generation bakes, sample every "
-        "bake_interval until its verdict and revert it when it is worse (what "
-        "NAME-sample.timer runs; takes no deploy lock, but a revert does; "
-        "with --unit, --scope and --state-dir all given, as the timer gives them, it reads no "
-        "settings)",
-    )
-    p.add_argument(
-        "--textfile-dir",
-        type=Path,
-        metavar="DIR",
-        help="write llama_launcher_<unit>.prom there (default: the setting "
-        "metrics_textfile_dir; unset: no metrics file)",
-    )
-    p.add_argument(
-        "--wedged-samples",
-        type=int,
-        metavar="N",
-        help="restart the unit after N samples in a row in which its server lives but does "
-        "not answer (during a bake: revert it); 0: off (default: the setting wedged_samples; "
-        "install renders it into the sampler's service)",
-    )
-    p.add_argument(
-        "--every",
-        type=float,
-        metavar="SECONDS",
-        help="sample again every SECONDS until stopped, in this one process (its imports "
-        "paid once: for intervals of seconds, where a process per sample costs more)",
-    )
-    _settings_options(p)
-    p.set_defaults(func=cmd_sample)
-
-    p = _parser(
-        sub,
-        "top",
-        "the KV pool and every slot, refreshed every second (q to quit); the peak of the "
-        "last hour from the live record",
-    )
-    p.add_argument("--interval", type=float, default=1.0, help="seconds between two frames")
-    p.add_argument("--once", action="store_true", help="print one frame and exit")
-    _settings_options(p)
-    p.set_defaults(func=cmd_top)
-
-    p = _parser(
-        sub,
-        "compare",
-        "two generations side by side from their live records: decode tok/s, errors per "
-        "1,000 requests, peak pool, memory; says when either has too little data",
-    )
-    p.add_argument("a", type=int, metavar="A", help="a generation (see history)")
-    p.add_argument("b", type=int, metavar="B", help="the other one")
-    _settings_options(p)
-    p.set_defaults(func=cmd_compare)
 
 
 def cmd_sample(ns: argparse.Namespace) -> int:

@@ -306,12 +306,16 @@ def baked(gen: store.Generation) -> dict[str, Any] | None:
 
 
 def memory_line(mem: dict[str, Any], estimate: dict[str, Any] | None) -> str:
-    """Measured service memory before -> after the deploy, next to the KV estimate."""
+    """Measured service memory before -> after the deploy (after alone where nothing ran
+    before: a first install), next to the KV estimate."""
 
     def mib(v: Any) -> str:
         return f"{v / 2**20:.1f} MiB" if isinstance(v, int) else "?"
 
-    text = f"service {mib(mem.get('before'))} before -> {mib(mem.get('after'))} after the gate"
+    before = mem.get("before")
+    text = f"service {mib(mem.get('after'))} after the gate"
+    if isinstance(before, int):
+        text = f"service {mib(before)} before -> {mib(mem.get('after'))} after the gate"
     if estimate and estimate.get("kv_bytes") is not None:
         text += f"; KV estimate {mib(estimate['kv_bytes'])}"
     elif estimate and estimate.get("unsupported"):
