@@ -1,3 +1,3 @@
 """llama-launcher: a systemd-supervised launcher and safe config deployer for llama-server."""
 
-__version__ = "0.1.0"
+__version__ = "0.10.0"
