@@ -54,7 +54,7 @@ METRICS: dict[str, Declared] = {
         "counter",
         ("outcome",),
         "Generations llama-launcher wrote for the unit, by outcome (deployed, failed: "
-        "rolled back, interrupted, adopted: a hand edit kept).",
+        "rolled back, interrupted, adopted: a hand edit kept, reverted: a bake's revert).",
     ),
     "llama_launcher_serving_generation": Declared(
         "gauge",
