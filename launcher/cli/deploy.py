@@ -261,13 +261,37 @@ def cmd_recover(ns: argparse.Namespace) -> int:
         data["bake"] = settled.view()
 
     def text() -> str:
-        line = f"recovered: {report}" if report else "nothing to recover"
-        if report and report.get("front_down"):
-            line = f"{report['front_down']}\n{line}"
-        return f"{line}\n{bake.say(settled)}" if settled is not None else line
+        lines = recovered_lines(report, ns.verbose)
+        if settled is not None:
+            lines.append(bake.say(settled))
+        return "\n".join(lines)
 
     emit(data, ns.json, text)
     return 0
+
+
+def recovered_lines(report: dict[str, Any] | None, verbose: bool = False) -> list[str]:
+    """``recover``'s report in words: the outcome first (a front left down before all),
+    then what was done; ``verbose``: every field of the report too."""
+    if not report:
+        return ["nothing to recover"]
+    lines = [report["front_down"]] if report.get("front_down") else []
+    if "interrupted_phase" in report:
+        lines.append(
+            f"recovered: the deploy of generation {report.get('to')} was interrupted at "
+            f"{report['interrupted_phase']}; {report.get('action', 'nothing was done')}"
+        )
+        gate = report.get("gate") or {}
+        if gate:
+            lines.append(f"  gate: {'passed' if gate.get('ok') else gate.get('message')}")
+    else:
+        lines.append("recovered: the front a dead holder left held was released")
+    for key in ("front", "second_instance", "front_hold"):
+        if report.get(key):
+            lines.append(f"  {key.replace('_', ' ')}: {report[key]}")
+    if verbose:
+        lines += [f"  {k}: {v}" for k, v in report.items() if k not in ("gate",)]
+    return lines
 
 
 def cmd_front_release(ns: argparse.Namespace) -> int:

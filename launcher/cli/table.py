@@ -500,8 +500,9 @@ MAINTENANCE = (
     Verb(
         "recover",
         Group.MAINTENANCE,
-        "revert a deploy that was killed half-way (deploy, check, set, unset, rollback and "
-        "install do this first, too), then settle a bake whose revert was cut with its "
+        "revert a deploy that was killed half-way (deploy, set, unset, rollback and install "
+        "do this first, too; check and --check change nothing), then settle a bake whose "
+        "revert was cut with its "
         "sampler (reverted or revert_failed); exit 4 if the restored config fails its gate",
         deploy.cmd_recover,
         SETTINGS,
