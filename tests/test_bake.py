@@ -14,7 +14,7 @@ import pytest
 from launcher import config
 from launcher.deploy import store
 from launcher.host.systemd import UnitState
-from launcher.watch import bake, record, verdict
+from launcher.watch import bake, carry, record, verdict
 from launcher.watch.bake import Bake
 from launcher.watch.verdict import Verdict
 
@@ -158,7 +158,7 @@ def test_carry_samples_until_the_verdict(tmp_path: Path) -> None:
         step(st, clock[0], reverts)
 
     slept: list[float] = []
-    b = bake.carry(st, 2, sample_once, slept.append)
+    b = carry.carry(st, 2, sample_once, slept.append)
     assert b is not None and b.state == "passed" and clock[0] == T0 + 605
     assert slept == [15.0, 15.0]
 
@@ -177,7 +177,7 @@ class Skipped:
         assert self.now < 2000, "the carry did not give up"
 
     def carry(self, st: store.Store, **kw: Any) -> Bake | None:
-        return bake.carry(
+        return carry.carry(
             st, 2, lambda peak, revert: self.SAID, self.sleep, clock=lambda: self.now,
             wall=lambda: T0 + 2 + self.offset + self.now, **kw,
         )  # fmt: skip
@@ -197,7 +197,7 @@ def test_a_carry_no_sample_judges_past_the_deadline_ends_the_bake_unjudged(
     c = Skipped(offset=600)  # at its deadline from the start
     b = c.carry(baking)
     assert b is not None and b.verdict is not None
-    assert (b.state, b.verdict.signal) == ("inconclusive", bake.UNJUDGED)
+    assert (b.state, b.verdict.signal) == ("inconclusive", carry.UNJUDGED)
     assert "(the last: a deploy of ll.service is in progress)" in b.verdict.reason
     assert 60 <= c.now < 75  # four intervals
     assert bake.load(baking.get(2).path) == b  # recorded
@@ -238,7 +238,7 @@ def test_carry_of_a_bake_that_ended_samples_nothing(tmp_path: Path, state: str) 
     b.state = state
     bake.save(st.get(2).path, b)
     calls: list[int] = []
-    assert bake.carry(st, 2, lambda p, r: calls.append(1), lambda s: None) is not None
+    assert carry.carry(st, 2, lambda p, r: calls.append(1), lambda s: None) is not None
     assert calls == []
 
 
@@ -256,9 +256,9 @@ def _unit(pid: int, n_restarts: int = 0, active: str = "active") -> UnitState:
 
 
 def test_the_first_process_of_a_new_boot_is_no_restart() -> None:
-    from launcher.watch import sample
+    from launcher.watch import sample, sampler
 
-    state = sample.State(generation=2, pid=4242, n_restarts=3, boot="the boot before")
+    state = sampler.State(generation=2, pid=4242, n_restarts=3, boot="the boot before")
     assert sample._restarts(_unit(77), state, 2) == 0
     assert (state.pid, state.n_restarts, state.boot) == (77, 0, bake.boot_id())
 
@@ -266,17 +266,17 @@ def test_the_first_process_of_a_new_boot_is_no_restart() -> None:
 def test_a_new_boot_seen_while_the_unit_comes_up_is_counted_from_its_process() -> None:
     """A sample taken after the boot but before the unit runs (no MainPID yet) keeps the
     boot unseen: the next sample's new process is the boot's, not a restart."""
-    from launcher.watch import sample
+    from launcher.watch import sample, sampler
 
-    state = sample.State(generation=2, pid=4242, n_restarts=0, boot="the boot before")
+    state = sampler.State(generation=2, pid=4242, n_restarts=0, boot="the boot before")
     assert sample._restarts(_unit(0, active="activating"), state, 2) == 0
     assert sample._restarts(_unit(77), state, 2) == 0
 
 
 def test_a_new_process_in_the_same_boot_is_a_restart() -> None:
-    from launcher.watch import sample
+    from launcher.watch import sample, sampler
 
-    state = sample.State(generation=2, pid=4242, n_restarts=0, boot=bake.boot_id())
+    state = sampler.State(generation=2, pid=4242, n_restarts=0, boot=bake.boot_id())
     assert sample._restarts(_unit(77, n_restarts=1), state, 2) == 1
 
 
@@ -416,22 +416,22 @@ def test_nothing_reverting_settles_nothing(tmp_path: Path) -> None:
 
 
 def test_a_sample_names_recover_while_a_cut_revert_waits_for_it(tmp_path: Path) -> None:
-    from launcher.watch import sample
+    from launcher.watch import sample, sampler
 
     st = cut_revert(tmp_path)
     st.begin({"phase": "swapped", "from": 2, "to": 3})
-    out = sample.Outcome("llama-server.service")
-    sample._settle(sample.Target("llama-server.service", tmp_path), st, out)
+    out = sampler.Outcome("llama-server.service")
+    sample._settle(sampler.Target("llama-server.service", tmp_path), st, out)
     assert out.bake is not None and out.bake["state"] == "reverting"
     assert any("llama-launcher recover --unit llama-server.service" in w for w in out.warnings)
 
 
 def test_a_sample_settles_a_cut_revert_once_its_transaction_is_gone(tmp_path: Path) -> None:
-    from launcher.watch import sample
+    from launcher.watch import sample, sampler
 
     st = cut_revert(tmp_path)
-    out = sample.Outcome("llama-server.service")
-    sample._settle(sample.Target("llama-server.service", tmp_path), st, out)
+    out = sampler.Outcome("llama-server.service")
+    sample._settle(sampler.Target("llama-server.service", tmp_path), st, out)
     assert out.bake is not None and out.bake["state"] == "revert_failed"
     assert any("the revert" in w and "failed" in w for w in out.warnings), out.warnings
 
@@ -440,30 +440,30 @@ def test_a_sample_settles_a_cut_revert_once_its_transaction_is_gone(tmp_path: Pa
 
 
 def _front_reads(identity: str, sent: int, server: int) -> Any:
-    from launcher.watch import sample
+    from launcher.watch import reads
 
-    return sample.Reads(RUNNING, front=(identity, sent, server))
+    return reads.Reads(RUNNING, front=(identity, sent, server))
 
 
 def test_the_fronts_own_5xx_are_failed_requests() -> None:
     """The 5xx clients got beyond those llama-server sent (the journal counts those)."""
-    from launcher.watch import sample
+    from launcher.watch import sample, sampler
 
-    state = sample.State()
+    state = sampler.State()
     assert sample._front_failures(_front_reads("9:100", 2, 1), state) == 0  # the first read
     assert sample._front_failures(_front_reads("9:100", 9, 3), state) == 5
 
 
 def test_a_restarted_front_counts_from_zero_again() -> None:
-    from launcher.watch import sample
+    from launcher.watch import sample, sampler
 
-    state = sample.State()
+    state = sampler.State()
     sample._front_failures(_front_reads("9:100", 40, 0), state)
     assert sample._front_failures(_front_reads("12:200", 3, 0), state) == 0
     assert sample._front_failures(_front_reads("12:200", 4, 0), state) == 1
 
 
 def test_a_unit_without_a_front_has_no_front_failures() -> None:
-    from launcher.watch import sample
+    from launcher.watch import reads, sample, sampler
 
-    assert sample._front_failures(sample.Reads(RUNNING), sample.State()) == 0
+    assert sample._front_failures(reads.Reads(RUNNING), sampler.State()) == 0

@@ -20,7 +20,7 @@ from test_watch import take
 from launcher.deploy import store
 from launcher.deploy.restart.front import Front
 from launcher.errors import LockTimeout
-from launcher.watch import bake, revert, verdict
+from launcher.watch import bake, carry, revert, verdict
 
 
 @pytest.fixture
@@ -60,7 +60,7 @@ def baking(h: Host) -> bake.Bake:
     rc, out = h.cli_json("set", "-t", "1", "--bake", "10m")
     assert (rc, out["outcome"]) == (0, "deployed"), out
     b = bake.load(store.Store(h.state_dir).get(out["generation"]).path)
-    assert b is not None and bake.certain(b), b
+    assert b is not None and carry.certain(b), b
     return b
 
 

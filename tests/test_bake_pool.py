@@ -1,6 +1,7 @@
 """The bake's watch of an over-committed shared pool (launcher/watch/verdict.py's ``pool``
-signal, launcher/watch/bake.py's begin and carry): the overflow reverted before it comes.
-Pure, over a real store in tmp_path; its real run: tests/test_bake_server.py."""
+signal, launcher/watch/bake.py's begin, launcher/watch/carry.py's carry): the overflow
+reverted before it comes. Pure, over a real store in tmp_path; its real run:
+tests/test_bake_server.py."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from launcher.host import journalread
 from launcher.host.systemd import UnitState
 from launcher.server import slots
 from launcher.server.slots import Pressure, Slot
-from launcher.watch import bake, record, sample, verdict
+from launcher.watch import bake, carry, record, sample, verdict
 from launcher.watch.verdict import Policy, Progress, Seen, Window
 
 T0 = 1_000_000.0
@@ -194,7 +195,7 @@ def test_a_look_at_the_limit_between_samples_samples_at_once_with_it(tmp_path: P
     looks = iter([pool((100, True)), pool((300, True)), pool((950, True))])
     got, sample_once = samples_until(st, 2)
     clock = Clock()
-    bake.carry(st, 2, sample_once, clock.sleep, lambda: next(looks), clock, wall=lambda: T0)
+    carry.carry(st, 2, sample_once, clock.sleep, lambda: next(looks), clock, wall=lambda: T0)
     assert got[0] is None and got[1] is not None and got[1].need == 950 / 1024
     assert clock.slept == [0.25, 0.25, 0.25]  # the third look found it: no wait for the rest
 
@@ -206,7 +207,7 @@ def test_a_second_look_at_the_limit_in_a_row_waits_for_the_intervals_sample(
     st = watched(tmp_path, bake_interval=1)
     got, sample_once = samples_until(st, 4)
     clock = Clock()
-    bake.carry(st, 2, sample_once, clock.sleep, lambda: pool((950, True)), clock, wall=lambda: T0)
+    carry.carry(st, 2, sample_once, clock.sleep, lambda: pool((950, True)), clock, wall=lambda: T0)
     assert clock.slept == [0.25] + [0.25] * 4 + [0.25]
     assert all(p is not None and p.need == 950 / 1024 for p in got[1:])
 
@@ -220,7 +221,7 @@ def test_slow_looks_never_stretch_the_interval(tmp_path: Path) -> None:
         clock.now += 2.0  # a server that answers in 2 s
         return pool((100, True))
 
-    bake.carry(st, 2, sample_once, clock.sleep, slow, clock, wall=lambda: T0)
+    carry.carry(st, 2, sample_once, clock.sleep, slow, clock, wall=lambda: T0)
     assert clock.slept == [0.25, 0.25] and clock.now == 4.5  # one look per interval
 
 
@@ -236,7 +237,7 @@ def test_looks_that_cannot_read_the_pool_for_the_unread_limit_stop_with_a_note(
         looks.append(1)
         raise Unreadable("slots", "/slots is off (501)")
 
-    bake.carry(st, 2, sample_once, clock.sleep, unreadable, clock, wall=lambda: T0)
+    carry.carry(st, 2, sample_once, clock.sleep, unreadable, clock, wall=lambda: T0)
     assert got == [None, None, None] and len(looks) == 4  # then only the samples
     assert clock.slept == [0.25] * 4 + [1.0]
     assert any("pool watch stopped after 4 looks" in n for n in notes(st))
@@ -249,7 +250,7 @@ def test_a_build_whose_slots_say_nothing_of_what_they_hold_counts_as_unreadable(
     _, sample_once = samples_until(st, 3)
     clock = Clock()
     b9093 = Pressure([Slot(0, 1024, True, None, 3)], 1024)  # no n_prompt_tokens
-    bake.carry(st, 2, sample_once, clock.sleep, lambda: b9093, clock, wall=lambda: T0)
+    carry.carry(st, 2, sample_once, clock.sleep, lambda: b9093, clock, wall=lambda: T0)
     assert any("says nothing of what a slot holds" in n for n in notes(st))
 
 
@@ -265,7 +266,7 @@ def test_a_look_that_fails_once_does_not_stop_the_watch(tmp_path: Path) -> None:
             raise Unreadable("slots", "the server does not answer: ReadTimeout")
         return now
 
-    bake.carry(st, 2, sample_once, clock.sleep, flaky, clock, wall=lambda: T0)
+    carry.carry(st, 2, sample_once, clock.sleep, flaky, clock, wall=lambda: T0)
     assert got[1] is not None and clock.slept == [0.25, 0.25]
 
 
@@ -321,7 +322,7 @@ def test_a_hard_failure_in_the_journal_between_two_looks_samples_at_once(tmp_pat
     got, sample_once = samples_until(st, 2)
     clock = Clock()
     journal = Journal(clock, at={3})
-    bake.carry(
+    carry.carry(
         st, 2, sample_once, clock.sleep, lambda: pool((100, True)), clock, lambda: T0,
         wake=journal,
     )  # fmt: skip
@@ -335,7 +336,7 @@ def test_a_second_hard_failure_in_the_journal_in_a_row_waits_for_the_intervals_s
     _, sample_once = samples_until(st, 3)
     clock = Clock()
     journal = Journal(clock, at={1, 2})
-    bake.carry(
+    carry.carry(
         st, 2, sample_once, clock.sleep, lambda: pool((100, True)), clock, lambda: T0,
         wake=journal,
     )  # fmt: skip
@@ -347,8 +348,8 @@ def test_a_bake_without_a_pool_watch_is_woken_by_the_journal_too(tmp_path: Path)
     st = unwatched(tmp_path)  # nothing to look at
     got, sample_once = samples_until(st, 2)
     clock = Clock()
-    bake.carry(st, 2, sample_once, clock.sleep, lambda: pool((100, True)), clock, lambda: T0,
-               wake=Journal(clock, at={1}))  # fmt: skip
+    carry.carry(st, 2, sample_once, clock.sleep, lambda: pool((100, True)), clock, lambda: T0,
+                wake=Journal(clock, at={1}))  # fmt: skip
     assert got == [None, None] and clock.now == pytest.approx(0.01)
 
 
@@ -358,13 +359,13 @@ def test_a_second_hard_failure_in_the_journal_lets_an_unwatched_interval_run_to_
     st = unwatched(tmp_path)
     _, sample_once = samples_until(st, 3)
     clock = Clock()
-    bake.carry(st, 2, sample_once, clock.sleep, lambda: pool((100, True)), clock, lambda: T0,
-               wake=Journal(clock, at={1, 2}))  # fmt: skip
+    carry.carry(st, 2, sample_once, clock.sleep, lambda: pool((100, True)), clock, lambda: T0,
+                wake=Journal(clock, at={1, 2}))  # fmt: skip
     assert clock.now == pytest.approx(0.01 + 15.0)
 
 
 class Braces:
-    """A brace (``bake.carry``'s early hold) that records the bakes it was entered for and
+    """A brace (``carry.carry``'s early hold) that records the bakes it was entered for and
     yields ``REVERT`` as the revert to judge with."""
 
     REVERT = object()
@@ -400,7 +401,7 @@ def test_the_sample_a_journal_line_woke_is_taken_inside_the_brace_with_its_rever
     st = watched(tmp_path)
     reverts, sample_once = revert_seen(st, 2)
     clock, braces = Clock(), Braces()
-    bake.carry(
+    carry.carry(
         st, 2, sample_once, clock.sleep, lambda: pool((100, True)), clock, lambda: T0,
         wake=Journal(clock, at={3}), brace=braces,
     )  # fmt: skip
@@ -413,8 +414,8 @@ def test_a_sample_a_look_at_the_limit_took_is_not_braced(tmp_path: Path) -> None
     reverts, sample_once = revert_seen(st, 2)
     clock, braces = Clock(), Braces()
     looks = iter([pool((100, True)), pool((950, True))])
-    bake.carry(st, 2, sample_once, clock.sleep, lambda: next(looks), clock, lambda: T0,
-               wake=Journal(clock, at=set()), brace=braces)  # fmt: skip
+    carry.carry(st, 2, sample_once, clock.sleep, lambda: next(looks), clock, lambda: T0,
+                wake=Journal(clock, at=set()), brace=braces)  # fmt: skip
     assert reverts == [None, None] and braces.entered == []
 
 
@@ -424,7 +425,7 @@ def test_a_line_that_may_not_cut_the_wait_takes_no_brace_for_the_intervals_sampl
     st = watched(tmp_path, bake_interval=1)
     reverts, sample_once = revert_seen(st, 3)
     clock, braces = Clock(), Braces()
-    bake.carry(
+    carry.carry(
         st, 2, sample_once, clock.sleep, lambda: pool((100, True)), clock, lambda: T0,
         wake=Journal(clock, at={2, 3}), brace=braces,  # the 1st: the look before the 1st sample
     )  # fmt: skip
@@ -437,8 +438,8 @@ def test_a_line_logged_before_the_carry_began_braces_its_first_sample(tmp_path: 
     reverts, sample_once = revert_seen(st, 2)
     clock, braces = Clock(), Braces()
     journal = Journal(clock, at={1})
-    bake.carry(st, 2, sample_once, clock.sleep, lambda: pool((100, True)), clock, lambda: T0,
-               wake=journal, brace=braces)  # fmt: skip
+    carry.carry(st, 2, sample_once, clock.sleep, lambda: pool((100, True)), clock, lambda: T0,
+                wake=journal, brace=braces)  # fmt: skip
     assert reverts == [Braces.REVERT, None] and braces.entered == [2]
 
 
@@ -448,7 +449,7 @@ def test_a_carry_without_a_brace_does_not_look_at_the_journal_before_its_first_s
     st = unwatched(tmp_path)
     _, sample_once = samples_until(st, 1)
     journal = Journal(Clock(), at=set())
-    bake.carry(st, 2, sample_once, lambda s: None, wake=journal)
+    carry.carry(st, 2, sample_once, lambda s: None, wake=journal)
     assert journal.waits == 0
 
 
@@ -460,8 +461,8 @@ def baked(tmp_path: Path, baseline: verdict.Baseline | None, previous: int | Non
 def test_a_hard_failure_reverts_for_sure_when_the_baseline_failed_no_request_so(
     tmp_path: Path,
 ) -> None:
-    assert bake.certain(baked(tmp_path, verdict.Baseline(1, failures={}), 1))
-    assert bake.certain(baked(tmp_path, None, 1))  # no baseline: every hard failure counts
+    assert carry.certain(baked(tmp_path, verdict.Baseline(1, failures={}), 1))
+    assert carry.certain(baked(tmp_path, None, 1))  # no baseline: every hard failure counts
 
 
 @pytest.mark.parametrize("kind", verdict.POOL_FAILURES)
@@ -469,8 +470,8 @@ def test_a_hard_failure_is_not_sure_to_revert_when_the_baseline_had_one_at_any_l
     tmp_path: Path, kind: str
 ) -> None:
     base = verdict.Baseline(1, failures={kind: {4: 1}})  # at 4 busy slots: a sample at 1 passes
-    assert not bake.certain(baked(tmp_path, base, 1))
+    assert not carry.certain(baked(tmp_path, base, 1))
 
 
 def test_a_hard_failure_is_not_sure_to_revert_with_nothing_to_put_back(tmp_path: Path) -> None:
-    assert not bake.certain(baked(tmp_path, None, None))
+    assert not carry.certain(baked(tmp_path, None, None))

@@ -34,7 +34,7 @@ from launcher.deploy import home, store
 from launcher.host import timer
 from launcher.host.systemd import Systemd
 from launcher.server import serverlog
-from launcher.watch import record, sample, textfile
+from launcher.watch import carry, record, sample, sampler, textfile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import repro
@@ -470,7 +470,7 @@ def test_a_full_disk_leaves_every_file_whole_and_the_next_sample_counts_once(
     def full(path: Path, data: bytes, mode: int) -> None:
         raise OSError(28, "No space left on device", str(path))
 
-    target = sample.Target(watched.unit, watched.state_dir, watched.root / "prom")
+    target = sampler.Target(watched.unit, watched.state_dir, watched.root / "prom")
     out = sample.sample(target, Systemd(watched.unit, "user"), write=full)
     assert not out.ok and "No space left on device" in out.errors[0]
     assert "free space" in out.errors[0] and out.wrote == []
@@ -574,7 +574,7 @@ def test_the_journal_follower_of_a_bake_reads_the_servers_failures_not_the_clien
 
 def test_the_journal_wakes_a_bake_at_a_request_the_server_failed(sandbox: Sandbox) -> None:
     unit = f"llw-wake-{os.getpid()}.service"
-    with sample.hard_failures(Systemd(unit, "user")) as wake:
+    with carry.hard_failures(Systemd(unit, "user")) as wake:
         assert wake is not None
         sandbox.log_as(unit, OVERFLOW)
         assert wake(30.0) is True

@@ -28,12 +28,13 @@ from launcher.deploy import store
 from launcher.host import procfs, timer
 from launcher.host.systemd import Systemd, UnitState
 from launcher.server import metrics
-from launcher.watch import bake, record, sample, textfile, verdict, wedge
+from launcher.watch import bake, record, sample, sampler, textfile, verdict, wedge
+from launcher.watch.reads import HEALTH_TIMEOUT, Reads
 from launcher.watch.wedge import Look
 
 PID = 4242
 RUNNING = UnitState("active", "running", "success", 0, 0, PID, None, "x", "loaded")
-NO_ANSWER = f"/health did not answer within {wedge.HEALTH_TIMEOUT:g}s (timeout)"
+NO_ANSWER = f"/health did not answer within {HEALTH_TIMEOUT:g}s (timeout)"
 
 
 def m(waiting: float = 0, **counters: float) -> metrics.Metrics:
@@ -223,17 +224,15 @@ class Server:
 
 def look(
     tmp_path: Path, now: metrics.Metrics, server: Server, answered: int = PID
-) -> tuple[int, str | None, sample.State]:
+) -> tuple[int, str | None, sampler.State]:
     st = live_generation(tmp_path, time.time() - 3600)
     gen = st.live()
     assert gen is not None
-    state = sample.State(counters=dict(BEFORE), process="start-1", answered=answered)
-    reads = sample.Reads(
-        RUNNING, metrics=now, health=(200, "ok"), process=procfs.Process("S", 60.0)
-    )
-    target = sample.Target("llama-server.service", tmp_path)
-    out = sample.Outcome(target.unit)
-    run, why = sample._wedge(target, gen, reads, state, httpx.MockTransport(server), out)
+    state = sampler.State(counters=dict(BEFORE), process="start-1", answered=answered)
+    reads = Reads(RUNNING, metrics=now, health=(200, "ok"), process=procfs.Process("S", 60.0))
+    target = sampler.Target("llama-server.service", tmp_path)
+    out = sampler.Outcome(target.unit)
+    run, why = wedge.count(target, gen, reads, state, httpx.MockTransport(server), out)
     return run, why, state
 
 
@@ -263,24 +262,24 @@ def test_a_process_that_started_after_its_gate_and_never_answered_is_loading(
     st = live_generation(tmp_path, time.time() - 3600)  # served an hour ago
     gen = st.live()
     assert gen is not None
-    state = sample.State()
-    reads = sample.Reads(RUNNING, health=(None, "timeout"), process=procfs.Process("S", 5.0))
-    assert not sample._loaded(gen, reads, state)  # a restart a minute ago: within its budget
-    old = sample.Reads(RUNNING, health=(None, "timeout"), process=procfs.Process("S", 7200.0))
-    assert sample._loaded(gen, old, state)  # it served at the gate
+    state = sampler.State()
+    reads = Reads(RUNNING, health=(None, "timeout"), process=procfs.Process("S", 5.0))
+    assert not wedge._loaded(gen, reads, state)  # a restart a minute ago: within its budget
+    old = Reads(RUNNING, health=(None, "timeout"), process=procfs.Process("S", 7200.0))
+    assert wedge._loaded(gen, old, state)  # it served at the gate
     state.answered = PID
-    assert sample._loaded(gen, reads, state)  # a sample saw it answer
+    assert wedge._loaded(gen, reads, state)  # a sample saw it answer
 
 
 def test_a_sample_during_a_deploy_is_skipped_and_keeps_the_count(tmp_path: Path) -> None:
     st = live_generation(tmp_path, time.time())
-    target = sample.Target("llama-server.service", tmp_path)
+    target = sampler.Target("llama-server.service", tmp_path)
     target.folder.mkdir(parents=True)
-    sample.state_path(target).write_bytes(sample.State(wedged=[PID, 2]).to_bytes())
+    sampler.state_path(target).write_bytes(sampler.State(wedged=[PID, 2]).to_bytes())
     st.begin({"phase": "swapped"})  # this process is the deployer
     out = sample.sample(target, Systemd("llama-server.service", "user"))
     assert out.skipped is not None and "a deploy" in out.skipped
-    assert sample.load_state(target)[0].wedged == [PID, 2]
+    assert sampler.load_state(target)[0].wedged == [PID, 2]
 
 
 # -- a SIGSTOPped llama-server under the sandboxed systemd -------------------------------------

@@ -14,23 +14,23 @@ from launcher.cli.results import emit
 from launcher.host import notify
 
 if TYPE_CHECKING:
-    from launcher.watch.sample import Outcome
+    from launcher.watch.sampler import Outcome
 
 
 def cmd_sample(ns: argparse.Namespace) -> int:
     from launcher.host.systemd import Systemd
-    from launcher.watch import sample
+    from launcher.watch import sample, sampler
 
     if ns.unit and ns.scope and ns.state_dir:
         # as the sampler's timer runs it, with the unit, its scope and its state folder that
         # install resolved: no settings are read (their typed config's import would be most
         # of a sample's CPU time)
         unit = ns.unit if "." in ns.unit else f"{ns.unit}.service"
-        target = sample.Target(unit, ns.state_dir.absolute(), ns.textfile_dir, ns.base_url)
+        target = sampler.Target(unit, ns.state_dir.absolute(), ns.textfile_dir, ns.base_url)
         systemd = Systemd(unit, ns.scope)
     else:
         settings = settings_from(ns)
-        target = sample.target_for(settings, ns.textfile_dir)
+        target = sampler.target_for(settings, ns.textfile_dir)
         systemd = Systemd(settings.unit_name, settings.scope)
     if ns.wedged_samples is not None:
         from launcher.errors import ConfigInvalid
@@ -79,8 +79,10 @@ def _through_bake(target: Any, systemd: Any, as_json: bool) -> int:
         notify.ready()  # after the first sample; systemd ignores the ones after
         return out
 
-    final = sample.carry(target, systemd, st, found[0], once)
-    if final is not None and final.verdict is not None and final.verdict.signal == bake.UNJUDGED:
+    from launcher.watch import carry
+
+    final = carry.on_unit(target, systemd, st, found[0], once)
+    if final is not None and final.verdict is not None and final.verdict.signal == carry.UNJUDGED:
         _warn(bake.say(final))  # no sample said it: the carry ended it
     return worst[0]
 

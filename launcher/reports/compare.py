@@ -16,7 +16,7 @@ from typing import Any
 from launcher import config
 from launcher.config import argv_diff
 from launcher.deploy import home, store
-from launcher.watch import record, sample
+from launcher.watch import record, sampler
 
 MIN_REQUESTS = 20
 MIN_SAMPLES = 5
@@ -54,7 +54,7 @@ def lacks(s: dict[str, Any]) -> list[str]:
 
 def compare(settings: config.ToolSettings, a: int, b: int) -> dict[str, Any]:
     st = store.Store(home.state_dir(settings))
-    tail = sample.last_run(sample.target_for(settings))
+    tail = sampler.last_run(sampler.target_for(settings))
     live = st.live_number()
     sides: dict[int, dict[str, Any]] = {}
     for n in (a, b):

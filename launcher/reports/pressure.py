@@ -2,7 +2,7 @@
 last hour and each generation's headline figures from the live records (``history``), and
 what the records say about the pool at each failure (``diagnose --unit``).
 
-"Now" is read from the server itself (``GET /slots``, ``launcher.watch.sample.read_server``)
+"Now" is read from the server itself (``GET /slots``, ``launcher.watch.reads.read_server``)
 at the moment of the view, so ``status`` and ``top`` show what ``/slots`` says; the peaks
 come from the samples the sampler recorded.
 """
@@ -16,7 +16,8 @@ from launcher.deploy import store
 from launcher.errors import StoreError
 from launcher.host.systemd import Systemd
 from launcher.server import metrics
-from launcher.watch import record, sample
+from launcher.watch import record, sampler
+from launcher.watch.reads import pressure_of, read_server
 
 if TYPE_CHECKING:  # a sample prints its pool with pool_lines, without the typed config
     from launcher import config
@@ -25,7 +26,7 @@ HOUR = 3600
 
 
 def snapshot(
-    target: sample.Target,
+    target: sampler.Target,
     systemd: Systemd,
     st: store.Store,
     previous: dict[str, Any] | None = None,
@@ -36,8 +37,8 @@ def snapshot(
     data: dict[str, Any] = {"unit": target.unit, "generation": live.number if live else None}
     if live is None:
         return data
-    reads = sample.read_server(target, systemd, live)
-    p = sample.pressure_of(live, reads)
+    reads = read_server(target, systemd, live)
+    p = pressure_of(live, reads)
     data.update(
         {
             "time": time.time(),
@@ -50,7 +51,7 @@ def snapshot(
             "counters": reads.metrics.counters if reads.metrics else None,
             "process": reads.metrics.process_start if reads.metrics else None,
             "last_hour": last_hour(live),
-            "last_sample": sample.last_run(target),
+            "last_sample": sampler.last_run(target),
         }
     )
     data["rates"] = _rates(previous, data)
@@ -84,7 +85,7 @@ def last_hour(gen: store.Generation, now: float | None = None) -> dict[str, Any]
 
 def status_of(settings: config.ToolSettings, systemd: Systemd) -> dict[str, Any]:
     """``status``'s live pool section."""
-    target = sample.target_for(settings)
+    target = sampler.target_for(settings)
     return snapshot(target, systemd, store.Store(target.state_dir))
 
 
@@ -92,7 +93,7 @@ class Top:
     """``top``'s frames: each a snapshot, with the rates since the one before."""
 
     def __init__(self, settings: config.ToolSettings, systemd: Systemd) -> None:
-        self.target = sample.target_for(settings)
+        self.target = sampler.target_for(settings)
         self.systemd = systemd
         self.store = store.Store(self.target.state_dir)
         self.previous: dict[str, Any] | None = None

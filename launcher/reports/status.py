@@ -16,7 +16,7 @@ from launcher.errors import LauncherError, StoreError
 from launcher.host import envfile, launch
 from launcher.host.systemd import Systemd
 from launcher.reports import pressure
-from launcher.watch import bake, sample, wedge
+from launcher.watch import bake, sampler, wedge
 
 
 def status(settings: config.ToolSettings, systemd: Systemd | None = None) -> dict[str, Any]:
@@ -235,7 +235,7 @@ def status_text(d: dict[str, Any]) -> str:
 def history(settings: config.ToolSettings) -> dict[str, Any]:
     st = store.Store(home.state_dir(settings))
     live = st.live_number()
-    tail = sample.last_run(sample.target_for(settings))
+    tail = sampler.last_run(sampler.target_for(settings))
     out: list[dict[str, Any]] = []
     argvs: dict[int, list[str]] = {}
     for gen in st.all():

@@ -18,7 +18,7 @@ timer's next tick (a minute away), because a bad config fails in its first secon
   first sample is taken there and a revert runs under that lock (``_first_moments``), and
   the verb's outcome is ``reverted``. Then the announcement goes, and the carrier carries
   the bake, following the process's journal from its first line and watching its pool
-  (``launcher.watch.sample.carry``).
+  (``launcher.watch.carry.on_unit``).
 
 A bake needs its carrier: ``require_carrier`` refuses ``--bake`` on a unit whose sampler
 units are not installed (exit 2, nothing changed), before the deploy.
@@ -48,7 +48,7 @@ from launcher.errors import ConfigInvalid, LauncherError, StoreError
 from launcher.host import timer
 from launcher.host.systemd import Systemd
 from launcher.server import serverlog
-from launcher.watch import bake, revert, sample, verdict
+from launcher.watch import bake, carry, revert, sample, sampler, verdict
 
 #: How often ``--wait`` reads the bake's record, and checks that its carrier runs.
 POLL = 0.2
@@ -163,12 +163,12 @@ class Lookout:
     """The deploy's own watch of its new process, from its gate until its bake begins: the
     carrier cannot hold the front while the deploy holds the unit's lock, and a bad config
     fails in these moments (clients' requests just sent to it). A thread follows the
-    process's journal (``sample.hard_failures``'s pattern) and at the first hard failure
+    process's journal (``carry.hard_failures``'s pattern) and at the first hard failure
     holds the front, as the early hold does (``launcher.watch.revert.EarlyHold``), under the
     lock this deploy holds, once the handover no longer touches the front's hold (``free``:
     the phase ``released`` after a hold, ``serving`` when the switch back sends requests to
     the unit); ``_first_moments`` then judges it. Only for a bake a hard failure reverts for
-    sure (``bake.certain``), behind a front whose release watcher is installed."""
+    sure (``carry.certain``), behind a front whose release watcher is installed."""
 
     def __init__(self, d: Deployer, front: Front, pid: int, seconds: float) -> None:
         self.systemd, self.front, self.pid, self.seconds = d.systemd, front, pid, seconds
@@ -190,7 +190,7 @@ class Lookout:
             front = Front(d.store.root, d.settings.unit_name, d.settings.scope)
             if front.spec() is None or handover.watcher_missing(front) is not None:
                 return None
-            if not bake.certain(bake.plan(d.settings, d.store, to, previous)):
+            if not carry.certain(bake.plan(d.settings, d.store, to, previous)):
                 return None
             pid = d.systemd.state().main_pid
             drain = min(d.settings.drain_timeout, d.settings.bake_drain)
@@ -243,7 +243,7 @@ def _first_moments(d: Deployer, result: Result, held: dict[str, Any]) -> None:
             done = revert.revert(b.generation, b.previous, b.settings, b.policy.drain, why, True)
             return {**done, "early_hold": held}
 
-        sample.sample(sample.target_for(d.settings), d.systemd, revert=rev)
+        sample.sample(sampler.target_for(d.settings), d.systemd, revert=rev)
         b = bake.load(gen.path)
         if b is not None and not b.running:
             data["verdict"] = {**b.view(), "line": bake.say(b)}
@@ -344,7 +344,7 @@ def wait_for(
 
 def _patience(b: bake.Bake) -> float:
     """How long past its deadline a bake may still get its verdict: the carrier's patience
-    (``bake._Patience``, three times its grace when another sample holds the lock) and a
+    (``carry._Patience``, three times its grace when another sample holds the lock) and a
     revert's transaction."""
     grace = b.policy.unread_limit * b.policy.interval
     return 3 * grace + b.policy.interval + 600.0

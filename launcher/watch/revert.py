@@ -11,7 +11,7 @@ fails is the rollback's own failure: ``rolled_back`` (the old config failed its 
 baked one serves again) or ``rollback_failed`` (the double fault: neither serves).
 
 The early hold (``EarlyHold``): when the journal's line of a hard failure wakes the bake
-and that failure is certain to revert (``launcher.watch.bake.certain``), the front is held
+and that failure is certain to revert (``launcher.watch.carry.certain``), the front is held
 at once, under the unit's deploy lock, before the sample that judges it reads anything: the
 agents' next requests (a client sends again a moment after its stream failed) wait at the
 front instead of reaching the failing config while the sample reads and the revert
@@ -104,8 +104,8 @@ def kept(result: Result) -> dict[str, Any]:
 
 
 class EarlyHold:
-    """Around the sample a journal line of a hard failure woke (``launcher.watch.bake.carry``
-    calls it) when that failure reverts the bake for sure (``bake.certain``): the unit's
+    """Around the sample a journal line of a hard failure woke (``launcher.watch.carry.carry``
+    calls it) when that failure reverts the bake for sure (``carry.certain``): the unit's
     deploy lock taken (never waited for: a deploy under way has it) and the front held for
     one deploy's budget; it yields the revert to judge with (it runs under this lock), or
     None (nothing held: the sample judges as any other; the bake's notes say why). On the

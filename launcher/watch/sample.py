@@ -1,17 +1,17 @@
-"""One live sample of a unit: read, aggregate into the live generation's record, write the
-metrics file, warn.
+"""One live sample of a unit: read, aggregate into the live generation's record, judge a
+running bake on it, write the metrics file, warn.
 
 What one sample reads, each source on its own (one that cannot be read is named in the
-outcome, and the others go on): the unit's state (``systemctl show``), llama-server's
-``GET /health`` (bounded), ``GET /slots`` and ``GET /metrics`` (counters only:
-``launcher.server.metrics``), the process's ``/proc/PID/status`` (``RssAnon + VmSwap``) and
-``/proc/PID/stat``, and the unit's journal since the cursor of the sample before
-(``launcher.host.journalread``). It adds what changed to the live generation's record
-(``launcher.watch.record``) and writes nothing when nothing did; it keeps its own state (the
-counters, the journal cursor, the process it counted for) in
-``STATE_DIR/watch/sampler.json``, whose mtime is the time of the last sample. A server that
-lives but does not answer is counted, and restarted after ``wedged_samples`` such samples
-in a row (``launcher.watch.wedge``).
+outcome, and the others go on): the unit's state, llama-server's ``/health``, ``/slots``
+and ``/metrics``, the process's ``/proc`` files, the unit's journal since the cursor of the
+sample before, and the front's 5xx counters (``launcher.watch.reads``). It adds what
+changed to the live generation's record (``launcher.watch.record``) and writes nothing when
+nothing did; it keeps its own state (the counters, the journal cursor, the process it
+counted for) in ``STATE_DIR/watch/sampler.json``, whose mtime is the time of the last
+sample (``launcher.watch.sampler``). A server that lives but does not answer is counted,
+and restarted after ``wedged_samples`` such samples in a row (``launcher.watch.wedge``). The
+live generation's running bake is judged on the sample (``launcher.watch.bake.step``);
+``launcher.watch.carry`` takes one sample after another while it runs.
 
 The deploy and the sampler: the sampler never takes the unit's deploy lock, so a deploy
 never waits for it. It takes a lock of its own (``STATE_DIR/watch/lock``, never waited
@@ -24,210 +24,37 @@ whole, as it was, and is named in the outcome.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import errno
-import fcntl
-import json
 import os
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 
-from launcher import waits
-from launcher.deploy import budgets, home, keys, store
-from launcher.deploy.restart import front
-from launcher.errors import LauncherError, ProbeError, StoreError, Unreadable
-from launcher.host import journalread, procfs
-from launcher.host.systemd import Follower, Systemd, UnitState
-from launcher.server import httpclient, metrics, probe, serverlog, slots
-from launcher.server.httpclient import url_from_argv
+from launcher.deploy import store
+from launcher.errors import StoreError
+from launcher.host import journalread
+from launcher.host.systemd import Systemd, UnitState
+from launcher.server import metrics, serverlog, slots
 from launcher.watch import bake, record, textfile, verdict, wedge
-
-if TYPE_CHECKING:
-    from launcher.config import ToolSettings
+from launcher.watch.reads import Reads, pressure_of, process_of, read_all
+from launcher.watch.sampler import (
+    Outcome,
+    State,
+    Target,
+    default_writer,
+    deploying,
+    load_state,
+    own_lock,
+    state_path,
+)
 
 #: Warn when the pool, or a slot's cap, is this full; warn again only after it fell under
 #: ``CLEAR_AT``.
 WARN_AT = 0.9
 CLEAR_AT = 0.8
-#: The HTTP timeout of one read: /slots and /metrics are high-priority tasks, answered
-#: between two decode batches.
-HTTP_TIMEOUT = 10.0
-#: A look at /slots between a bake's samples (``look``): short, a look never holds a sample up
-LOOK_TIMEOUT = 1.0
-#: The 1-token completion of the wedge rules is sent once, never retried: it has its bound
-ONCE = waits.Waits(probe_retry=(1, 0.0))
-
-
-def default_writer(path: Path, data: bytes, mode: int) -> None:
-    """Atomic replace (temp file in the same folder, rename), not fsynced: a killed sampler
-    leaves the old file or the new one; a power loss may cost the last samples."""
-    store.atomic_write(path, data, mode, durable=False)
-
-
-@dataclass(frozen=True)
-class Target:
-    """The unit a sample watches, and where its files are."""
-
-    unit: str
-    state_dir: Path
-    textfile_dir: Path | None = None
-    base_url: str | None = None
-    #: wedged samples in a row that restart the unit (``launcher.watch.wedge``; 0: off)
-    wedged_samples: int = wedge.SAMPLES
-
-    @property
-    def folder(self) -> Path:
-        return self.state_dir / "watch"
-
-
-def target_for(settings: ToolSettings, textfile_dir: Path | None = None) -> Target:
-    """The unit of ``settings``, its one state folder (``launcher.deploy.home``), and the
-    metrics folder (``textfile_dir``, else the setting ``metrics_textfile_dir``)."""
-    return Target(
-        unit=settings.unit_name,
-        state_dir=home.state_dir(settings),
-        textfile_dir=textfile_dir or settings.metrics_textfile_dir,
-        base_url=settings.base_url,
-        wedged_samples=settings.wedged_samples,
-    )
-
-
-@dataclass
-class Outcome:
-    """What one sample did (``--json`` prints ``to_dict``)."""
-
-    unit: str
-    generation: int | None = None
-    skipped: str | None = None
-    unread: dict[str, str] = field(default_factory=dict)
-    lost: str | None = None
-    wrote: list[str] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-    pressure: dict[str, Any] | None = None
-    counts: dict[str, float] = field(default_factory=dict)
-    decode_tps: float | None = None
-    #: the live generation's bake after this sample (``launcher.watch.bake``)
-    bake: dict[str, Any] | None = None
-    #: a wedged sample (``launcher.watch.wedge``): samples in a row, the limit, why, and
-    #: whether this sample restarted the unit
-    wedged: dict[str, Any] | None = None
-    seconds: float = 0.0
-
-    @property
-    def ok(self) -> bool:
-        return not self.errors
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"ok": self.ok, **self.__dict__}
-
-
-# -- the sampler's own state -------------------------------------------------------------------
-
-
-@dataclass
-class State:
-    """What the next sample needs of this one (``sampler.json``)."""
-
-    generation: int | None = None
-    pid: int = 0
-    process: str | None = None
-    counters: dict[str, float] = field(default_factory=dict)
-    cursor: str | None = None
-    n_restarts: int | None = None
-    #: the boot the pid and NRestarts were read in (``bake.boot_id``)
-    boot: str | None = None
-    #: the front's HAProxy as last read: [its identity, 5xx it sent, 5xx the server sent]
-    front: list[Any] | None = None
-    #: what was warned about and has not fallen under CLEAR_AT since ("pool", "slot 2")
-    warned: list[str] = field(default_factory=list)
-    decode_tps: float | None = None
-    unread: dict[str, str] = field(default_factory=dict)
-    #: the counts of the generations before the live one (the metrics' totals)
-    past: dict[str, float] | None = None
-    #: generation number -> outcome, and the newest deploy's time and duration
-    outcomes: dict[str, str] = field(default_factory=dict)
-    last_deploy: list[float | None] = field(default_factory=lambda: [None, None])
-    #: the wedged samples in a row: [the process's pid, how many] (empty: none)
-    wedged: list[Any] = field(default_factory=list)
-    #: the last process a sample saw answer /health 200 (past its load)
-    answered: int = 0
-    #: the unit's restarts by the wedge rules, since this state began (the metrics' counter)
-    wedged_restarts: int = 0
-
-    def to_bytes(self) -> bytes:
-        return json.dumps(self.__dict__, sort_keys=True, separators=(",", ":")).encode()
-
-
-def state_path(target: Target) -> Path:
-    return target.folder / "sampler.json"
-
-
-def load_state(target: Target) -> tuple[State, float | None]:
-    """The state of the sample before, and when it ran (the file's mtime)."""
-    path = state_path(target)
-    try:
-        data = json.loads(path.read_bytes())
-        known = State.__dataclass_fields__
-        state = State(**{k: v for k, v in data.items() if k in known})
-        if not isinstance(state.warned, list):
-            state.warned = []
-        if not isinstance(state.wedged, list):
-            state.wedged = []
-        return state, path.stat().st_mtime
-    except FileNotFoundError:
-        return State(), None
-    except (OSError, ValueError, TypeError):
-        return State(), None  # damaged: counted afresh from the live generation's start
-
-
-def last_run(target: Target) -> float | None:
-    """When the last sample ran (None: never)."""
-    try:
-        return state_path(target).stat().st_mtime
-    except OSError:
-        return None
-
-
-@contextlib.contextmanager
-def own_lock(folder: Path) -> Iterator[bool]:
-    """The sampler's own lock, never waited for: False when another sample holds it."""
-    fd = os.open(folder / "lock", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            if e.errno in (errno.EAGAIN, errno.EACCES):
-                yield False
-                return
-            raise
-        yield True
-    finally:
-        os.close(fd)
-
-
-def deploying(st: store.Store) -> bool:
-    """A deploy is in progress: its transaction record is there and its deployer lives (a
-    killed deployer's record waits for the next command; sampling goes on meanwhile)."""
-    txn = st.txn()
-    if not txn:
-        return False
-    try:
-        pid = int(txn.get("pid") or 0)
-        if pid <= 0:
-            return False
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (OSError, ValueError):
-        return True
-    return True
 
 
 def deployed_at(gen: store.Generation) -> float:
@@ -236,27 +63,6 @@ def deployed_at(gen: store.Generation) -> float:
 
 
 # -- one sample ------------------------------------------------------------------------------
-
-
-@dataclass
-class Reads:
-    """What one read of the unit found (``read_server``; the sampler adds the journal)."""
-
-    unit: UnitState
-    slots: list[slots.Slot] | None = None
-    metrics: metrics.Metrics | None = None
-    memory: procfs.Memory | None = None
-    journal: journalread.Read = field(default_factory=journalread.Read)
-    unread: dict[str, str] = field(default_factory=dict)
-    #: /health within ``wedge.HEALTH_TIMEOUT``: (status, detail) as ``probe.health`` says
-    health: tuple[int | None, str] | None = None
-    #: the main process's state and age (``procfs.process``)
-    process: procfs.Process | None = None
-    #: the HTTP sources that did not answer at all (a timeout, no connection), not refused
-    silent: set[str] = field(default_factory=set)
-    #: the front's HAProxy, when the unit has one: (identity, 5xx sent to clients, 5xx the
-    #: server sent it), from ``show stat``
-    front: tuple[str, int, int] | None = None
 
 
 def sample(
@@ -270,7 +76,8 @@ def sample(
 ) -> Outcome:
     """Take one sample of ``target`` (see the module docstring); a running bake of the live
     generation is judged on it (``launcher.watch.bake.step``; ``revert``: the revert;
-    ``peak``: the fullest look at the slots since the sample before, ``bake.carry``'s)."""
+    ``peak``: the fullest look at the slots since the sample before, the carry's:
+    ``launcher.watch.carry``)."""
     t0 = time.monotonic()
     out = Outcome(target.unit)
     try:
@@ -312,11 +119,11 @@ def _sample(
     store.sweep_temp([target.folder, gen.path, *filter(None, [target.textfile_dir])])
     # the journal from the last sample on; a generation's first sample from its deploy
     since = before if before and state.generation == live else deployed_at(gen)
-    reads = _read(target, systemd, gen, state, since, transport)
+    reads = read_all(target, systemd, gen, state.cursor, since, transport)
     if st.live_number() != live or deploying(st):
         out.skipped = "a deploy began while the sample read: its reads were thrown away"
         return
-    run, why = _wedge(target, gen, reads, state, transport, out)  # before _delta: the counters
+    run, why = wedge.count(target, gen, reads, state, transport, out)  # before _delta: the counters
     previous = _close_previous(st, state, gen, reads, write, out)
     rec = record.load(gen.path, live, repair=True)
     rec.begin(bake.served_from(gen))
@@ -338,10 +145,12 @@ def _sample(
     hard = f"{run} samples in a row: {why}" if due else None
     judged = _judge(gen, rec, delta, reads, out, revert, pressure, peak, hard, why is not None)
     if due and not _reverted(judged):
-        _restart(target, systemd, st, live, state, write, out)
+        wedge.restart(
+            target, systemd, st, live, state, out, lambda: _save_state(target, state, write, out)
+        )
     _settle(target, st, out)
     textfile.bake_lines(st, page)  # after the judge: the file says this sample's verdict
-    _wedge_lines(state, page)
+    wedge.page_lines(state, page)
     textfile.publish_page(target.textfile_dir, page, write, out)
 
 
@@ -410,162 +219,6 @@ def _settle(target: Target, st: store.Store, out: Outcome) -> None:
         out.warnings.append(bake.say(b))
 
 
-def read_server(
-    target: Target,
-    systemd: Systemd,
-    gen: store.Generation,
-    transport: httpx.BaseTransport | None = None,
-) -> Reads:
-    """The unit's state, and when it runs its server's /health, /slots and /metrics and its
-    process's memory and state: each source on its own (``Reads.unread`` says which could
-    not be read, why). A server whose /health does not answer within
-    ``wedge.HEALTH_TIMEOUT`` is not asked for /slots and /metrics (nor for /metrics when
-    /slots did not answer: the server's loop answers both), so that a wedged server's
-    sample takes about that long, not their timeouts."""
-    reads = Reads(systemd.state())
-    if reads.unit.running:
-        try:
-            key = keys.key_of_env(gen.env_text, str(gen.path / "env"))
-        except LauncherError as e:  # the key file went away: read without, and say why
-            key = None
-            reads.unread["key"] = str(e)
-        with _client(target, gen, key, transport) as client:
-            _read_http(reads, client)
-        if reads.slots and any(s.tokens is None for s in reads.slots):
-            reads.unread["slots"] = (
-                f"this build's /slots has no {slots.TOKENS_FIELD} (it came with "
-                f"b{slots.TOKENS_SINCE}): what the slots hold and the pool use are unknown"
-            )
-        reads.memory = _try(reads, "proc", lambda: procfs.memory(reads.unit.main_pid))
-        reads.process = _try(reads, "proc", lambda: procfs.process(reads.unit.main_pid))
-    else:
-        why = f"{target.unit} is {reads.unit.active}/{reads.unit.sub}: the server is down"
-        reads.unread.update({"slots": why, "metrics": why, "proc": why})
-    return reads
-
-
-def _read_http(reads: Reads, client: httpx.Client) -> None:
-    reads.health = probe.health(client, wedge.HEALTH_TIMEOUT)
-    status, detail = reads.health
-    if status is None:
-        why = f"skipped: /health did not answer within {wedge.HEALTH_TIMEOUT:g}s ({detail})"
-        reads.unread.update({"slots": why, "metrics": why})
-        reads.silent.update({"slots", "metrics"})
-        return
-    reads.slots = _try(reads, "slots", lambda: slots.read(client))
-    if "slots" in reads.silent:
-        why = f"skipped: /slots did not answer ({reads.unread['slots']}); the server's loop "
-        reads.unread["metrics"] = why + "answers /metrics alike"
-        reads.silent.add("metrics")
-        return
-    reads.metrics = _try(reads, "metrics", lambda: metrics.read(client))
-
-
-def _client(
-    target: Target,
-    gen: store.Generation,
-    key: str | None,
-    transport: httpx.BaseTransport | None,
-    timeout: float = HTTP_TIMEOUT,
-) -> httpx.Client:
-    url = target.base_url or url_from_argv(list(gen.meta.get("argv") or []))
-    return httpclient.client(httpx.Client, url, key, timeout, transport, False)
-
-
-def look(
-    target: Target, gen: store.Generation, transport: httpx.BaseTransport | None = None
-) -> slots.Pressure:
-    """The slots alone, now (``GET /slots``: no journal, no unit, no record): the bake's
-    looks at an over-committed pool between its samples (``launcher.watch.bake.carry``).
-    Raises ``LauncherError`` when they cannot be read."""
-    key = keys.key_of_env(gen.env_text, str(gen.path / "env"))
-    with _client(target, gen, key, transport, LOOK_TIMEOUT) as client:
-        return slots.Pressure(slots.read(client), (gen.meta.get("planned") or {}).get("pool_cells"))
-
-
-@contextlib.contextmanager
-def hard_failures(systemd: Systemd) -> Iterator[Callable[[float], bool] | None]:
-    """A wait that the unit's journal cuts short (``Systemd.follow`` with a pattern): ``wake(s)``
-    waits up to ``s`` seconds and returns True as soon as the server logs a request it
-    failed itself (``serverlog.HARD_FAILURE_GREP``), so a bake samples at once, not at its
-    next interval (``launcher.watch.bake.carry``). It follows the running process's lines
-    from its start (``_process_follower``), so one it logged before the carry began (an
-    overflow between the front's release and the bake's start) wakes it at once. The
-    journal is read in place, so a new line wakes it within ``launcher.host.sdjournal.POLL``
-    (journalctl -f, the fallback, hears of one only every 250 ms: ``scripts/bench-journal``).
-    None when the journal cannot be followed (or no start found: it would replay the whole
-    journal); a follower that ends (a journalctl without PCRE2) leaves plain sleeps."""
-    try:
-        follower = _process_follower(systemd)
-    except LauncherError:
-        follower = None
-    if follower is None:
-        yield None
-        return
-    with follower:
-
-        def wake(seconds: float) -> bool:
-            end = time.monotonic() + seconds
-            while (left := end - time.monotonic()) > 0:
-                if follower.ended:
-                    time.sleep(left)
-                    return False
-                if follower.read(left):
-                    return True
-            return False
-
-        yield wake
-
-
-def _process_follower(systemd: Systemd) -> Follower | None:
-    """The unit's running process's hard failures, from its first line: matched by its pid
-    (a user manager's units have no ``_SYSTEMD_INVOCATION_ID`` in the journal where journald
-    cannot read the invocation from the cgroup); with none running, from its invocation's
-    first entry, or the journal's end. None when no cursor can be had (it would replay the
-    whole journal)."""
-    state = systemd.state()
-    if state.running and state.main_pid > 0:
-        return systemd.follow(None, grep=serverlog.HARD_FAILURE_GREP, pid=state.main_pid)
-    # no process (yet): from its invocation's first entry, or the journal's end
-    invocation = state.invocation_id
-    cursor = systemd.invocation_cursor(invocation) if invocation else systemd.cursor()
-    return systemd.follow(cursor, grep=serverlog.HARD_FAILURE_GREP) if cursor else None
-
-
-def carry(
-    target: Target,
-    systemd: Systemd,
-    st: store.Store,
-    gen: store.Generation,
-    sample_once: bake.SampleOnce,
-) -> bake.Bake | None:
-    """``bake.carry`` of ``gen``'s bake on the live unit: its looks at the slots, the
-    sampler's lock, the journal's wake and, when a hard failure reverts it for sure
-    (``bake.certain``) and the unit has a front, the early hold at the journal's line
-    (what the sampler's service and ``deploy --wait`` carry it with)."""
-    with hard_failures(systemd) as wake:
-        return bake.carry(
-            st,
-            gen.number,
-            sample_once,
-            look=lambda: look(target, gen),
-            lock=lambda: own_lock(target.folder),
-            wake=wake,
-            brace=_early_hold(gen) if wake is not None else None,
-        )
-
-
-def _early_hold(gen: store.Generation) -> bake.Brace | None:
-    """The early hold for ``gen``'s bake (``launcher.watch.revert.EarlyHold``), when one may
-    come: made now, the deployer's modules imported now, not at the journal's line."""
-    b = bake.load(gen.path)
-    if b is None or not b.running or not bake.certain(b):
-        return None
-    from launcher.watch import revert
-
-    return revert.EarlyHold.of(b)
-
-
 def default_revert(b: bake.Bake, why: verdict.Verdict) -> dict[str, Any]:
     """The revert a bake's revert verdict runs (``launcher.watch.revert.revert``): imported
     when a revert is decided, since the deployer's typed config is most of a sample's CPU
@@ -574,202 +227,6 @@ def default_revert(b: bake.Bake, why: verdict.Verdict) -> dict[str, Any]:
 
     assert b.previous is not None
     return revert.revert(b.generation, b.previous, b.settings, b.policy.drain, why)
-
-
-def pressure_of(gen: store.Generation, reads: Reads) -> slots.Pressure | None:
-    """The pool and the slots now, against the generation's planned pool."""
-    if reads.slots is None:
-        return None
-    return slots.Pressure(reads.slots, (gen.meta.get("planned") or {}).get("pool_cells"))
-
-
-def _read(
-    target: Target,
-    systemd: Systemd,
-    gen: store.Generation,
-    state: State,
-    since: float,
-    transport: httpx.BaseTransport | None,
-) -> Reads:
-    reads = read_server(target, systemd, gen, transport)
-    try:
-        reads.journal = journalread.since(target.unit, state.cursor, since, systemd.run)
-    except LauncherError as e:
-        reads.unread["journal"] = str(e)
-    the_front = front.Front(target.state_dir, target.unit, systemd.scope)
-    if the_front.spec() is not None:
-        try:
-            reads.front = front_5xx(the_front)
-        except LauncherError as e:
-            reads.unread["front"] = str(e)
-    return reads
-
-
-def front_5xx(the_front: front.Front) -> tuple[str, int, int]:
-    """The front's HAProxy (its identity: a restart sets its counters back) and its
-    ``hrsp_5xx`` counters: the frontend's (every 5xx a client got) and the server's (the
-    ones llama-server sent, which its journal already counts as failed requests)."""
-    identity = the_front.identity()
-    rows = the_front.stats()
-    sent = rows.get((front.FRONTEND, "FRONTEND"), {}).get("hrsp_5xx") or 0
-    server = sum(
-        int(rows.get((front.BACKEND, name), {}).get("hrsp_5xx") or 0)
-        for name in front.SERVERS.values()
-    )
-    return identity, int(sent), server
-
-
-def _front_failures(reads: Reads, state: State) -> int:
-    """Requests the front failed itself since the last sample (a 502 when the server cut
-    the connection, a 503 with no server, a 504): the 5xx clients got beyond those the
-    server sent. From zero for an HAProxy not seen before (a restart sets them back)."""
-    if reads.front is None:
-        return 0
-    identity, sent, server = reads.front
-    prev = state.front if state.front and state.front[0] == identity else None
-    state.front = [identity, sent, server]
-    if prev is None:
-        return 0
-    return max(0, (sent - int(prev[1])) - (server - int(prev[2])))
-
-
-def _try(reads: Reads, source: str, fn: Callable[[], Any]) -> Any:
-    try:
-        return fn()
-    except Unreadable as e:
-        reads.unread[source] = str(e)
-        if isinstance(e.__cause__, httpx.TransportError):
-            reads.silent.add(source)
-        return None
-
-
-# -- a wedged server (launcher.watch.wedge) --------------------------------------------------
-
-
-def _wedge(
-    target: Target,
-    gen: store.Generation,
-    reads: Reads,
-    state: State,
-    transport: httpx.BaseTransport | None,
-    out: Outcome,
-) -> tuple[int, str | None]:
-    """This sample under the wedge rules: the wedged samples in a row with it, and why it
-    is one (None: it is not). Sends the 1-token completion when the rules ask for it. Runs
-    before ``_delta``: it compares /metrics' counters with the sample before's."""
-    unit = reads.unit
-    if reads.health is not None and reads.health[0] == 200:
-        state.answered = unit.main_pid
-    look = _look_of(gen, reads, state) if unit.running and target.wedged_samples else None
-    if look is not None and look.suspect:
-        look = dataclasses.replace(look, completion=_completes(target, gen, transport))
-    why = wedge.judge(look)
-    run = wedge.run_of(state.wedged, unit.main_pid, why)
-    state.wedged = [unit.main_pid, run] if run else []
-    if why is not None:
-        limit = target.wedged_samples
-        out.wedged = {
-            "pid": unit.main_pid,
-            "samples": run,
-            "limit": limit,
-            "why": why,
-            "restarted": False,
-        }
-        if not wedge.due(run, limit):
-            out.warnings.append(
-                f"{target.unit}: the server (pid {unit.main_pid}) lives but does not answer: "
-                f"{why}; wedged sample {run} in a row, restarted at {limit}"
-            )
-    return run, why
-
-
-def _look_of(gen: store.Generation, reads: Reads, state: State) -> wedge.Look:
-    status, detail = reads.health or (None, "not read")
-    m = reads.metrics
-    before = state.counters if m is not None and state.process == _process_of(reads) else None
-    silent = "metrics" in reads.silent and reads.slots is None
-    return wedge.Look(
-        health=status,
-        detail=detail,
-        zombie=reads.process is not None and reads.process.zombie,
-        loaded=_loaded(gen, reads, state),
-        loop=wedge.loop_of(m, silent, before),
-    )
-
-
-def _loaded(gen: store.Generation, reads: Reads, state: State) -> bool:
-    """The unit's process is past its load: a sample saw it answer /health 200, it served
-    when its generation's gate passed (it started before), or it is older than its start
-    budget (sized by the generation's last load: ``launcher.deploy.budgets``). A process
-    whose age cannot be read counts only once a sample saw it answer."""
-    if state.answered == reads.unit.main_pid:
-        return True
-    if reads.process is None:
-        return False
-    if time.time() - reads.process.age < bake.served_from(gen):
-        return True
-    b = budgets.for_deploy(waits.Waits(), budgets.Load.of_meta(gen.meta))
-    return reads.process.age > b.start + b.health
-
-
-def _completes(
-    target: Target, gen: store.Generation, transport: httpx.BaseTransport | None
-) -> bool | None:
-    """Whether a 1-token completion comes back within ``wedge.COMPLETION_TIMEOUT``: any
-    HTTP answer counts, an error too (None: it could not be sent)."""
-    try:
-        key = keys.key_of_env(gen.env_text, str(gen.path / "env"))
-        url = target.base_url or url_from_argv(list(gen.meta.get("argv") or []))
-        with probe.Probe(url, key, transport, ONCE) as p:
-            p.chat(wedge.COMPLETION_TIMEOUT, max_tokens=1)
-    except ProbeError as e:
-        return not isinstance(e.__cause__, httpx.TransportError)
-    except LauncherError:
-        return None
-    return True
-
-
-def _restart(
-    target: Target,
-    systemd: Systemd,
-    st: store.Store,
-    live: int,
-    state: State,
-    write: record.Writer,
-    out: Outcome,
-) -> None:
-    """Restart the wedged unit (``systemctl restart --no-block``: systemd stops it, with
-    ``SIGCONT`` and, at ``TimeoutStopSec``, ``SIGKILL``; the next sample sees the new
-    process) and record why: the live generation's meta, the journal, the metrics. Not
-    while a deploy is in progress: it restarts the unit itself."""
-    assert out.wedged is not None
-    pid, run, why = out.wedged["pid"], out.wedged["samples"], out.wedged["why"]
-    if deploying(st) or st.live_number() != live:
-        return
-    try:
-        systemd.restart()
-    except LauncherError as e:
-        out.errors.append(f"{target.unit}: the wedged server was not restarted: {e}")
-        return
-    out.wedged["restarted"] = True
-    state.wedged, state.wedged_restarts = [], state.wedged_restarts + 1
-    out.warnings.append(
-        f"{target.unit}: restarted: the server (pid {pid}) lived but did not answer {run} "
-        f"samples in a row: {why}"
-    )
-    _save_state(target, state, write, out)
-    try:
-        gen = st.get(live)
-        kept = list(gen.meta.get("wedged_restarts") or [])
-        kept.append(wedge.record_of(time.time(), pid, run, why))
-        st.update(gen, wedged_restarts=kept[-wedge.KEEP :])
-    except StoreError as e:
-        out.errors.append(f"the wedge restart was not recorded in generation {live}: {e}")
-
-
-def _wedge_lines(state: State, page: textfile.Page) -> None:
-    page.add("llama_launcher_wedged_samples", state.wedged[1] if state.wedged else 0)
-    page.add("llama_launcher_wedged_restarts_total", state.wedged_restarts)
 
 
 def _close_previous(
@@ -878,7 +335,7 @@ def _counter_deltas(reads: Reads, state: State, out: Outcome) -> dict[str, float
     m = reads.metrics
     if m is None:
         return {}
-    ident = _process_of(reads)
+    ident = process_of(reads)
     prev = state.counters if state.process == ident else {}
     cur = m.counters
     names = {
@@ -898,10 +355,18 @@ def _counter_deltas(reads: Reads, state: State, out: Outcome) -> dict[str, float
     return deltas
 
 
-def _process_of(reads: Reads) -> str:
-    """The process /metrics' counters belong to (its start mark, else the main pid)."""
-    start = reads.metrics.process_start if reads.metrics else None
-    return start or f"pid {reads.unit.main_pid}"
+def _front_failures(reads: Reads, state: State) -> int:
+    """Requests the front failed itself since the last sample (a 502 when the server cut
+    the connection, a 503 with no server, a 504): the 5xx clients got beyond those the
+    server sent. From zero for an HAProxy not seen before (a restart sets them back)."""
+    if reads.front is None:
+        return 0
+    identity, sent, server = reads.front
+    prev = state.front if state.front and state.front[0] == identity else None
+    state.front = [identity, sent, server]
+    if prev is None:
+        return 0
+    return max(0, (sent - int(prev[1])) - (server - int(prev[2])))
 
 
 def _restarts(unit: UnitState, state: State, generation: int) -> int:

@@ -231,7 +231,7 @@ def publish(folder: Path, unit: str, text: str, write: Writer) -> bool:
 
 class Kept(Protocol):
     """What the page keeps between samples, in the sampler's state
-    (``launcher.watch.sample.State``)."""
+    (``launcher.watch.sampler.State``)."""
 
     #: generation number -> outcome, and the newest deploy's time and duration
     outcomes: dict[str, str]
@@ -253,7 +253,7 @@ class Read(Protocol):
 
 
 class Told(Protocol):
-    """Where a sample says what it wrote and what failed (``launcher.watch.sample.Outcome``)."""
+    """Where a sample says what it wrote and what failed (``launcher.watch.sampler.Outcome``)."""
 
     wrote: list[str]
     errors: list[str]

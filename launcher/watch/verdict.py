@@ -25,7 +25,7 @@ The signals, after Argo Rollouts' analysis, Flagger's checks and AWS AppConfig's
   faster than ``memory_floor``: a flat baseline is no reason to revert a few pages).
 - **inconclusive**: too little traffic by the deadline, the signals unreadable
   ``unread_limit`` samples in a row, or the sampler away past the deadline (and
-  ``unjudged``, decided by ``bake.carry``: no sample could judge it past the deadline):
+  ``unjudged``, decided by ``carry.carry``: no sample could judge it past the deadline):
   the new config stays. Missing data never reverts (flagger#1035, argo-rollouts#1466).
 - **passed**: the deadline came with enough data and nothing decided.
 
