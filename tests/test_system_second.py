@@ -28,7 +28,8 @@ BED = "lls"
 
 @pytest.fixture(scope="module")
 def paired(placed: System) -> dict[str, Any]:
-    """README steps 1 and 2, then install with the front and the second instance."""
+    """The production install guide's steps 1 and 2, then install with the front and the
+    second instance (step 7)."""
     rc, out = placed.cli_json(
         "install", *placed.flags(), "-c", "4096", "-np", "2", "--front", "haproxy",
         "--second-instance",
