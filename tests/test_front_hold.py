@@ -1,7 +1,7 @@
 """The front held to the standard of the transaction (launcher/deploy/restart/front.py, handover.py,
-release.py): a hold ends by itself, every restart of a fronted unit holds, HAProxy killed
-during a hold is noticed, the front's config is part of the transaction, what a killed
-deploy leaves is swept. Real parts: the sandboxed systemd, llama-server b11434, Debian's
+fronthold.py, release.py): a hold ends by itself, every restart of a fronted unit holds,
+HAProxy killed during a hold is noticed, the front's config is part of the transaction, what a
+killed deploy leaves is swept. Real parts: the sandboxed systemd, llama-server b11434, Debian's
 HAProxy 2.6."""
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from conftest import Host, Sandbox
 from test_handover import HISTORY, completion, front_stat, installed, result_of
 
 from launcher.deploy import store
+from launcher.deploy.restart import frontunits
 from launcher.deploy.restart.front import Front, FrontError, FrontSpec, Hold
 from launcher.host import units
 
@@ -393,8 +394,11 @@ def test_the_watchers_exec_line_keeps_each_path_one_word_as_systemd_reads_it(
     script.write_text(
         f"import json, sys\nopen({str(out)!r}, 'w').write(json.dumps(sys.argv[1:]))\n"
     )
-    text = Front(tmp_path, "ll-words.service").release_service_text(
-        sys.executable, "/nonexistent", ["--state-dir", words[0]]
+    text = frontunits.release_service_text(
+        Front(tmp_path, "ll-words.service"),
+        sys.executable,
+        "/nonexistent",
+        ["--state-dir", words[0]],
     )
     assert f"--state-dir {units.exec_word(words[0])} --json" in text
     unit = sandbox.unit_dir / "ll-exec-words.service"

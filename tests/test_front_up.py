@@ -1,4 +1,4 @@
-"""The front is never left down (launcher/deploy/restart/front.py, handover.py ``front_up``):
+"""The front is never left down (launcher/deploy/restart/front.py, fronthold.py ``front_up``):
 HAProxy killed at any moment of a hold that moves the private port, even with its start limit used
 up, leaves the public port answering when the deploy returns, or the result's first line says
 it does not and what to run. Real parts: the sandboxed systemd, llama-server b11434, Debian's
@@ -23,7 +23,7 @@ from test_handover import HISTORY, completion, deploy_in_background, installed, 
 
 from launcher.cli.results import human
 from launcher.deploy.outcome import Result
-from launcher.deploy.restart import handover
+from launcher.deploy.restart import fronthold
 from launcher.deploy.restart.front import Front, FrontSpec
 
 
@@ -167,7 +167,7 @@ def test_a_front_that_cannot_start_is_said_down_in_the_first_line_with_what_to_r
 def test_a_front_left_down_is_said_first_whatever_the_outcome(tmp_path: Path) -> None:
     front = Front(tmp_path, "chat.service")
     spec = FrontSpec("127.0.0.1", 8080, "127.0.0.1", 8081)
-    down = handover.down_line(front, spec, "chat-front.service did not start:\nJob failed")
+    down = fronthold.down_line(front, spec, "chat-front.service did not start:\nJob failed")
     result = Result(
         "rolled_back",
         True,

@@ -44,7 +44,7 @@ class Result:
     #: the bake (launcher/watch/bake.py): the one this verb started, and the one it ended
     bake: dict[str, Any] | None = None
     #: the front's public port did not answer when the transaction ended, nor after it was
-    #: started again: why, and what to run (``handover.front_up``); None: it answers
+    #: started again: why, and what to run (``fronthold.front_up``); None: it answers
     front_down: str | None = None
 
     @property

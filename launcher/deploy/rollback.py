@@ -51,7 +51,7 @@ from launcher import config
 from launcher.config import memory, validate
 from launcher.deploy import budgets, keys, store
 from launcher.deploy.gate import Gate, together
-from launcher.deploy.restart import handover
+from launcher.deploy.restart import bridge, fronthold
 from launcher.deploy.restart.front import Front
 from launcher.errors import (
     ConfigInvalid,
@@ -443,9 +443,9 @@ class Reverter:
         after the transaction ended or could not release, or a front paused with no
         record): released."""
         where = (self.store.root, self.systemd.unit, self.systemd.scope)
-        if not handover.left_held(*where):
+        if not fronthold.left_held(*where):
             return {}
-        return handover.recover(*where, {})
+        return fronthold.recover(*where, {})
 
     def restored_or_raise(self, report: dict[str, Any] | None) -> dict[str, Any] | None:
         """``report`` of ``recover``; ``RollbackFailed`` when the restored config failed its
@@ -498,7 +498,7 @@ class Reverter:
         # handover: the front pointed at the restored config, and released
         restored = bool(report.get("gate", {"ok": True}).get("ok"))
         report.update(
-            handover.recover(
+            fronthold.recover(
                 self.store.root,
                 self.systemd.unit,
                 self.systemd.scope,
@@ -515,9 +515,9 @@ class Reverter:
     def _hold(self, seconds: float, old_text: str | None = None) -> dict[str, Any]:
         # handover: a recovery's restart holds the front like a deploy's, unless the second
         # instance serves the restored config meanwhile (a killed deploy's bridge)
-        if handover.bridging(self.store.root, self.systemd.unit, self.systemd.scope, old_text):
+        if bridge.bridging(self.store.root, self.systemd.unit, self.systemd.scope, old_text):
             return {"front_hold": "not held: the second instance serves this config meanwhile"}
-        return handover.hold_front(
+        return fronthold.hold_front(
             self.store.root, self.systemd.unit, self.systemd.scope, seconds, self.drain_timeout
         )
 

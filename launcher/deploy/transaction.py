@@ -30,7 +30,8 @@ from launcher.config import beside, memory, validate
 from launcher.deploy import budgets, defaults, home, keys, rollback, store, window
 from launcher.deploy.gate import Gate, Progress, together
 from launcher.deploy.outcome import Result
-from launcher.deploy.restart import handover, standby
+from launcher.deploy.restart import fronthold, handover, standby
+from launcher.deploy.restart.bridge import Bridge, Endpoint, bridging
 from launcher.deploy.restart.front import Front
 from launcher.deploy.rollback import Reverter, Signals, on_error
 from launcher.errors import ConfigInvalid, Interrupted, LauncherError, StoreError
@@ -348,7 +349,7 @@ class Deployer:
             result.timings.update(gate.timings)
             result.timings["restart_to_serving"] = round(time.monotonic() - t_restart, 3)
             # the front's new config, the slots restored, the held requests released
-            new = handover.Endpoint(self.gate.url_for(checked.argv), key)
+            new = Endpoint(self.gate.url_for(checked.argv), key)
             result.handover = self.handover.after_gate(gen.meta, new, checked.plan.n_slots)
             result.warnings += self.handover.warnings
         with self.signals.deferred():  # the gate passed: the bookkeeping is finished first
@@ -373,7 +374,7 @@ class Deployer:
         planned: dict[str, Any] | None,
         before: UnitState,
         change: handover.FrontChange | None,
-        bridge: handover.Bridge | None = None,
+        bridge: Bridge | None = None,
     ) -> store.Generation:
         """The transaction record (it names the old env file and front config) and the new
         generation, then the handover (hold the front, drain, save the slots): nothing live
@@ -396,7 +397,7 @@ class Deployer:
             old = None
             if live_text is not None:
                 url = self.gate.url_for(self.reverter.argv_of(live_text))
-                old = handover.Endpoint(url, keys.key_of_env(live_text, str(self.env_file)))
+                old = Endpoint(url, keys.key_of_env(live_text, str(self.env_file)))
             old_meta = self.store.get(prev).meta if prev else None
             self.handover = handover.prepare(
                 old,
@@ -431,7 +432,7 @@ class Deployer:
         prev: int | None,
         before: UnitState,
         result: Result,
-    ) -> handover.Bridge | None:
+    ) -> Bridge | None:
         """Whether this restart is bridged by the unit's second instance (``switch``), and
         with what; None: the front holds (or there is no front), and the result's notes say
         why when a second instance is installed."""
@@ -458,7 +459,7 @@ class Deployer:
             return sb.serve(text, argv, key, self.gate.waits, load, self.gate.progress)
 
         warm = 0.0 if target is not None else max(self.settings.keep_warm, self.settings.bake)
-        return handover.Bridge(
+        return Bridge(
             sb,
             text,
             argv,
@@ -499,7 +500,7 @@ class Deployer:
             return "there is no previous config to serve meanwhile"
         where = (self.store.root, self.systemd.unit, self.systemd.scope)
         # the second instance serves this config already (a failed rollback left it so)
-        already = handover.bridging(*where, text)
+        already = bridging(*where, text)
         if not before.running and not already:
             return f"{self.systemd.unit} is not running: there is nothing to serve meanwhile"
         missing = sb.missing()
@@ -520,7 +521,7 @@ class Deployer:
             if sb is None or spec is None:
                 return {"stopped": False, "why": "the unit has no second instance"}
             timeout = self.settings.drain_timeout
-            out = standby.stop_due(sb, spec, idle=lambda: handover.drain_side(front, "b", timeout))
+            out = standby.stop_due(sb, spec, idle=lambda: fronthold.drain_side(front, "b", timeout))
             if recovered:
                 out["recovered"] = recovered
             return out

@@ -14,7 +14,7 @@ from launcher import config, waits
 from launcher.deploy import budgets, home, store
 from launcher.deploy.gate import Progress
 from launcher.deploy.outcome import Result
-from launcher.deploy.restart import front, standby
+from launcher.deploy.restart import front, frontunits, standby
 from launcher.deploy.transaction import Deployer
 from launcher.deploy.window import client_window_path
 from launcher.errors import ConfigInvalid, LauncherError
@@ -341,7 +341,7 @@ def _install_front_units(
     """After the first deploy: the front (sized for the slots the deploy planned) and the
     second instance, when it has a standby port; what they are goes into the handover."""
     slots = int((result.planned or {}).get("n_slots") or 1)
-    watcher = the_front.release_service_text(*units.this_python(), home.where(settings))
+    watcher = frontunits.release_service_text(the_front, *units.this_python(), home.where(settings))
     result.handover = {
         **(result.handover or {}),
         "front": install_front(the_front, spec, slots, settings.scope, unit_dir, watcher),
@@ -454,9 +454,9 @@ def install_front(
     the_front.swap(text)
     the_front.save_spec(spec)
     files = {
-        the_front.socket_unit: the_front.socket_text(spec),
-        the_front.service: the_front.service_text(spec),
-        the_front.release_path: the_front.release_path_text(),
+        the_front.socket_unit: frontunits.socket_text(the_front, spec),
+        the_front.service: frontunits.service_text(the_front, spec),
+        the_front.release_path: frontunits.release_path_text(the_front),
         the_front.release_service: watcher,
     }
     for name, unit_text in files.items():

@@ -41,7 +41,7 @@ from typing import Any
 from launcher.config import ToolSettings
 from launcher.deploy import budgets
 from launcher.deploy.outcome import Result
-from launcher.deploy.restart import handover
+from launcher.deploy.restart import fronthold
 from launcher.deploy.restart.front import Front
 from launcher.deploy.transaction import Deployer
 from launcher.errors import ConfigInvalid, LauncherError, StoreError
@@ -188,7 +188,7 @@ class Lookout:
             if not isinstance(to, int) or not isinstance(previous, int):
                 return None
             front = Front(d.store.root, d.settings.unit_name, d.settings.scope)
-            if front.spec() is None or handover.watcher_missing(front) is not None:
+            if front.spec() is None or fronthold.watcher_missing(front) is not None:
                 return None
             if not carry.certain(bake.plan(d.settings, d.store, to, previous)):
                 return None

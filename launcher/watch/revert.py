@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from launcher import config, waits
 from launcher.deploy import budgets, home, store
 from launcher.deploy.outcome import Result
-from launcher.deploy.restart import handover
+from launcher.deploy.restart import fronthold
 from launcher.deploy.restart.front import Front
 from launcher.deploy.transaction import Deployer
 from launcher.errors import DeployFailed, LauncherError, RollbackFailed
@@ -147,7 +147,7 @@ class EarlyHold:
         """The lock and the hold (each let go by ``stack``); what was held, or None."""
         t0 = time.monotonic()
         try:
-            if (missing := handover.watcher_missing(self.front)) is not None:
+            if (missing := fronthold.watcher_missing(self.front)) is not None:
                 # a hold nothing would release if this process died
                 self._none(b, missing)
                 return None

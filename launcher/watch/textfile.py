@@ -242,7 +242,7 @@ class Kept(Protocol):
 
 
 class Read(Protocol):
-    """What the page shows of one read of the unit (``launcher.watch.sample.Reads``)."""
+    """What the page shows of one read of the unit (``launcher.watch.reads.Reads``)."""
 
     @property
     def unit(self) -> UnitState: ...

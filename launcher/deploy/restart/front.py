@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from launcher.deploy import store
 from launcher.errors import CommandError, ConfigInvalid, LauncherError
-from launcher.host import proc, units
+from launcher.host import proc
 from launcher.host.systemd import Systemd
 
 if TYPE_CHECKING:
@@ -162,7 +162,8 @@ class Hold:
 
 
 class Front:
-    """The front of one llama-server unit: its files under ``STATE/front`` and its units."""
+    """The front of one llama-server unit: its files under ``STATE/front`` and its units
+    (their texts: ``launcher.deploy.restart.frontunits``)."""
 
     def __init__(
         self, state_dir: Path, unit: str, scope: Literal["system", "user"] = "user"
@@ -265,7 +266,7 @@ backend {BACKEND}
         (``disabled``) while it does not serve."""
         sides = ("a", "b") if spec.standby_port is not None else ("a",)
         return "".join(
-            f"    server {SERVERS[side]} {_addr(spec.private_host, spec.port(side))} "
+            f"    server {SERVERS[side]} {address(spec.private_host, spec.port(side))} "
             f"maxconn {max(slots, 1)}{' disabled' if side != spec.serving else ''}\n"
             for side in sides
         )
@@ -284,7 +285,7 @@ backend {BACKEND}
                 f.write(text)
             proc.run(
                 [spec.haproxy, "-c", "-f", str(tmp)],
-                env=proc.base_env(LLAMA_FRONT_BIND=_addr(spec.public_host, spec.public_port)),
+                env=proc.base_env(LLAMA_FRONT_BIND=address(spec.public_host, spec.public_port)),
                 timeout=30,
             )
         except CommandError as e:
@@ -315,130 +316,6 @@ backend {BACKEND}
         if isinstance(old.get("old_spec"), dict):
             store.write_json(self.spec_path, old["old_spec"])
         return True
-
-    # -- the units -------------------------------------------------------------------------
-
-    def socket_text(self, spec: FrontSpec) -> str:
-        return f"""\
-# Rendered by llama-launcher: the public port of {self.unit}, held by systemd so that
-# requests wait in the listen backlog while HAProxy is paused or restarted.
-[Unit]
-Description=public port of {self.unit} (llama-launcher front)
-
-[Socket]
-ListenStream={_addr(spec.public_host, spec.public_port)}
-Backlog=4096
-Service={self.service}
-
-[Install]
-WantedBy=sockets.target
-"""
-
-    def service_text(self, spec: FrontSpec) -> str:
-        if self.scope == "system":
-            config, hardening = "%d/haproxy.cfg", self._system_hardening()
-        else:
-            config, hardening = str(self.config_path), "NoNewPrivileges=yes\n"
-        return f"""\
-# Rendered by llama-launcher: HAProxy in front of {self.unit}.
-[Unit]
-Description=HAProxy front of {self.unit} (llama-launcher)
-Requires={self.socket_unit}
-After={self.socket_unit}
-# no start limit: a socket-activated service that hits one takes its socket unit down with
-# it (Result=service-start-limit-hit), and the public port refuses every connection until
-# someone starts both by hand. A HAProxy killed a few times within seconds (each restart
-# counts, and so does a deploy's start of it) must come back; one that cannot start at all
-# (its config is validated before every swap) is tried again every RestartSec
-StartLimitIntervalSec=0
-
-# started by its socket; llama-launcher validates the config (haproxy -c) before it is swapped
-[Service]
-Type=notify
-Environment=LLAMA_FRONT_BIND=fd@3
-ExecStart={spec.haproxy} -Ws -f {config}
-# SIGUSR1: a soft stop, requests in flight finish (SIGTERM would cut them)
-KillSignal=SIGUSR1
-TimeoutStopSec=30
-Restart=on-failure
-RestartSec=1
-{hardening}"""
-
-    def _system_hardening(self) -> str:
-        """HAProxy parses every client's HTTP on the public port. It needs the socket its
-        socket unit bound (no privilege), its config and its runtime socket: a user of its
-        own that owns nothing else, the config handed over by PID 1 as a credential (read
-        at every start; a deploy changes the running process through the runtime API, so
-        there is no reload), the runtime socket in its ``RuntimeDirectory=``."""
-        return f"""\
-# HAProxy parses every client's HTTP: a user of its own, which sees its config only as a
-# credential PID 1 reads for it (at every start) and keeps its runtime socket in /run.
-DynamicUser=yes
-LoadCredential=haproxy.cfg:{self.config_path}
-RuntimeDirectory={self.admin_socket.parent.name}
-RuntimeDirectoryMode=0700
-UMask=0077
-CapabilityBoundingSet=
-AmbientCapabilities=
-NoNewPrivileges=yes
-PrivateDevices=yes
-PrivateUsers=yes
-PrivateTmp=yes
-ProtectSystem=strict
-ProtectHome=yes
-ProcSubset=pid
-{units.KERNEL_SANDBOX}RestrictRealtime=yes
-RestrictSUIDSGID=yes
-LockPersonality=yes
-MemoryDenyWriteExecute=yes
-RemoveIPC=yes
-KeyringMode=private
-SystemCallArchitectures=native
-SystemCallFilter=@system-service
-SystemCallFilter=~@privileged
-SystemCallErrorNumber=EPERM
-RestrictAddressFamilies=AF_INET AF_INET6 AF_UNIX
-"""
-
-    def release_path_text(self) -> str:
-        return f"""\
-# Rendered by llama-launcher: while a hold on the front of {self.unit} is recorded, its
-# release watcher runs (a holder that dies, or outlives its deadline, is released).
-[Unit]
-Description=release watcher trigger of the front of {self.unit} (llama-launcher)
-
-[Path]
-PathExists={self.hold_path}
-Unit={self.release_service}
-
-[Install]
-WantedBy=paths.target
-"""
-
-    def release_service_text(self, python: str, package_dir: str, where: list[str]) -> str:
-        """The watcher: ``llama-launcher front-release`` with the unit's settings
-        (``where``: the words ``--unit NAME --scope ... --env-file ... --state-dir ...``), run
-        by the tool's own interpreter (the unit's ``python -S`` lacks its dependencies); each
-        word quoted as systemd reads ``ExecStart=`` (``units.exec_word``)."""
-        argv = " ".join(units.exec_word(w) for w in [python, "-m", "launcher", "front-release"])
-        words = " ".join(units.exec_word(w) for w in [*where, "--json"])
-        return f"""\
-# Rendered by llama-launcher: releases the front of {self.unit} when the holder is gone
-# (it recovers the holder's transaction first) or when the hold outlives its deadline.
-[Unit]
-Description=release watcher of the front of {self.unit} (llama-launcher)
-# its path unit starts it while a hold is recorded, and must never be refused a start: a
-# watcher that gave up would leave the front paused
-StartLimitIntervalSec=0
-
-[Service]
-Type=exec
-Environment=PYTHONPATH={package_dir}
-ExecStart={argv} {words}
-# a release that failed (HAProxy not answering) is tried again, every 5 s
-Restart=on-failure
-RestartSec=5
-"""
 
     # -- the runtime API -------------------------------------------------------------------
 
@@ -791,8 +668,8 @@ RestartSec=5
         out: dict[str, Any] = {"public": None, "private": None}
         with contextlib.suppress(FrontError):
             if (spec := self.spec()) is not None:
-                out["public"] = _addr(spec.public_host, spec.public_port)
-                out["private"] = _addr(spec.private_host, spec.private_port)
+                out["public"] = address(spec.public_host, spec.public_port)
+                out["private"] = address(spec.private_host, spec.private_port)
         try:
             live = self.stats().get((FRONTEND, "FRONTEND"), {}).get("status")
         except FrontError as e:
@@ -828,7 +705,7 @@ RestartSec=5
         status = rows.get((FRONTEND, "FRONTEND"), {}).get("status")
         if status in PAUSED and self.holding() is None:
             return f"its frontend is {status} with no hold recorded"
-        name, want = SERVERS[spec.serving], _addr(spec.private_host, spec.port(spec.serving))
+        name, want = SERVERS[spec.serving], address(spec.private_host, spec.port(spec.serving))
         addr = rows.get((BACKEND, name), {}).get("addr")
         if addr != want:
             return f"its server {name} is at {addr or 'no address'}, not {want}"
@@ -846,7 +723,7 @@ RestartSec=5
                 if self.holding() is None:
                     self._enable()
         row = rows.get((BACKEND, SERVERS[spec.serving]), {})
-        if row.get("addr") != _addr(spec.private_host, spec.port(spec.serving)):
+        if row.get("addr") != address(spec.private_host, spec.port(spec.serving)):
             self.apply(spec, max(_int(row.get("slim")), 1))
 
     def units_state(self) -> str:
@@ -905,7 +782,8 @@ def _pid(identity: str | None) -> int | None:
     return int(head) if head.isdigit() else None
 
 
-def _addr(host: str, port: int) -> str:
+def address(host: str, port: int) -> str:
+    """``host:port`` as HAProxy and systemd read it (an IPv6 host in brackets)."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 

@@ -8,21 +8,24 @@ marked ``# handover``::
                       config, validated (``haproxy -c``); the transaction record names the
                       old one
     prepare()         hold the front (if any, and only with its release watcher installed),
-                      drain, save the slots, start timing the old process's exit
+                      drain, save the slots, start timing the old process's exit; with a
+                      ``Bridge``, the second instance serves instead (``_bridge_in``)
     swap_front()      beside the env file's swap: the front's new config on disk
     after_gate()      the new config passed its gate: point the front at it, restore the
-                      slots the new KV layout can take (each file checked first), release
-    rehold()          before a rollback's restart: the front held (again) for its budget
+                      slots the new KV layout can take (each file checked first), release;
+                      or switch back from the second instance (``_bridge_out``)
+    rehold()          before a rollback's restart: the front held (again) for its budget, or
+                      the second instance serving again (``_rebridge``)
     after_rollback()  the old config serves again: point the front at it, restore the
-                      slots into the old config, release the front
-    hold_front()      a recovery's restart of the old config (``launcher.deploy.rollback``)
-    recover()         after a recovery: the front pointed at the restored config, released
+                      slots into the old config, release the front (``_unbridge``)
 
-Whatever a deploy, a rollback or a recovery ends with, its last step (``front_up``, under the
-unit's lock) makes the public port answer: HAProxy started again if it does not (its units'
-start limit reset first: its restarts and the deploy's own starts may have used it up),
-pointed at the serving server; or the report's ``front_down`` says it is down and what to
-run, which the result's first line repeats.
+Here is the hold path: the front held, the server drained, its slots saved, then restored
+into the new server and the front released. A restart with a ``Bridge`` is switched instead
+(the ``_bridge_*`` steps are ``launcher.deploy.restart.bridge``'s, a base of ``Handover``:
+the slots carried between two running servers, the front switched to the second instance
+and back). A recovery's hold and release (``hold_front``, ``recover``) and every
+transaction's last step (``front_up``: the public port answers, or the report's
+``front_down`` says what to run) are ``launcher.deploy.restart.fronthold``'s.
 
 Nothing here raises for the server's sake except HAProxy refusing the new server and a
 restore that takes the server down (a ``GateFailure``, so the deploy rolls back); every other
@@ -34,32 +37,20 @@ restart the server and leave the front as down.
 from __future__ import annotations
 
 import contextlib
-import functools
-import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from launcher import config
-from launcher.deploy.restart import drain
-from launcher.deploy.restart.front import (
-    BACKEND,
-    SERVERS,
-    Front,
-    FrontDown,
-    FrontError,
-    FrontSpec,
-    Hold,
-)
+from launcher.deploy.restart import drain, fronthold
+from launcher.deploy.restart.bridge import Bridge, Bridging, Carry, Endpoint
+from launcher.deploy.restart.front import Front, FrontDown, FrontError, FrontSpec, Hold
 from launcher.deploy.restart.standby import Standby
-from launcher.errors import ConfigInvalid, GateFailure, LauncherError, Unreadable
-from launcher.host.systemd import Scope, Systemd, UnitState
-from launcher.server import slots, slotsave
-
-if TYPE_CHECKING:
-    import httpx
+from launcher.errors import ConfigInvalid, GateFailure, LauncherError
+from launcher.host.systemd import Scope, UnitState
+from launcher.server import slotsave
 
 Say = Callable[[str, float, str], None]
 #: Records a phase in the transaction record (``Deployer._phase``; tests inject faults there).
@@ -92,72 +83,10 @@ class FrontChange:
         }
 
 
-@dataclass(frozen=True)
-class Endpoint:
-    """Where a llama-server answers, and its API key."""
-
-    url: str
-    api_key: str | None
-
-    def client(self) -> Any:
-        import httpx
-
-        from launcher.server import httpclient
-
-        return httpclient.client(httpx.Client, self.url, self.api_key, 10.0)
-
-
 @dataclass
-class Bridge:
-    """A restart bridged by the second instance (``launcher.deploy.restart.standby``): it serves
-    ``text`` (its generation's ``meta``) while the unit restarts, and keeps it warm for
-    ``warm`` seconds after (0: stopped once the unit serves again)."""
-
-    standby: Standby
-    text: str
-    argv: list[str]
-    meta: dict[str, Any]
-    api_key: str | None
-    #: starts it and gates it on its port (``Standby.serve`` with the deploy's waits)
-    serve: Callable[[], Any]
-    warm: float
-    generation: int | None
-    #: the settings options naming the unit, for the timer that ends the warm period
-    where: list[str]
-    #: why the switch was chosen (the result's ``handover.switch.why``)
-    why: str = ""
-    #: it runs what a failed restart puts back (a deploy's bridge; a rollback's runs its
-    #: target), so a rollback's restart can be bridged by it too
-    restores: bool = True
-
-    @property
-    def endpoint(self) -> Endpoint:
-        return Endpoint(self.standby.url, self.api_key)
-
-
-@dataclass
-class Carry:
-    """A carry between two running servers, kept until the switch that follows it: what to
-    top up then. A slot's last task (``/slots``' ``id_task``) changes with every request it
-    takes, so ``saved_at`` (each source slot's when the carry read it, before its save) and
-    ``restored_at`` (each destination slot's after the restore) tell which slots took a
-    request since."""
-
-    src: Endpoint
-    src_meta: dict[str, Any]
-    dst: Endpoint
-    dst_meta: dict[str, Any]
-    what: str
-    crash_fails: bool
-    saved_at: dict[int, int | None]
-    restored_at: dict[int, int | None]
-    #: the carry's report (``slots``); the top-up's goes under ``after_switch``
-    report: dict[str, Any]
-
-
-@dataclass
-class Handover:
-    """One restart's handover; ``report`` is the ``handover`` object of the result."""
+class Handover(Bridging):
+    """One restart's handover; ``report`` is the ``handover`` object of the result. The
+    bridge's steps are ``Bridging``'s."""
 
     old: Endpoint | None = None
     old_meta: dict[str, Any] | None = None
@@ -206,302 +135,6 @@ class Handover:
         if running.running and running.main_pid > 0:
             self.watch = drain.ExitWatch(running.main_pid)
 
-    def _bridge_in(self, drain_timeout: float, running: UnitState) -> bool:
-        """The second instance serves the bridge's config, gated on its port, with the
-        unit's slots carried into it (where the layout allows), and the front switched to
-        it (what the unit's slots took after their save topped up then); False (and why,
-        in the report) when it cannot: the restart is held instead. On a signal the front
-        is put back on the unit (if it had switched) before it goes on."""
-        b = self.bridge
-        assert b is not None and self.front is not None
-        sw: dict[str, Any] = {"instance": b.standby.name, "why": b.why}
-        self.report["switch"] = sw
-        spec = self.front.spec()
-        assert spec is not None and spec.standby_port is not None
-        try:
-            if _serves_live(self.front) and b.standby.running_with(b.text):
-                sw["started"] = "already serving"  # a killed deploy's bridge, a failed rollback
-                self.bridged = replace(spec, serving="b")
-                self.report["front"] = {"held": False, "serving": b.standby.name}
-                return True
-            t0 = time.monotonic()
-
-            # if this deployer dies, the timer's stop-warm recovers its transaction (under
-            # the lock) and stops the second instance; a warm one has the timer of the last
-            # deploy until the switch, after which this one's is set (a rollback's switch
-            # waits for no timer: one that cannot be set then is a warning); a bridge that
-            # would have no timer is not begun (the restart holds)
-            seconds = 2 * self.hold_seconds + b.warm
-            warm = b.standby.running_with(b.text) and b.standby.healthy()
-            if warm:
-                sw["started"] = "warm: it kept this config since the last deploy"
-            else:
-                kept = self._keep_warm(seconds, b.generation, warn=False)
-                if kept.get("note"):
-                    raise FrontError(kept["note"])
-                b.serve()
-                sw["started"] = f"started and gated in {time.monotonic() - t0:.3f}s"
-            self._mark("bridge")
-            if running.running and self.old is not None:
-                phase, self.phase = self.phase, None  # "restore" is a phase after the restart
-                try:  # a restore that takes it down fails the bridge: the restart holds
-                    self._carry(self.old, self.old_meta or {}, b.endpoint, b.meta, sw, "b", True)
-                finally:
-                    self.phase = phase
-            if not b.standby.healthy():
-                raise FrontError(f"{b.standby.name} stopped answering /health")
-            old = self.old.client() if running.running and self.old is not None else None
-            try:
-                self.bridged, report = self._switch(
-                    spec, _slots(b.meta), drain_timeout, old, sw, self._end_early_hold
-                )
-            finally:
-                if old is not None:
-                    old.close()
-            sw["switched_after"] = round(time.monotonic() - t0, 3)
-            sw["switched_at"] = time.time()
-            if warm:  # the switch stands: a timer that cannot be set is a warning
-                self._keep_warm(seconds, b.generation)
-            self.report["drain"] = {**report.to_dict(), "message": report.describe()}
-            self.report["front"] = {"held": False, "serving": b.standby.name}
-            self._mark("bridged")
-            return True
-        except (LauncherError, OSError) as e:
-            self.warnings.append(
-                f"the second instance {b.standby.name} did not take over ({e}); this "
-                "restart holds the front instead"
-            )
-            sw["failed"] = str(e)
-            self._bridge_back(spec)
-            return False
-        except BaseException:
-            self._bridge_back(spec)
-            raise
-
-    def _end_early_hold(self) -> None:
-        """A hold of this process that no restart of this handover took (a bake's, taken at
-        the journal's line of a hard failure before its revert: ``launcher.watch.revert``)
-        ends when the switch serves: the requests it held go to the instance that took over,
-        not after the old one's drain."""
-        if self.front is None or self.hold is not None:
-            return
-        with contextlib.suppress(FrontError, OSError):
-            held = self.front.holding()
-            if held is not None and held.pid == os.getpid():
-                self.front.release()
-                self.report.setdefault("switch", {})["early_hold_ended_at"] = time.time()
-
-    def _bridge_back(self, spec: FrontSpec) -> None:
-        """A bridge that did not come to be: the front serves the unit as ``spec`` says
-        (the switch put back if it happened), and the second instance is stopped."""
-        b, front = self.bridge, self.front
-        assert b is not None and front is not None
-        self.bridge, self.bridged, self.carry = None, None, None
-        with contextlib.suppress(LauncherError, OSError):
-            if front.spec() != spec:
-                front.swap(front.render(spec, _slots(self.old_meta or {})), backup=False)
-                front.save_spec(spec)
-            front.apply(spec, _slots(self.old_meta or {}))
-        with contextlib.suppress(LauncherError, OSError):
-            problem = b.standby.stop()
-            if problem:  # it may run on with no timer to stop it
-                self.warnings.append(problem)
-
-    def _carry(
-        self,
-        src: Endpoint,
-        src_meta: dict[str, Any],
-        dst: Endpoint,
-        dst_meta: dict[str, Any],
-        report: dict[str, Any],
-        what: str,
-        crash_fails: bool = False,
-    ) -> None:
-        """The slots saved on ``src`` restored into ``dst`` (both running), as ``_restore``
-        does after a restart; what happened, as ``report['slots']``. ``src`` serves on
-        meanwhile: what its slots take between their save and the switch is topped up after
-        it (``self.carry``, ``_top_up``)."""
-        carried: dict[str, Any] = {"saved": [], "restored": [], "skipped": []}
-        self.carry = None
-        try:
-            with self._carrying(carried, src_meta):
-                self.save_dir = slotsave.save_path(src_meta.get("config") or {})
-                if self.save_dir is None:
-                    carried["note"] = "no --slot-save-path: no cache is carried"
-                    return
-                why = slotsave.differences(
-                    slotsave.fingerprint(src_meta), slotsave.fingerprint(dst_meta)
-                )
-                if why:  # nothing could be restored: nothing is saved (a revert switches at once)
-                    carried["note"] = "KV layout changed: " + "; ".join(why) + "; nothing saved"
-                    return
-                with src.client() as client:
-                    saved_at = _tasks(client, carried)
-                    self.saved, skipped = slotsave.save_all(client, self.save_dir)
-                carried["saved"] = [s.to_dict() for s in self.saved]
-                carried["skipped"] = skipped
-                self._restore(dst, dst_meta, what, crash_fails)
-                with dst.client() as client:
-                    restored_at = _tasks(client, carried)
-                if saved_at is not None and restored_at is not None:
-                    self.carry = Carry(
-                        src,
-                        src_meta,
-                        dst,
-                        dst_meta,
-                        what,
-                        crash_fails,
-                        saved_at,
-                        restored_at,
-                        carried,
-                    )
-        finally:
-            report["slots"] = carried
-
-    @contextlib.contextmanager
-    def _carrying(self, report: dict[str, Any], src_meta: dict[str, Any]) -> Iterator[None]:
-        """``_restore`` reports into ``self.report['slots']`` and checks the KV layout
-        against ``self.old_meta``: for a carry's span, its own report and its source's meta."""
-        kept = self.old_meta, self.report.get("slots")
-        self.report["slots"], self.old_meta = report, src_meta
-        try:
-            yield
-        finally:
-            self.old_meta = kept[0]
-            if kept[1] is not None:
-                self.report["slots"] = kept[1]
-            else:
-                self.report.pop("slots", None)
-
-    def _switch(
-        self,
-        spec: FrontSpec,
-        n: int,
-        drain_timeout: float,
-        old: httpx.Client | None,
-        at: dict[str, Any],
-        serving: Callable[[], None] | None = None,
-    ) -> tuple[FrontSpec, drain.DrainReport]:
-        """``Front.switch`` (``old``: the serving server's client, for its drain) with the
-        carry's top-up: once the front sends new requests to the other server (when, as
-        ``at['ready_at']``), and again when the old one has drained."""
-
-        def ready() -> None:
-            at["ready_at"] = time.time()
-            if serving is not None:
-                serving()
-            self._top_up(final=False)
-
-        assert self.front is not None
-        try:
-            switched = self.front.switch(spec, n, drain_timeout, old, serving=ready)
-            self._top_up(final=True)
-            return switched
-        finally:
-            self.carry = None
-
-    def _top_up(self, final: bool) -> None:
-        """After the switch: each source slot that took a request between its save and the
-        switch (a new conversation's first turn, or one more turn of a carried one) saved
-        again and restored into the same slot of the destination, unless that slot has
-        taken a request there since the carry (it keeps what it served). A slot still
-        processing waits for the next call (``final``: none comes; it is skipped). What
-        happened: the carry report's ``after_switch``."""
-        c = self.carry
-        if c is None:
-            return
-        out = c.report.setdefault("after_switch", {"saved": [], "restored": [], "skipped": []})
-        folder = slotsave.save_path(c.src_meta.get("config") or {})
-        phase, self.phase = self.phase, None  # the transaction's phases are the carry's
-        try:
-            ready = self._changed(c, out, final)
-            if not ready or folder is None:
-                return
-            with c.src.client() as client:  # idle slots: each saved at once
-                saved, skipped = slotsave.save_all(client, folder, list(ready))
-            c.saved_at.update(ready)
-            out["saved"] += [s.to_dict() for s in saved]
-            out["skipped"] += skipped
-            with self._carrying(out, c.src_meta):
-                self.save_dir, self.saved = folder, saved
-                self._restore(c.dst, c.dst_meta, c.what, c.crash_fails)
-        except Unreadable as e:
-            out["note"] = f"no top-up after the switch: {e}"
-        finally:
-            self.phase = phase
-
-    def _changed(self, c: Carry, out: dict[str, Any], final: bool) -> dict[int, int | None]:
-        """The source's idle slots whose last task changed since the carry saved them, and
-        whose slot on the destination took no request since (slot -> that task); the others
-        are skipped, in ``out``."""
-        with c.src.client() as client:
-            now = [s for s in slots.read(client) if s.task != c.saved_at.get(s.id)]
-        if not now:
-            return {}
-        with c.dst.client() as client:
-            there = {s.id: s for s in slots.read(client)}
-        ready: dict[int, int | None] = {}
-        for s in now:
-            d = there.get(s.id)
-            if s.busy:
-                if final:
-                    why = "still processing on the source after its drain"
-                    out["skipped"].append({"slot": s.id, "tokens": s.tokens, "reason": why})
-                continue
-            if d is not None and not d.busy and d.task == c.restored_at.get(s.id):
-                ready[s.id] = s.task
-                continue
-            c.saved_at[s.id] = s.task  # what the destination's slot served stays
-            why = "it took a request after the switch before its top-up; it keeps what it served"
-            out["skipped"].append({"slot": s.id, "tokens": s.tokens, "reason": why})
-        return ready
-
-    def _bridge_out(
-        self, new: Endpoint, new_meta: dict[str, Any], spec: FrontSpec, crash_fails: bool
-    ) -> None:
-        """The unit serves again (gated): the slots the second instance took carried back
-        (and topped up after the switch), the front switched to the unit (``spec``: the
-        front's spec for it), and the second instance kept warm (the previous config, for
-        an instant rollback) or stopped."""
-        b, front = self.bridge, self.front
-        assert b is not None and front is not None and self.bridged is not None
-        sw = self.report["switch"]
-        back: dict[str, Any] = {}
-        self._carry(b.endpoint, b.meta, new, new_meta, back, "the new config", crash_fails)
-        self.report["slots"] = back["slots"]
-        at: dict[str, Any] = {}
-        with b.endpoint.client() as c:
-            _, report = self._switch(
-                replace(spec, serving="b"),
-                _slots(new_meta),
-                self.drain_timeout,
-                c,
-                at,
-                serving=lambda: self._mark("serving"),  # the new config takes requests
-            )
-        sw["back"] = {**report.to_dict(), "message": report.describe(), **at}
-        if b.warm > 0:
-            sw["warm"] = self._keep_warm(b.warm, b.generation)
-        elif report.timed_out:  # its requests still run: the timer stops it after them
-            sw["warm"] = self._keep_warm(max(self.drain_timeout, 1.0), None)
-        else:
-            problem = b.standby.stop()
-            sw["stopped"] = problem is None
-            if problem:
-                self.warnings.append(problem)
-
-    def _keep_warm(
-        self, seconds: float, generation: int | None, warn: bool = True
-    ) -> dict[str, Any]:
-        """The second instance kept running ``seconds`` (``Standby.keep_warm``); with
-        ``warn``, a timer that cannot be set (its ``note``) is a warning."""
-        b = self.bridge
-        assert b is not None
-        kept = b.standby.keep_warm(seconds, generation, b.where)
-        if warn and kept.get("note"):
-            self.warnings.append(f"{b.standby.name}: {kept['note']}")
-        return kept
-
     def _stop_standby(self) -> None:
         """A held restart of a unit with a second instance: the second instance stopped
         (what the front sent it has finished in the drain), its memory free for the new
@@ -522,7 +155,7 @@ class Handover:
     def _hold(self) -> None:
         if self.front is None:
             return
-        missing = watcher_missing(self.front)
+        missing = fronthold.watcher_missing(self.front)
         if missing is not None:
             self.report["front"] = {"held": False, "note": missing}
             self.warnings.append(missing)
@@ -539,7 +172,7 @@ class Handover:
         """Before a rollback's restart: the front held for the rollback's budget, again if
         a signal came after the release (every restart of a fronted unit holds), and what
         it let in finished first."""
-        if self.bridged is not None and self._rebridge():
+        if self.bridged is not None and self._rebridge(self._restored_spec()):
             return
         if self.bridged is not None and self.front is not None:
             self.report.setdefault("front", {})["held"] = True  # every restart holds
@@ -553,33 +186,14 @@ class Handover:
         except FrontError as e:
             self.warnings.append(f"the rollback's restart was not held: {e}")
             return
-        self.report["front"]["rollback_drain"] = front_drain(self.front, self.drain_timeout)
+        self.report["front"]["rollback_drain"] = fronthold.front_drain(
+            self.front, self.drain_timeout
+        )
 
-    def _rebridge(self) -> bool:
-        """Before a rollback's restart of a bridged deploy: the second instance, when it
-        runs the config the rollback restores (a deploy's bridge) and answers, serves
-        while the unit restarts (the front switched to it again if the switch back had
-        begun, and the disk naming it); False: the restart holds."""
-        b, front = self.bridge, self.front
-        assert b is not None and front is not None and self.bridged is not None
-        if not b.restores or not b.standby.healthy():
-            return False
-        try:
-            spec = self.change.old_spec if self.change is not None else self.bridged
-            if not _serves_live(front):
-                back = replace(spec, serving="a")
-                with self.old.client() if self.old is not None else contextlib.nullcontext() as c:
-                    front.switch(back, _slots(b.meta), self.drain_timeout, c)
-            else:
-                front.swap(front.render(replace(spec, serving="b"), _slots(b.meta)), backup=False)
-                front.save_spec(replace(spec, serving="b"))
-        except (LauncherError, OSError) as e:
-            self.warnings.append(
-                f"the rollback's restart could not switch to {b.standby.name}: {e}"
-            )
-            return False
-        self.report.setdefault("switch", {})["rollback"] = f"{b.standby.name} served meanwhile"
-        return True
+    def _restored_spec(self) -> FrontSpec | None:
+        """The front's spec for the config a rollback restores: the transaction record's
+        old one (the spec the switch to the second instance read, with no front change)."""
+        return self.change.old_spec if self.change is not None else self.bridged
 
     def _recheck(self) -> None:
         """HAProxy restarted during the hold: paused again, what it let through recorded."""
@@ -604,7 +218,7 @@ class Handover:
             got = drain.wait_idle(
                 client,
                 timeout,
-                front_in_flight=_safe_count(front.in_flight) if front else None,
+                front_in_flight=fronthold.safe_count(front.in_flight) if front else None,
                 progress=progress,
             )
         self.report["drain"] = {**got.to_dict(), "message": got.describe()}
@@ -672,7 +286,7 @@ class Handover:
         second instance served meanwhile; it is switched back from (``ok``) and stopped, or
         left serving the old config while the unit cannot (a warning says so)."""
         if self.bridge is not None:
-            return self._unbridge(ok)
+            return self._unbridge(ok, self._restored_spec())
         try:
             if self.change is not None:
                 c = self.change
@@ -684,36 +298,6 @@ class Handover:
                 slotsave.discard(self.save_dir, self.saved)
         finally:
             self.release()
-        return self.finish()
-
-    def _unbridge(self, ok: bool) -> dict[str, Any]:
-        b, front = self.bridge, self.front
-        assert b is not None and front is not None
-        sw = self.report.setdefault("switch", {})
-        if self.bridged is None:  # it never served: nothing to switch back from
-            slotsave.discard(self.save_dir, self.saved)
-            return self.finish()
-        if not ok or self.old is None or self.old_meta is None:
-            with contextlib.suppress(FrontError, OSError):
-                front.save_spec(self.bridged)
-                front.swap(front.render(self.bridged, _slots(b.meta)), backup=False)
-            self.warnings.append(
-                f"{b.standby.name} serves generation {b.generation}'s config while "
-                f"{front.unit} cannot; `llama-launcher rollback` (or the next deploy) "
-                "switches back"
-            )
-            sw["left_serving"] = b.standby.name
-            self.release()
-            return self.finish()
-        try:
-            self.bridge = replace(b, warm=0.0)
-            spec = self.change.old_spec if self.change is not None else self.bridged
-            assert spec is not None
-            self._bridge_out(self.old, self.old_meta, spec, crash_fails=False)
-        except (LauncherError, OSError) as e:
-            self.warnings.append(f"the switch back to {front.unit} failed: {e}")
-        finally:
-            self.release()  # a rollback's restart the second instance could not bridge held
         return self.finish()
 
     def _apply_front(self) -> None:
@@ -882,7 +466,7 @@ class Handover:
         """The transaction's last step: the public port answers (``front_up``), or the
         report says it does not."""
         assert self.front is not None
-        up = front_up(self.front)
+        up = fronthold.front_up(self.front)
         if "down" in up:
             self.report["front_down"] = up["down"]
             self.warnings.append(up["down"])
@@ -892,116 +476,6 @@ class Handover:
                 f"the front did not answer when this transaction ended ({up['revived']}); it "
                 "was started again and answers"
             )
-
-
-def front_up(front: Front) -> dict[str, Any]:
-    """The last step of a transaction that touched the front (a deploy, a rollback, a
-    recovery; under the unit's lock): the public port answers as the spec on disk says
-    (``Front.refusing``), HAProxy started again and pointed (``Front.revive``) when it does
-    not. ``{}``: it answered; ``revived``: why it did not before it was started again;
-    ``down``: the line that says it still does not, and what to run."""
-    try:
-        spec = front.spec()
-    except FrontError:
-        return {}  # a spec that cannot be read: the deploy refused it, a recovery says so
-    why = front.refusing(spec) if spec is not None else None
-    if spec is None or why is None:
-        return {}
-    try:
-        front.revive(spec)
-        still = front.refusing(spec)
-    except (LauncherError, OSError) as e:
-        still = str(e)
-    if still is None:
-        return {"revived": why}
-    return {"down": down_line(front, spec, f"{front.units_state()}: {still}")}
-
-
-def down_line(front: Front, spec: FrontSpec, why: str) -> str:
-    """The line that says the front is down: its public port, the command that starts it
-    again, and ``why`` (made one line: the result's first line carries it)."""
-    public = f"{spec.public_host}:{spec.public_port}"
-    return (
-        f"the front is down: its public port {public} does not answer; run "
-        f"`{front.start_command()}`, then `llama-launcher status` ({' '.join(why.split())})"
-    )
-
-
-def _serves_live(front: Front) -> bool:
-    """Whether the running HAProxy sends requests to the second instance (``llama_b`` up,
-    the unit's server not)."""
-    try:
-        states = front.server_states()
-    except FrontError:
-        return False
-    return states.get(SERVERS["b"]) == "UP" and states.get(SERVERS["a"]) != "UP"
-
-
-def _tasks(client: httpx.Client, report: dict[str, Any]) -> dict[int, int | None] | None:
-    """Each slot's last task (``Carry``); None, and why in ``report``, when ``/slots``
-    cannot be read (nothing is topped up after the switch)."""
-    try:
-        return {s.id: s.task for s in slots.read(client)}
-    except Unreadable as e:
-        report["note"] = f"no top-up after the switch: {e}"
-        return None
-
-
-def _slots(meta: dict[str, Any]) -> int:
-    return int((meta.get("planned") or {}).get("n_slots") or 1)
-
-
-def _safe_count(count: Callable[[], int]) -> Callable[[], int]:
-    """The front's in-flight count; 0 when its runtime API does not answer (the slots are
-    still waited for)."""
-
-    def read() -> int:
-        try:
-            return count()
-        except FrontError:
-            return 0
-
-    return read
-
-
-def slot_folder(scope: str, store_root: Path, show: Callable[..., dict[str, str]]) -> Path | None:
-    """Where the server saves its slots: a folder it can write. In user scope the service
-    runs as the deployer's user: ``STATE_DIR/slots``. In system scope it runs as a user of its
-    own under ``ProtectSystem=strict``, and the one folder it owns is its ``StateDirectory=``
-    (``/var/lib/NAME``, read from the unit); a unit without one carries no slots (None)."""
-    if scope != "system":
-        return store_root / "slots"
-    names = show("StateDirectory").get("StateDirectory", "").split()
-    return Path("/var/lib") / names[0] if names else None
-
-
-def with_slot_dir(
-    cfg: config.ServerConfig, folder: Path | None, create: bool
-) -> config.ServerConfig:
-    """With ``carry_slots`` on (the default), every config carries its slots:
-    ``--slot-save-path`` is the ``slot_folder`` unless the config names one, so a whole
-    desired config (``deploy --config``, Ansible) keeps it too. ``create``: make the folder
-    (systemd makes a ``StateDirectory=`` itself, owned by the service's user)."""
-    if cfg.slot_save_path is not None or folder is None:
-        return cfg
-    if create and not folder.exists():
-        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-    return cfg.model_copy(update={"slot_save_path": folder})
-
-
-def watcher_missing(front: Front) -> str | None:
-    """Why the front must not be held (its release watcher is not installed), or None."""
-    try:
-        active = Systemd(front.release_path, front.scope).show("ActiveState").get("ActiveState")
-    except LauncherError as e:
-        active = f"unknown ({e})"
-    if active == "active":
-        return None
-    return (
-        f"requests were not held: the front's release watcher {front.release_path} is "
-        f"{active}, so nothing would release them if this deploy died; run `llama-launcher "
-        "install --front haproxy` again to install it"
-    )
 
 
 def front_change(
@@ -1061,151 +535,26 @@ def prepare(
     return h
 
 
-def hold_front(
-    state_dir: Path, unit: str, scope: Scope, seconds: float, drain_timeout: float
-) -> dict[str, Any]:
-    """Hold the front (if any) for a recovery's restart, and let what is in flight finish
-    (at most ``drain_timeout``): the held requests reach the restored config once it passed
-    its gate (``recover`` releases them)."""
-    front = Front(state_dir, unit, scope)
-    try:
-        if front.spec() is None or watcher_missing(front) is not None:
-            return {}
-        hold = front.holding()
-        if hold is not None:
-            front.recheck(hold, "the recovery")
-        front.hold(seconds)
-    except FrontError as e:
-        return {"front_hold": f"the restart was not held: {e}"}
-    return {
-        "front_hold": f"held for the restart (released by its watcher after {seconds:.0f}s)",
-        "front_drain": front_drain(front, drain_timeout),
-    }
+def slot_folder(scope: str, store_root: Path, show: Callable[..., dict[str, str]]) -> Path | None:
+    """Where the server saves its slots: a folder it can write. In user scope the service
+    runs as the deployer's user: ``STATE_DIR/slots``. In system scope it runs as a user of its
+    own under ``ProtectSystem=strict``, and the one folder it owns is its ``StateDirectory=``
+    (``/var/lib/NAME``, read from the unit); a unit without one carries no slots (None)."""
+    if scope != "system":
+        return store_root / "slots"
+    names = show("StateDirectory").get("StateDirectory", "").split()
+    return Path("/var/lib") / names[0] if names else None
 
 
-def front_drain(front: Front, timeout: float) -> str:
-    """Before a restart behind a held front: what the front let in finishes (at most
-    ``timeout``); what was waited for."""
-    if timeout <= 0:
-        return "no drain: restarted at once"
-    return drain.wait_idle(None, timeout, front_in_flight=_safe_count(front.in_flight)).describe()
-
-
-def left_held(state_dir: Path, unit: str, scope: Scope) -> bool:
-    """Whether the front is held with no transaction to recover: a hold recorded (its
-    holder died after the transaction ended, or could not release), or a front paused with
-    no record (``status`` says the next run that takes the lock releases it). Not a hold
-    this process recorded: a bake's early hold, whose revert now takes it over (releasing
-    it here would let requests through to the failing config until the revert holds)."""
-    front = Front(state_dir, unit, scope)
-    if (hold := front.holding()) is not None:
-        return hold.pid != os.getpid()
-    try:
-        return front.spec() is not None and front.held()
-    except FrontError:
-        return False  # no front, or its HAProxy is down: nobody is held
-
-
-def recover(
-    state_dir: Path,
-    unit: str,
-    scope: Scope,
-    txn: dict[str, Any],
-    drain_timeout: float = 120.0,
-    restored: bool = True,
-) -> dict[str, Any]:
-    """After a recovery (or a deployer killed while holding): the front pointed at the
-    restored server config (the record's old spec) and released if it is held; a second
-    instance that bridged the killed deploy stopped once its requests finished; and the
-    public port answering (``front_up``), or ``front_down`` saying it does not."""
-    front = Front(state_dir, unit, scope)
-    out = _recover_front(front, txn, drain_timeout, restored)
-    up = front_up(front)
-    if "down" in up:
-        out["front_down"] = up["down"]
-    elif "revived" in up:
-        out["front_revived"] = f"it did not answer ({up['revived']}); started again"
-    return out
-
-
-def _recover_front(
-    front: Front, txn: dict[str, Any], drain_timeout: float, restored: bool
-) -> dict[str, Any]:
-    try:
-        spec = front.spec()
-        if spec is None:
-            return {}
-        old = txn.get("front") or {}
-        if not restored and txn and _serves_live(front):
-            # the restored config failed its gate, and the second instance serves it: it
-            # goes on serving (the disk naming it) until a rollback or a deploy switches back
-            spec = replace(spec, serving="b")
-            front.swap(front.render(spec, int(old.get("old_slots") or 1)), backup=False)
-            front.save_spec(spec)
-            return {"second_instance": "serves the previous config: the unit's restart failed"}
-        hold = front.holding()
-        held = hold is not None or front.held()
-        if hold is not None:
-            hold = front.recheck(hold, "the recovery")
-        with contextlib.suppress(FrontError):
-            front.apply(spec, int(old.get("old_slots") or _maxconn(front, spec)))
-        out: dict[str, Any] = {}
-        if held:
-            front.release()
-            out["front"] = "released the requests a killed deployer left held"
-            if hold is not None and hold.restarts:
-                out["front_restarted"] = list(hold.restarts)
-        bridged = _stop_bridge(front, spec, drain_timeout) if txn else None
-        if bridged:
-            out["second_instance"] = bridged
-        return out
-    except FrontError as e:
-        return {"front": f"could not check or release the front: {e}"}
-
-
-def _stop_bridge(front: Front, spec: FrontSpec, drain_timeout: float) -> str | None:
-    """After a recovery, the second instance a killed deploy started is stopped (the unit
-    serves the restored config; nothing of the second instance is a generation), once what
-    the front sent it has finished (at most ``drain_timeout``)."""
-    sb = Standby.of(front.dir.parent, front.unit, front.scope, spec)
-    if sb is None or spec.serving != "a":
-        return None
-    try:
-        running = sb.systemd.state().running
-    except LauncherError:
-        return None
-    if not running:
-        return None
-    waited = drain_side(front, "b", drain_timeout)
-    return sb.stop() or f"{sb.name} stopped (the killed deploy's bridge; {waited})"
-
-
-def drain_side(front: Front, side: str, timeout: float) -> str:
-    """Wait until the front has nothing in flight on ``side``'s server (at most
-    ``timeout``); what was waited for."""
-    count = _safe_count(functools.partial(front.in_flight, SERVERS[side]))
-    return drain.wait_idle(None, timeout, front_in_flight=count).describe()
-
-
-def bridging(state_dir: Path, unit: str, scope: Scope, text: str | None) -> bool:
-    """Whether the front sends requests to the second instance and it runs ``text``: a
-    recovery's restart of the unit into ``text`` then needs no hold."""
-    front = Front(state_dir, unit, scope)
-    try:
-        spec = front.spec()
-        sb = Standby.of(state_dir, unit, scope, spec)
-        if sb is None or not sb.running_with(text):
-            return False
-        states = front.server_states()
-    except (FrontError, LauncherError, OSError):
-        return False
-    return states.get(SERVERS["b"]) == "UP" and states.get(SERVERS["a"]) != "UP"
-
-
-def _maxconn(front: Front, spec: FrontSpec) -> int:
-    """The serving server's ``maxconn`` as HAProxy runs it now (the live config's slots)."""
-    row = front.stats().get((BACKEND, SERVERS[spec.serving]), {})
-    try:
-        return max(int(row.get("slim") or 1), 1)
-    except ValueError:
-        return 1
+def with_slot_dir(
+    cfg: config.ServerConfig, folder: Path | None, create: bool
+) -> config.ServerConfig:
+    """With ``carry_slots`` on (the default), every config carries its slots:
+    ``--slot-save-path`` is the ``slot_folder`` unless the config names one, so a whole
+    desired config (``deploy --config``, Ansible) keeps it too. ``create``: make the folder
+    (systemd makes a ``StateDirectory=`` itself, owned by the service's user)."""
+    if cfg.slot_save_path is not None or folder is None:
+        return cfg
+    if create and not folder.exists():
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return cfg.model_copy(update={"slot_save_path": folder})
