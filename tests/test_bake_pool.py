@@ -409,14 +409,14 @@ def test_the_sample_a_journal_line_woke_is_taken_inside_the_brace_with_its_rever
     assert (braces.entered, braces.left) == ([2], 1)
 
 
-def test_a_sample_a_look_at_the_limit_took_is_not_braced(tmp_path: Path) -> None:
+def test_a_sample_a_look_at_the_limit_took_is_braced(tmp_path: Path) -> None:
     st = watched(tmp_path)
     reverts, sample_once = revert_seen(st, 2)
     clock, braces = Clock(), Braces()
     looks = iter([pool((100, True)), pool((950, True))])
     carry.carry(st, 2, sample_once, clock.sleep, lambda: next(looks), clock, lambda: T0,
                 wake=Journal(clock, at=set()), brace=braces)  # fmt: skip
-    assert reverts == [None, None] and braces.entered == []
+    assert reverts == [None, Braces.REVERT] and braces.entered == [2]
 
 
 def test_a_line_that_may_not_cut_the_wait_takes_no_brace_for_the_intervals_sample(

@@ -80,8 +80,11 @@ def carry(
     from it: a server that fails requests the judge does not hold against it, as its
     baseline did, is not sampled at every failure). The sample a line woke is taken inside
     ``brace`` (the early hold of a failure ``certain`` to revert, ``launcher.watch.revert``),
-    with the revert it yields; with one, a line already in the journal when the carry begins
-    (``wake`` follows the process's lines from its start) braces the first sample.
+    with the revert it yields, and so is the sample a look at the pool's limit took (below:
+    a look at the limit is the pool watch's own hard signal, so the front holds from it on,
+    not from the revert's handover a moment later); with a brace, a line already in the
+    journal when the carry begins (``wake`` follows the process's lines from its start)
+    braces the first sample.
 
     A bake that watches its pool (``Policy.pool_limit``) also looks at the slots every
     ``pool_poll`` seconds between samples (``look``: ``GET /slots`` alone, a few
@@ -118,7 +121,9 @@ def carry(
     patience = _Patience(st, generation, first.policy, clock, wall, lock)
 
     def again() -> bool:
-        peak, woke = looks.take(), looks.cut_by == "journal"
+        # a journal line of a hard failure, or a look at the pool's limit, cut the wait:
+        # the sample that judges it is braced (the front held before it reads anything)
+        peak, woke = looks.take(), looks.cut_by in ("journal", "limit")
         live = st.live_number() == generation
         b = bake_of() if woke and brace is not None and live else None
         with brace(b) if brace is not None and b is not None else _unbraced() as rev:
