@@ -180,7 +180,8 @@ def test_a_prefix_of_two_topics_is_refused_naming_both(tmp_path: Path) -> None:
 def test_guide_lists_the_topics_and_prints_one(capsys: pytest.CaptureFixture[str]) -> None:
     first = guide.guides()[0]
     assert cli.main(["guide"]) == 0
-    assert f"  {first.topic}  {first.title}" in capsys.readouterr().out
+    assert re.search(rf"(?m)^  {re.escape(first.topic)} +{re.escape(first.title)}$",
+                     capsys.readouterr().out)  # fmt: skip
     assert cli.main(["guide", first.topic[:3]]) == 0
     assert capsys.readouterr().out == first.text().rstrip("\n") + "\n"
 
