@@ -64,7 +64,7 @@ def test_model_bigger_than_vram_is_refused_naming_the_device_and_fixes(
     with pytest.raises(MemoryGuardError) as e:
         validate.validate(cfg, box=_box(gf.RTX_4060), available=64 * GiB)
     msg = str(e.value)
-    # README quotes this message: its figures are checked here
+    # the KV pools guide quotes this message: its figures are checked here
     assert msg.startswith("device CUDA0 needs about 12,326 MiB (weights 7,206 + KV 4,096 + 1,024")
     assert "can give 7,600 MiB (CUDA0's free memory" in msg
     assert "fewer layers on CUDA0: -ngl 19 (about 342 MiB per layer" in msg

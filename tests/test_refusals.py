@@ -43,7 +43,7 @@ def unchanged(host: Host) -> tuple[str, list[str], str]:
 
 @pytest.fixture
 def lone_binary(tmp_path: Path, llama_server_bin: str) -> str:
-    """The wheel's llama-server copied alone (README's old step 1)."""
+    """The wheel's llama-server copied alone (the production install guide's old step 1)."""
     copy = tmp_path / "bin" / "llama-server"
     copy.parent.mkdir()
     shutil.copy(llama_server_bin, copy)

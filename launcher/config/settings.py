@@ -168,8 +168,9 @@ class ToolSettings(BaseSettings):
         description="a config that keeps /slots on gets --metrics (the sampler's decode "
         "and prefill tok/s)",
     )
-    # the bake (launcher/watch/bake.py, verdict.py): the defaults are the anchors' (README,
-    # "The bake window"); a deploy copies them into its bake record, the sampler reads them
+    # the bake (launcher/watch/bake.py, verdict.py): the defaults are the anchors' (the guide
+    # "The bake and the live watch"); a deploy copies them into its bake record, the sampler
+    # reads them
     bake: float = Field(
         0.0,
         ge=0,

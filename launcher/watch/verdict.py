@@ -54,7 +54,7 @@ MIB = 1 << 20
 
 @dataclass(frozen=True)
 class Policy:
-    """The bake's knobs (the ``bake_*`` settings; README "The bake window")."""
+    """The bake's knobs (the ``bake_*`` settings; the guide "The bake and the live watch")."""
 
     duration: float
     interval: float = 15.0
