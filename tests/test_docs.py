@@ -137,3 +137,13 @@ def test_every_setting_says_what_it_means() -> None:
     from launcher.config.settings import ToolSettings
 
     assert [n for n, f in ToolSettings.model_fields.items() if not f.description] == []
+
+
+def test_the_readmes_exit_codes_are_the_codes_of_the_cli() -> None:
+    """README's table of exit codes lists the statuses ``launcher.errors.EXIT_CODES`` has."""
+    from launcher.errors import EXIT_CODES
+
+    text = (REPO / "README.md").read_text()
+    shown = re.findall(r"(?m)^\| (\d+(?:\+n)?) \|", text)
+    codes = [c.replace("128+signal", "128+n") for c, _ in EXIT_CODES]
+    assert shown == [c for c in codes if c != "141"], shown
