@@ -27,7 +27,7 @@ import pytest
 import realserver
 import tinymodel
 
-from launcher.bench import agents
+from launcher.bench import agents, chat, report, results
 from launcher.cli import main
 from launcher.errors import InvalidInput, ProbeError
 
@@ -85,7 +85,7 @@ class ServerTimings(httpx.AsyncBaseTransport):
         network = httpx.AsyncHTTPTransport(verify=False)
         response = await network.handle_async_request(request)
         head = None
-        if request.url.path == agents.CHAT_PATH:
+        if request.url.path == chat.CHAT_PATH:
             head = json.loads(request.content)["messages"][0]["content"].split(":")[0]
         stream = _Tee(response.stream, network, head, self.by_head)
         return httpx.Response(
@@ -173,7 +173,7 @@ def result(measured: Measured) -> agents.BenchResult:
     return measured.result
 
 
-def all_requests(result: agents.BenchResult) -> list[agents.RequestResult]:
+def all_requests(result: agents.BenchResult) -> list[results.RequestResult]:
     reqs = [r for lv in result.levels for r in lv.requests]
     return reqs + [r for st in result.stalls for r in st.with_long.requests]
 
@@ -280,7 +280,7 @@ def test_header_reports_the_servers_slots(result: agents.BenchResult) -> None:
 
 @pytest.mark.real
 def test_text_report_has_a_row_per_agent_count(result: agents.BenchResult) -> None:
-    text = agents.render_text(result)
+    text = report.render_text(result)
     assert "total_slots 4, n_ctx per slot 4096; /slots lists 4" in text
     assert "id=7" in text
     rows = [ln.split() for ln in text.splitlines() if re.match(r"\s+\d+\s+\d", ln)]
@@ -299,7 +299,7 @@ def test_text_report_has_a_row_per_agent_count(result: agents.BenchResult) -> No
     ],
 )
 def test_percentile(values: list[float], q: float, expected: float) -> None:
-    assert agents.percentile(values, q) == pytest.approx(expected)
+    assert results.percentile(values, q) == pytest.approx(expected)
 
 
 # --------------------------------------------------------------------------- the CLI
@@ -343,9 +343,10 @@ def test_plot_is_a_png(
 def test_plot_without_matplotlib_names_the_extra() -> None:
     code = (
         "import sys; sys.modules['matplotlib'] = None\n"
-        "from launcher.bench import agents\n"
-        "try:\n    agents.check_plot_available()\n"
-        "except agents.InvalidInput as e:\n    print(e)\n"
+        "from launcher.bench import report\n"
+        "from launcher.errors import InvalidInput\n"
+        "try:\n    report.check_plot_available()\n"
+        "except InvalidInput as e:\n    print(e)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "pip install 'llama-launcher[plot]'" in out.stdout

@@ -17,40 +17,33 @@ the long prompt is read every other agent waits (the stall this measures).
 Every request starts with a run-unique tag so no request reuses another's prompt cache:
 the figures are for prompts read cold.
 
-Only the CLI prints; this module returns frozen dataclasses and raises ``LauncherError``s.
+The server is read first (``launcher.bench.target``); the figures are
+``launcher.bench.results``'s, summed up in one ``BenchResult``; ``launcher.bench.report``
+words and plots it. Only the CLI prints; the bench returns frozen dataclasses and raises
+``LauncherError``s.
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
-import os
 import time
 import uuid
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from launcher.bench import chat
+from launcher.bench.results import LevelResult, RequestResult, StallResult
+from launcher.bench.target import DEFAULT_URL, PromptInfo, ServerInfo, probe_server, size_prompt
 from launcher.errors import InvalidInput, ProbeError
 
 if TYPE_CHECKING:
     import httpx
     from pydantic import SecretStr
 
-DEFAULT_URL = "http://127.0.0.1:8080"
-CHAT_PATH = chat.CHAT_PATH
-#: Words for filler text. Common English words are about one token each for most tokenizers.
-FILLER_TEXT = (
-    "the river runs past the old mill and the model reads every token of the text while "
-    "the agent waits for its slot in the pool and the cache holds what it has seen"
-)
-#: Tokens per filler word assumed when the server has no ``/tokenize`` (llama-server has it).
-TOKENS_PER_WORD_GUESS = 1.3
 #: The long-prompt agent only has to make the server read its prompt; one token answers it.
 LONG_PROMPT_MAX_TOKENS = 1
-PLOT_HINT = "pip install 'llama-launcher[plot]'"
 
 
 # --------------------------------------------------------------------------- settings
@@ -91,15 +84,7 @@ class BenchSettings:
             )
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "url": self.url,
-            "agents": list(self.agents),
-            "max_tokens": self.max_tokens,
-            "prompt_tokens": self.prompt_tokens,
-            "long_prompt_tokens": self.long_prompt_tokens,
-            "rounds": self.rounds,
-            "timeout_s": self.timeout_s,
-        }
+        return {**asdict(self), "agents": list(self.agents)}
 
 
 def _positive(flag: str, value: int, example: str) -> None:
@@ -113,7 +98,6 @@ def api_key_from_file(path: Path | str) -> SecretStr:
     from pydantic import SecretStr
 
     from launcher.deploy.keys import read_api_key
-    from launcher.errors import ProbeError
 
     p = Path(path)
     try:
@@ -130,190 +114,6 @@ def api_key_from_file(path: Path | str) -> SecretStr:
 
 
 # --------------------------------------------------------------------------- results
-
-
-@dataclass(frozen=True)
-class ServerInfo:
-    """The configuration measured against, as the server reports it."""
-
-    url: str
-    model: str | None
-    build_info: str | None
-    total_slots: int | None  # /props total_slots
-    n_ctx_slot: int | None  # /props default_generation_settings.n_ctx (per slot)
-    slots_count: int | None  # len(/slots); None when the endpoint is off or absent
-    #: The live generation if llama-launcher deployed this server; the caller passes it.
-    generation: Mapping[str, Any] | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "url": self.url,
-            "model": self.model,
-            "build_info": self.build_info,
-            "total_slots": self.total_slots,
-            "n_ctx_slot": self.n_ctx_slot,
-            "slots_count": self.slots_count,
-            "generation": dict(self.generation) if self.generation is not None else None,
-        }
-
-
-@dataclass(frozen=True)
-class RequestResult:
-    """One streamed chat completion."""
-
-    agent: int  # 0..N-1; the long-prompt agent is N
-    round: int
-    long_prompt: bool
-    prompt_tokens: int  # usage.prompt_tokens
-    completion_tokens: int  # usage.completion_tokens
-    start_s: float  # request sent, after the round's start
-    latency_s: float  # request sent -> stream finished
-    ttft_s: float  # request sent -> first generated text
-
-    @property
-    def tok_s(self) -> float:
-        """This agent's speed: its tokens over its whole request time."""
-        return self.completion_tokens / self.latency_s if self.latency_s > 0 else 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "agent": self.agent,
-            "round": self.round,
-            "long_prompt": self.long_prompt,
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "start_s": round(self.start_s, 6),
-            "latency_s": round(self.latency_s, 6),
-            "ttft_s": round(self.ttft_s, 6),
-            "tok_s": round(self.tok_s, 3),
-        }
-
-
-@dataclass(frozen=True)
-class LevelResult:
-    """N agents chatting at once for some rounds. Figures cover the N chat agents only."""
-
-    agents: int
-    with_long_prompt: bool
-    round_wall_s: tuple[float, ...]  # each round: first request sent -> last one finished
-    requests: tuple[RequestResult, ...]  # chat agents and, if any, the long-prompt agent
-
-    @property
-    def wall_s(self) -> float:
-        return sum(self.round_wall_s)
-
-    @property
-    def chat(self) -> tuple[RequestResult, ...]:
-        return tuple(r for r in self.requests if not r.long_prompt)
-
-    @property
-    def long(self) -> tuple[RequestResult, ...]:
-        return tuple(r for r in self.requests if r.long_prompt)
-
-    @property
-    def completion_tokens(self) -> int:
-        return sum(r.completion_tokens for r in self.chat)
-
-    @property
-    def total_tok_s(self) -> float:
-        return self.completion_tokens / self.wall_s if self.wall_s > 0 else 0.0
-
-    @property
-    def per_agent_tok_s(self) -> float:
-        return _mean([r.tok_s for r in self.chat])
-
-    @property
-    def mean_prompt_tokens(self) -> float:
-        return _mean([float(r.prompt_tokens) for r in self.chat])
-
-    def latency(self, q: float) -> float:
-        return percentile([r.latency_s for r in self.chat], q)
-
-    def ttft(self, q: float) -> float:
-        return percentile([r.ttft_s for r in self.chat], q)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "agents": self.agents,
-            "with_long_prompt": self.with_long_prompt,
-            "requests_count": len(self.chat),
-            "completion_tokens": self.completion_tokens,
-            "mean_prompt_tokens": round(self.mean_prompt_tokens, 1),
-            "wall_s": round(self.wall_s, 6),
-            "round_wall_s": [round(w, 6) for w in self.round_wall_s],
-            "total_tok_s": round(self.total_tok_s, 3),
-            "per_agent_tok_s": round(self.per_agent_tok_s, 3),
-            "latency_p50_s": round(self.latency(50), 6),
-            "latency_p95_s": round(self.latency(95), 6),
-            "ttft_p50_s": round(self.ttft(50), 6),
-            "ttft_p95_s": round(self.ttft(95), 6),
-            "requests": [r.to_dict() for r in self.requests],
-        }
-
-
-@dataclass(frozen=True)
-class StallResult:
-    """The same level without and with one extra agent reading a long prompt.
-
-    The others send their requests ``others_delay_s`` after the long one: half the time the
-    server took to read the long prompt alone, so they arrive while it is being read.
-    """
-
-    agents: int
-    without: LevelResult
-    with_long: LevelResult
-    long_alone: RequestResult  # the long prompt with no other agent
-    others_delay_s: float
-
-    @property
-    def long_prompt_tokens(self) -> float:
-        return _mean([float(r.prompt_tokens) for r in self.with_long.long])
-
-    @property
-    def ttft_ratio(self) -> float:
-        """How many times longer the others waited for their first token (p50)."""
-        base = self.without.ttft(50)
-        return self.with_long.ttft(50) / base if base > 0 else math.inf
-
-    @property
-    def latency_ratio(self) -> float:
-        base = self.without.latency(50)
-        return self.with_long.latency(50) / base if base > 0 else math.inf
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "agents": self.agents,
-            "long_prompt_tokens": round(self.long_prompt_tokens, 1),
-            "long_prompt_read_alone_s": round(self.long_alone.ttft_s, 6),
-            "others_delay_s": round(self.others_delay_s, 6),
-            "ttft_p50_without_s": round(self.without.ttft(50), 6),
-            "ttft_p50_with_s": round(self.with_long.ttft(50), 6),
-            "ttft_p95_without_s": round(self.without.ttft(95), 6),
-            "ttft_p95_with_s": round(self.with_long.ttft(95), 6),
-            "latency_p50_without_s": round(self.without.latency(50), 6),
-            "latency_p50_with_s": round(self.with_long.latency(50), 6),
-            "latency_p95_without_s": round(self.without.latency(95), 6),
-            "latency_p95_with_s": round(self.with_long.latency(95), 6),
-            "ttft_ratio": _round_ratio(self.ttft_ratio),
-            "latency_ratio": _round_ratio(self.latency_ratio),
-            "with_long": self.with_long.to_dict(),
-        }
-
-
-@dataclass(frozen=True)
-class PromptInfo:
-    """How the chat prompt was sized."""
-
-    target_tokens: int | None
-    measured_tokens: int | None  # by the server's tokenizer
-    method: str  # "chat line", "apply-template + tokenize", "tokenize" or "estimate"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "target_tokens": self.target_tokens,
-            "measured_tokens": self.measured_tokens,
-            "method": self.method,
-        }
 
 
 @dataclass(frozen=True)
@@ -339,26 +139,7 @@ class BenchResult:
         }
 
 
-def _mean(values: Sequence[float]) -> float:
-    return sum(values) / len(values) if values else 0.0
-
-
-def _round_ratio(x: float) -> float | None:
-    return round(x, 3) if math.isfinite(x) else None
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0..100) with linear interpolation between closest ranks."""
-    if not values:
-        return 0.0
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-# --------------------------------------------------------------------------- HTTP
+# --------------------------------------------------------------------------- one request
 
 
 def _client(
@@ -377,149 +158,6 @@ def _client(
         httpx.Timeout(settings.timeout_s, connect=10.0),
         transport,
     )
-
-
-def _error_text(resp: httpx.Response) -> str:
-    from launcher.server.httpclient import error_text
-
-    return error_text(resp)
-
-
-def _unauthorized(url: str, path: str, api_key: SecretStr | None) -> ProbeError:
-    fix = (
-        "the key in --api-key-file is not the server's --api-key; give the right file"
-        if api_key is not None
-        else "the server wants an API key; pass --api-key-file FILE"
-    )
-    return ProbeError(f"{url}{path} answered 401 Invalid API Key: {fix}")
-
-
-async def _get_json(client: httpx.AsyncClient, path: str, api_key: SecretStr | None) -> Any:
-    """GET ``path``; None when the server does not have or has disabled the endpoint."""
-    import httpx
-
-    try:
-        resp = await client.get(path)
-    except httpx.HTTPError as e:
-        raise ProbeError(f"GET {client.base_url}{path} failed: {e!r}") from e
-    if resp.status_code == 401:
-        raise _unauthorized(str(client.base_url), path, api_key)
-    if resp.status_code != 200:
-        return None
-    try:
-        return resp.json()
-    except ValueError:
-        return None
-
-
-async def probe_server(
-    client: httpx.AsyncClient,
-    api_key: SecretStr | None,
-    generation: Mapping[str, Any] | None = None,
-) -> ServerInfo:
-    """Check the server answers, and read the slot layout from ``/props`` and ``/slots``."""
-    import httpx
-
-    url = str(client.base_url)
-    try:
-        health = await client.get("/health")
-    except httpx.HTTPError as e:
-        raise ProbeError(
-            f"cannot reach llama-server at {url} ({type(e).__name__}: {e}); "
-            f"start it, or pass --url with its address (default {DEFAULT_URL})"
-        ) from e
-    if health.status_code == 503:
-        raise ProbeError(f"{url} is still loading its model ({_error_text(health)}); retry")
-    props = await _get_json(client, "/props", api_key)
-    slots = await _get_json(client, "/slots", api_key)
-    if not isinstance(props, dict):
-        props = {}
-    dgs = props.get("default_generation_settings")
-    n_ctx = dgs.get("n_ctx") if isinstance(dgs, dict) else None
-    total = props.get("total_slots")
-    return ServerInfo(
-        url=url,
-        model=_model_name(props),
-        build_info=_str_or_none(props.get("build_info")),
-        total_slots=total if isinstance(total, int) else None,
-        n_ctx_slot=n_ctx if isinstance(n_ctx, int) else None,
-        slots_count=len(slots) if isinstance(slots, list) else None,
-        generation=generation,
-    )
-
-
-def _model_name(props: Mapping[str, Any]) -> str | None:
-    """The model's alias, or its file name (the alias defaults to the -m path)."""
-    name = props.get("model_alias") or props.get("model_path")
-    if not name:
-        return None
-    return Path(str(name)).name if str(name).endswith(".gguf") else str(name)
-
-
-def _str_or_none(x: Any) -> str | None:
-    return str(x) if x is not None else None
-
-
-async def _post_json(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> Any:
-    """POST ``body``; the JSON answer, or None when the server lacks the endpoint."""
-    import httpx
-
-    try:
-        resp = await client.post(path, json=body)
-    except httpx.HTTPError:
-        return None
-    if resp.status_code != 200:
-        return None
-    try:
-        return resp.json()
-    except ValueError:
-        return None
-
-
-async def _count_tokens(client: httpx.AsyncClient, content: str) -> tuple[int | None, str]:
-    """Tokens the server will read for a one-message chat of ``content``, and how counted.
-
-    llama-server's ``/apply-template`` + ``/tokenize`` give exactly its ``prompt_tokens``;
-    without ``/apply-template`` the message alone is counted; without ``/tokenize``, None.
-    """
-    messages = [{"role": "user", "content": content}]
-    templated = await _post_json(client, "/apply-template", {"messages": messages})
-    if isinstance(templated, dict) and isinstance(templated.get("prompt"), str):
-        body = {"content": templated["prompt"], "add_special": True, "parse_special": True}
-        method = "apply-template + tokenize"
-    else:
-        body = {"content": content, "add_special": False}
-        method = "tokenize"
-    answer = await _post_json(client, "/tokenize", body)
-    tokens = answer.get("tokens") if isinstance(answer, dict) else None
-    return (len(tokens), method) if isinstance(tokens, list) else (None, "estimate")
-
-
-def filler(words: int) -> str:
-    """Deterministic filler text of ``words`` words."""
-    vocab = FILLER_TEXT.split()
-    return " ".join(vocab[i % len(vocab)] for i in range(max(words, 1)))
-
-
-async def size_prompt(
-    client: httpx.AsyncClient, target: int, head: str = ""
-) -> tuple[str, PromptInfo]:
-    """Filler text so that a chat of ``head + filler`` is about ``target`` tokens.
-
-    Sized with the server's own tokenizer when it has one, else guessed from the word count.
-    """
-    words = target
-    count: int | None = None
-    method = "estimate"
-    for _ in range(6):
-        count, method = await _count_tokens(client, head + filler(words))
-        if count is None:
-            guess = max(1, round(target / TOKENS_PER_WORD_GUESS))
-            return filler(guess), PromptInfo(target, None, method)
-        if abs(count - target) <= max(2, target // 50):
-            break
-        words = max(1, words + round((target - count) * words / max(count, 1)))
-    return filler(words), PromptInfo(target, count, method)
 
 
 @dataclass(frozen=True)
@@ -557,7 +195,7 @@ def _usage_of(client: httpx.AsyncClient, answer: chat.ChatResult) -> chat.Usage:
     """The answer's usage; ``ProbeError`` naming the fix when it failed or has none."""
     import httpx
 
-    where = f"{client.base_url}{CHAT_PATH}"
+    where = f"{client.base_url}{chat.CHAT_PATH}"
     if isinstance(answer.cut, httpx.TimeoutException):
         raise ProbeError(
             f"{where} did not finish within the timeout ({answer.cut!r}); "
@@ -765,148 +403,3 @@ def run_bench(
     transport, for a recorded or in-process server.
     """
     return asyncio.run(run_bench_async(settings, api_key, generation, transport))
-
-
-# --------------------------------------------------------------------------- output
-
-
-def check_plot_available(path: Path | str | None = None) -> None:
-    """Raise ``InvalidInput`` when matplotlib is missing or ``path`` cannot be written.
-
-    Checked before the bench runs, so a bad ``--plot`` does not throw its figures away.
-    """
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError as e:
-        raise InvalidInput(
-            f"--plot needs matplotlib, which is not installed; run {PLOT_HINT}"
-        ) from e
-    if path is not None:
-        parent = Path(path).resolve().parent
-        if not parent.is_dir() or not os.access(parent, os.W_OK):
-            raise InvalidInput(
-                f"--plot {str(path)!r}: {str(parent)!r} is not a writable directory; "
-                "give a path in an existing directory"
-            )
-
-
-def write_plot(result: BenchResult, path: Path | str) -> Path:
-    """Write a PNG of total and mean per-agent tok/s against the number of agents."""
-    check_plot_available()
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    xs = [lv.agents for lv in result.levels]
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
-    try:
-        ax.plot(xs, [lv.total_tok_s for lv in result.levels], marker="o", label="total tok/s")
-        ax.plot(
-            xs, [lv.per_agent_tok_s for lv in result.levels], marker="s", label="per-agent tok/s"
-        )
-        ax.set_xlabel("concurrent agents")
-        ax.set_ylabel("generated tokens/s")
-        ax.set_xticks(xs)
-        ax.set_ylim(bottom=0)
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-        slots = result.server.total_slots
-        ctx = result.server.n_ctx_slot
-        ax.set_title(
-            f"{result.server.model or result.server.url}  slots={slots} n_ctx/slot={ctx}",
-            fontsize=9,
-        )
-        out = Path(path)
-        fig.tight_layout()
-        fig.savefig(out, format="png")
-    except OSError as e:
-        raise InvalidInput(f"--plot {str(path)!r} cannot be written ({e.strerror})") from e
-    finally:
-        plt.close(fig)
-    return out
-
-
-def _fmt_generation(gen: Mapping[str, Any] | None) -> str:
-    if gen is None:
-        return "not deployed by llama-launcher (or not given)"
-    return ", ".join(f"{k}={v}" for k, v in gen.items())
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True))]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-    return "\n".join(lines)
-
-
-def render_text(result: BenchResult) -> str:
-    """The human report: header, one row per agent count, then the long-prompt stall."""
-    s, srv = result.settings, result.server
-    prompt = (
-        f"~{result.prompt.target_tokens} tokens ({result.prompt.method})"
-        if result.prompt.target_tokens
-        else "one chat line"
-    )
-    lines = [
-        f"server      {srv.url}  model {srv.model or '?'}  build {srv.build_info or '?'}",
-        f"slots       /props total_slots {_q(srv.total_slots)}, n_ctx per slot "
-        f"{_q(srv.n_ctx_slot)}; /slots lists {_q(srv.slots_count)}",
-        f"generation  {_fmt_generation(srv.generation)}",
-        f"requests    prompt {prompt}, max_tokens {s.max_tokens}, rounds {s.rounds}, "
-        "greedy, streamed; tokens from the server's usage",
-        "",
-    ]
-    rows = [
-        [
-            str(lv.agents),
-            f"{lv.total_tok_s:.1f}",
-            f"{lv.per_agent_tok_s:.1f}",
-            f"{lv.wall_s:.2f}",
-            f"{lv.latency(50):.3f}",
-            f"{lv.latency(95):.3f}",
-            f"{lv.ttft(50) * 1000:.0f}",
-            f"{lv.ttft(95) * 1000:.0f}",
-            str(lv.completion_tokens),
-        ]
-        for lv in result.levels
-    ]
-    header = ["agents", "total tok/s", "per-agent tok/s", "wall s", "lat p50 s", "lat p95 s",
-              "TTFT p50 ms", "TTFT p95 ms", "tokens"]  # fmt: skip
-    lines.append(_table(header, rows))
-    if result.stalls:
-        lines += ["", _stall_text(result.stalls)]
-    lines += [f"note: {n}" for n in result.notes]
-    return "\n".join(lines)
-
-
-def _stall_text(stalls: Sequence[StallResult]) -> str:
-    size = stalls[0].long_prompt_tokens
-    alone = stalls[0].long_alone.ttft_s * 1000
-    delay = stalls[0].others_delay_s * 1000
-    rows = [
-        [
-            str(st.agents),
-            f"{st.without.ttft(50) * 1000:.0f}",
-            f"{st.with_long.ttft(50) * 1000:.0f}",
-            _ratio(st.ttft_ratio),
-            f"{st.without.latency(50):.3f}",
-            f"{st.with_long.latency(50):.3f}",
-            _ratio(st.latency_ratio),
-        ]
-        for st in stalls
-    ]
-    header = ["agents", "TTFT p50 ms", "+long", "x", "latency p50 s", "+long", "x"]
-    return (
-        f"long prompt: one extra agent sends {size:.0f} tokens (read alone in {alone:.0f} ms);\n"
-        f"the others send theirs {delay:.0f} ms later, while it is read. Their figures without "
-        "it and with it (+long):\n" + _table(header, rows)
-    )
-
-
-def _ratio(x: float) -> str:
-    return f"{x:.1f}" if math.isfinite(x) else "-"
-
-
-def _q(x: int | None) -> str:
-    return "?" if x is None else str(x)

@@ -36,7 +36,7 @@ def _live(unit: str) -> dict[str, Any] | None:
 
 def run(ns: argparse.Namespace, generation: Mapping[str, Any] | None = None) -> int:
     """Run the bench. ``generation``: the live generation, when llama-launcher deployed it."""
-    from launcher.bench import agents
+    from launcher.bench import agents, report
 
     url = ns.url
     if ns.instance:
@@ -66,15 +66,15 @@ def run(ns: argparse.Namespace, generation: Mapping[str, Any] | None = None) -> 
     )
     settings.validate()
     if ns.plot:
-        agents.check_plot_available(ns.plot)
+        report.check_plot_available(ns.plot)
     api_key = agents.api_key_from_file(ns.api_key_file) if ns.api_key_file else None
     result = agents.run_bench(settings, api_key=api_key, generation=generation)
     data = result.to_dict()
     if ns.plot:
-        data["plot"] = str(agents.write_plot(result, ns.plot))
+        data["plot"] = str(report.write_plot(result, ns.plot))
 
     def human() -> str:
-        text = agents.render_text(result)
+        text = report.render_text(result)
         return text + (f"\nplot written to {ns.plot}" if ns.plot else "")
 
     emit(data, ns.json, human)
