@@ -21,6 +21,7 @@
     │   │                              the path and the fix)
     │   └── SwapFailed                 the live env file could not be replaced: the old one stays
     ├── LockTimeout                    exit 5: another deploy holds the lock
+    ├── Superseded                     a revert whose generation a deploy replaced first
     ├── DeployFailed                   exit 3: the new config failed, the old one serves again
     └── RollbackFailed                 exit 4: the old config failed as well; nothing was deleted
     Interrupted (a BaseException)      exit 128+signal: SIGINT/SIGTERM/SIGHUP before it went live
@@ -59,8 +60,9 @@ EXIT_CODES: tuple[tuple[str, str], ...] = (
     ),
     (
         "7",
-        "revert failed (--wait): the bake found the new config worse under load, but its "
-        "revert did not put the previous one back; the new config serves still",
+        "revert failed: the bake found the new config worse under load, but its "
+        "revert did not put the previous one back; the new config serves still (--wait, "
+        "or a failure in the deploy's own last moments)",
     ),
     ("78", "exec only: the env file or its values are refused (systemd does not restart)"),
     ("128+signal", "SIGINT/SIGTERM/SIGHUP before the change went live (130, 143, 129)"),
@@ -267,6 +269,13 @@ class LockTimeout(LauncherError):
     )
 
     exit_code = 5
+
+
+class Superseded(LauncherError):
+    """A revert found the generation it was to replace replaced already (a deploy or a
+    rollback came first): it changed nothing."""
+
+    fix = "nothing to do: the live generation is newer than the one the bake watched"
 
 
 class DeployFailed(LauncherError):

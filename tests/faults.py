@@ -1,5 +1,6 @@
-"""``python tests/faults.py PHASE:ACTION ARGS...``: the CLI with a fault at one phase of the
-deploy transaction, for the crash-safety tests (passed in as the deployer's ``on_phase``).
+"""``python tests/faults.py PHASE:ACTION[,PHASE:ACTION...] ARGS...``: the CLI with a fault at
+a phase of the deploy transaction (or several, each at its own), for the crash-safety tests
+(passed in as the deployer's ``on_phase``).
 
 ``PHASE:kill`` kills the process with SIGKILL when the transaction records PHASE;
 ``PHASE:pause`` sleeps there until a signal comes (at most 60 s), so a test can signal it at
@@ -97,5 +98,16 @@ def pause(seconds: float, woken: int) -> None:
     select.select([woken], [], [], seconds)
 
 
+def hooks(faults: str) -> Callable[[str], None]:
+    """``PHASE:ACTION[,PHASE:ACTION...]``: each fault at its phase, in the order given."""
+    each = [hook(f) for f in faults.split(",")]
+
+    def on_phase(phase: str) -> None:
+        for h in each:
+            h(phase)
+
+    return on_phase
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[2:], on_phase=hook(sys.argv[1])))
+    sys.exit(main(sys.argv[2:], on_phase=hooks(sys.argv[1])))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -467,3 +468,43 @@ def test_a_unit_without_a_front_has_no_front_failures() -> None:
     from launcher.watch import reads, sample, sampler
 
     assert sample._front_failures(reads.Reads(RUNNING), sampler.State()) == 0
+
+
+# -- the hand-off's announcement and a revert a deploy came before -------------------------
+
+
+def test_an_announcement_is_removed_only_by_the_deployer_that_wrote_it(tmp_path: Path) -> None:
+    st = store.Store(tmp_path)
+    pid = bake.announce(st, 2, 60)
+    bake.unannounce(st, pid + 1)  # another run (a check, a lock timeout) leaves it alone
+    assert bake.announced(st) == (pid, pytest.approx(bake.announced(st)[1]))  # type: ignore[index]
+    bake.unannounce(st, pid)
+    assert bake.announced(st) is None and not bake.announce_path(st).exists()
+
+
+def test_a_stale_announcement_is_not_waited_for_and_goes(tmp_path: Path) -> None:
+    st = store.Store(tmp_path)
+    gone = subprocess.Popen(["true"])  # a deployer that exited (a pid no process has)
+    gone.wait()
+    path = bake.announce_path(st)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"pid": gone.pid, "generation": 2, "until": T0 * 2}))
+    assert bake.announced(st) is None and not path.exists()
+    assert bake.awaited(st) is None
+
+
+def test_a_revert_a_deploy_came_before_ends_the_bake_and_changes_nothing(tmp_path: Path) -> None:
+    st = two_generations(tmp_path)
+    bake.begin(settings(bake_warmup=0), st, 2, 1)
+    b = step(st, T0 + 30, Reverts("ended"), context_exceeded=3, failures=3, requests=3)
+    assert b is not None and b.state == "ended", b.to_json()
+
+
+def test_a_later_deploy_ends_a_bake_whose_revert_never_ran(tmp_path: Path) -> None:
+    st = two_generations(tmp_path)
+    gen = st.get(2)
+    b = bake.begin(settings(), st, 2, 1)
+    b.state = bake.REVERTING  # its carrier waited for the lock the deploy held
+    bake.save(gen.path, b)
+    assert bake.end(st, 2, "generation 3 replaced it (set)") is not None
+    assert bake.load(gen.path).state == "ended"  # type: ignore[union-attr]

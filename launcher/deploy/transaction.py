@@ -23,7 +23,7 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from launcher import config, waits
 from launcher.config import beside, memory, validate
@@ -34,7 +34,7 @@ from launcher.deploy.restart import fronthold, handover, standby
 from launcher.deploy.restart.bridge import Bridge, Endpoint, bridging
 from launcher.deploy.restart.front import Front
 from launcher.deploy.rollback import Reverter, Signals, on_error
-from launcher.errors import ConfigInvalid, Interrupted, LauncherError, StoreError
+from launcher.errors import ConfigInvalid, Interrupted, LauncherError, StoreError, Superseded
 from launcher.host.systemd import Systemd, UnitState
 
 #: Called with each phase as it is recorded (tests pass one in to inject a fault there).
@@ -136,15 +136,31 @@ class Deployer:
             return self._then(self._deploy(cfg, check, origin, recovered), check)
 
     def _then(self, result: Result, check: bool) -> Result:
-        """``then`` of a deploy that went through, still under the lock."""
-        return self.then(result) if self.then is not None and not check else result
+        """``then`` of a deploy that went through (or found nothing to change), still under
+        the lock, a signal deferred until it is done: the generation is committed, and what
+        follows (the bake's hand-off, a revert in its first moments) finishes; the result
+        says a signal came."""
+        if self.then is None or check:
+            return result
+        with self.signals.deferred():
+            result = self.then(result)
+        if self.signals.pending is not None:
+            result.message += " (a signal arrived after the gate passed; the deploy stands)"
+        return result
 
-    def rollback(self, to: int | None = None) -> Result:
+    def rollback(self, to: int | None = None, only_if_live: int | None = None) -> Result:
         """Go back to generation ``to`` or the last known-good one: its stored bytes, checked
-        cheaply (``launcher.deploy.rollback``), through the same gate."""
+        cheaply (``launcher.deploy.rollback``), through the same gate. ``only_if_live``: only
+        while that generation is the live one (a bake's revert), else ``Superseded``."""
         with self._locked() as recovered:
             t0 = time.monotonic()
             live = self.store.live()
+            if only_if_live is not None and (live is None or live.number != only_if_live):
+                now = live.number if live is not None else None
+                raise Superseded(
+                    f"generation {only_if_live} is no longer live (generation {now} is): "
+                    "nothing was reverted"
+                )
             state = self._unit_state()
             running = lambda: state.running  # noqa: E731
             target = self.store.rollback_target(to, self.reverter.live_text(), running)
@@ -202,6 +218,10 @@ class Deployer:
     def _phase(self, phase: str) -> None:
         """Record the phase in the transaction record (and tell ``on_phase``)."""
         self.store.mark(phase=phase)
+        self._tell(phase)
+
+    def _tell(self, phase: str) -> None:
+        """Tell ``on_phase`` (a phase not recorded: ``rollback``, the undo beginning)."""
         if self.on_phase is not None:
             self.on_phase(phase)
 
@@ -326,9 +346,20 @@ class Deployer:
         result.generation = gen.number
         result.memory["before"] = memory.process_memory(before) if before.running else None
         result.memory["estimate"] = checked.memory.to_dict()
-        undo = lambda e: self.reverter.undo(  # noqa: E731
-            e, gen, live_text, prev, result, t0, self.handover.after_rollback, self.handover.rehold
-        )
+
+        def undo(e: BaseException) -> NoReturn:
+            self._tell("rollback")  # not recorded: the record's phase says where it failed
+            self.reverter.undo(
+                e,
+                gen,
+                live_text,
+                prev,
+                result,
+                t0,
+                self.handover.after_rollback,
+                self.handover.rehold,
+            )
+
         with on_error(self.signals, undo):
             self._phase("swap")
             store.swap_env(self.env_file, checked.env_text)

@@ -90,13 +90,13 @@ NoNewPrivileges=yes
 # user's), with everything read-only but what it writes. That is its own files, and what a
 # bake's revert writes: the revert is a rollback (launcher.watch.revert) that the sample
 # carrying the bake runs itself, so the verdict, the rollback and the bake's record of it
-# are one process and one journal (journalctl -u NAME-sample.service), as they are under
-# `deploy --wait`; a oneshot unit of its own would add a second process whose death between
-# the two leaves the bake half-told, for no path fewer: the rollback writes the env file's
-# folder (the env file, its backup, its home record), the state folder's parent (the
-# generations, the front's config, the client window file beside the state folder) and the
-# unit's lock folder (under /run: made again by the unit's prestart step at every boot, so
-# it may be missing before that: "-"). /etc, /usr and /home stay read-only otherwise.
+# are one process and one journal (journalctl -u NAME-sample.service); a oneshot unit of its
+# own would add a second process whose death between the two leaves the bake half-told, for
+# no path fewer: the rollback writes the env file's folder (the env file, its backup, its
+# home record), the state folder's parent (the generations, the front's config, the client
+# window file beside the state folder) and the unit's lock folder (under /run: made again by
+# the unit's prestart step at every boot, so it may be missing before that: "-"). /etc, /usr
+# and /home stay read-only otherwise.
 _SYSTEM_HARDENING = """\
 ProtectSystem=strict
 ReadWritePaths={state_dir}{revert_rw}{textfile_rw}

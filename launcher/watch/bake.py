@@ -9,7 +9,8 @@ the deadline, and the settings a revert needs (the sampler's timer reads no sett
 
 The sampler carries the bake: every sample of the live generation judges it (``step``), and
 a sample that finds a bake running keeps sampling every ``bake_interval`` until it ends
-(``launcher.watch.carry``; ``deploy --wait`` does the same in the deploy's own process).
+(``launcher.watch.carry``; the deploy starts that sampler at its gate and judges the bake's
+first moments itself, ``launcher.watch.handoff``; ``--wait`` reads the verdict it records).
 The verdicts: ``reverted`` (the revert, ``launcher.watch.revert``: one function, so a later
 switch in the front can take its place), ``passed``, ``inconclusive`` (the new config
 stays), and ``ended`` (a later deploy or rollback replaced the generation). A revert that
@@ -243,18 +244,24 @@ def announce_path(st: store.Store) -> Path:
     return st.root / "watch" / "handoff.json"
 
 
-def announce(st: store.Store, generation: int, seconds: float) -> None:
+def announce(st: store.Store, generation: int, seconds: float) -> int:
     """This deployer's bake of ``generation`` is coming: a carrier waits for it (``awaited``)
-    at most ``seconds`` (the deploy's budget)."""
+    while this process lives, at most ``seconds`` (the deploy's budget and a minute; one that
+    stops waiting takes a sample that a deploy under way skips, and the deployer starts it
+    again after). Returns this deployer's pid, which names the announcement."""
     path = announce_path(st)
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     data = {"pid": os.getpid(), "generation": generation, "until": time.time() + seconds}
     store.write_json(path, data, durable=False)
+    return os.getpid()
 
 
-def unannounce(st: store.Store) -> None:
-    with contextlib.suppress(OSError):
-        announce_path(st).unlink(missing_ok=True)
+def unannounce(st: store.Store, pid: int) -> None:
+    """The announcement of deployer ``pid`` removed (not one another deployer wrote since)."""
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        path = announce_path(st)
+        if int(json.loads(path.read_bytes())["pid"]) == pid:
+            path.unlink()
 
 
 def announced(st: store.Store) -> tuple[int, float] | None:
@@ -267,10 +274,9 @@ def announced(st: store.Store) -> tuple[int, float] | None:
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError):
-        unannounce(st)
-        return None
+        return None  # half-written or damaged: the next announcement replaces it
     if not store.pid_alive(pid):
-        unannounce(st)
+        unannounce(st, pid)
         return None
     return pid, until
 
@@ -348,7 +354,9 @@ def end(st: store.Store, generation: int | None, why: str) -> dict[str, Any] | N
     except StoreError:
         return None
     bake = load(gen.path)
-    if bake is None or not bake.running:
+    # a bake whose revert was decided but never ran (its carrier waited for the lock this
+    # verb held, or was killed at its gate) ends as well: its generation is replaced
+    if bake is None or bake.state not in (RUNNING, REVERTING):
         return None
     bake.finish("ended", Verdict("ended", "replaced", why), time.time())
     save(gen.path, bake)
@@ -443,7 +451,9 @@ def step(
     save(gen.path, bake)
     done = revert(bake, why)
     bake.revert = done
-    bake.state = "reverted" if done.get("outcome") == "reverted" else "revert_failed"
+    outcome = done.get("outcome")
+    # "ended": a deploy replaced the generation before the revert could (it changed nothing)
+    bake.state = outcome if outcome in ("reverted", "ended") else "revert_failed"
     save(gen.path, bake)
     return bake
 

@@ -1,7 +1,8 @@
-"""The carry of a bake: sampled every ``bake_interval`` from its start to its verdict (the
-sampler's service, ``deploy --wait``), the journal's word of a hard failure sampling at
-once, the looks at an over-committed pool between two samples, the early hold of a failure
-``certain`` to revert, and the bound that ends a bake no sample could judge (``carry``).
+"""The carry of a bake: sampled every ``bake_interval`` from its start to its verdict (by the
+sampler's service, which the deploy starts: ``launcher.watch.handoff``), the journal's word
+of a hard failure sampling at once, the looks at an over-committed pool between two samples,
+the early hold of a failure ``certain`` to revert, and the bound that ends a bake no sample
+could judge (``carry``).
 
 One sample and its judge: ``launcher.watch.sample``, ``launcher.watch.bake.step``; the bake
 record: ``launcher.watch.bake``; the early hold: ``launcher.watch.revert.EarlyHold``.
@@ -71,7 +72,7 @@ def carry(
     brace: Brace | None = None,
 ) -> Bake | None:
     """Sample every ``bake_interval`` while ``generation``'s bake runs and it is live (what
-    the sampler's service and ``deploy --wait`` do); returns its bake as it ended.
+    the sampler's service does); returns its bake as it ended.
 
     Between two samples it waits on ``wake`` (``hard_failures``: the unit's journal
     followed) where it has one: a request the server failed itself (the pool ran out, a
@@ -342,7 +343,7 @@ def on_unit(
     """``carry`` of ``gen``'s bake on the live unit: its looks at the slots, the
     sampler's lock, the journal's wake and, when a hard failure reverts it for sure
     (``certain``) and the unit has a front, the early hold at the journal's line
-    (what the sampler's service and ``deploy --wait`` carry it with)."""
+    (what the sampler's service carries it with)."""
     with hard_failures(systemd) as wake:
         return carry(
             st,

@@ -11,9 +11,10 @@ timer's next tick (a minute away), because a bad config fails in its first secon
   restarted if it runs: a sample, or the carry of the bake this deploy replaces; a sample
   may be cut at any point). The carrier imports what a revert needs and waits
   (``bake.awaited``).
-- From its gate on, the deploy itself looks out (``Lookout``): the carrier could not hold
-  the front while the deploy holds the unit's lock. At a hard failure that reverts the bake
-  for sure it holds the front at once (once its handover sent requests to the new config).
+- From its gate's pass on, the deploy itself looks out (``Lookout``): the carrier could not
+  hold the front while the deploy holds the unit's lock. At a hard failure that reverts the
+  bake for sure it holds the front at once (once its handover sent requests to the new
+  config); a rollback of the transaction stops it first.
 - Under the deploy's lock (``Deployer.then``) the bake begins; when the lookout held, its
   first sample is taken there and a revert runs under that lock (``_first_moments``), and
   the verb's outcome is ``reverted``. Then the announcement goes, and the carrier carries
@@ -117,113 +118,149 @@ def baked(d: Deployer, verb: str, run: Callable[[], Result], wait: bool = False)
 
 class _HandOff:
     """One deploy's hand-off to its bake: the carrier started and the bake announced at the
-    gate, the lookout from the front's release, the bake begun (and its first moments
-    judged) under the deploy's lock (``Deployer.then``)."""
+    gate, the lookout from the gate's pass, the bake begun (and its first moments judged)
+    under the deploy's lock (``Deployer.then``)."""
 
     def __init__(self, d: Deployer, verb: str) -> None:
         self.d, self.verb = d, verb
         self.at_gate: dict[str, Any] | None = None
+        self.announced: int | None = None
         self.lookout: Lookout | None = None
+        #: what went wrong that the result should say (an announcement not written)
+        self.notes: list[str] = []
 
     def hook(self, chained: Callable[[str], None] | None) -> Callable[[str], None]:
         def on_phase(phase: str) -> None:
             if phase == "gate" and self.at_gate is None:
-                txn = self.d.store.txn()
-                seconds = float(txn.get("budget") or 0) + 60.0
-                bake.announce(self.d.store, int(txn.get("to") or 0), seconds)
-                self.at_gate = start_carrier(self.d.settings)
+                self._announce()
             elif phase == "gated" and self.lookout is None:
-                self.lookout = Lookout.of(self.d)
+                self.lookout = Lookout(self.d)
             elif phase in ("serving", "released") and self.lookout is not None:
                 self.lookout.free.set()
+            elif phase == "rollback":  # the transaction goes back: no hold of ours in its way
+                self._stop_looking()
             if chained is not None:
                 chained(phase)
 
         return on_phase
+
+    def _announce(self) -> None:
+        """The bake announced and its carrier started; a failure here never fails the
+        deploy (the carrier is started again after it, or the timer's next tick takes it)."""
+        txn = self.d.store.txn()
+        try:
+            seconds = float(txn.get("budget") or 0) + 60.0
+            self.announced = bake.announce(self.d.store, int(txn.get("to") or 0), seconds)
+        except (OSError, StoreError, ValueError) as e:
+            self.notes.append(f"the bake's carrier was not told to wait for it: {e}")
+        self.at_gate = start_carrier(self.d.settings)
+
+    def _stop_looking(self) -> dict[str, Any] | None:
+        """The lookout stopped, and a hold it took let go; what it held."""
+        lookout, self.lookout = self.lookout, None
+        if lookout is None:
+            return None
+        held = lookout.close()
+        _let_go(self.d)  # a hold it took that nothing will judge (bounded: close waited)
+        return held
 
     def then(self, result: Result) -> Result:
         lookout, self.lookout = self.lookout, None
         held = lookout.close() if lookout is not None else None
         try:
             result = after(self.d, result, self.verb, True, self.at_gate)
+            result.warnings += self.notes
         finally:
             if held is not None:
                 _first_moments(self.d, result, held)
+            elif lookout is not None:
+                _let_go(self.d)
         return result
 
     def close(self) -> None:
         """After the verb, whatever it ended with: the lookout stopped (a hold it took that
-        no ``then`` judged let go: the deploy did not go through), the announcement gone."""
-        if self.lookout is not None and self.lookout.close() is not None:
-            _let_go(self.d)
-        bake.unannounce(self.d.store)
+        no ``then`` judged let go: the deploy did not go through), its announcement gone."""
+        self._stop_looking()
+        if self.announced is not None:
+            bake.unannounce(self.d.store, self.announced)
 
 
 class Lookout:
-    """The deploy's own watch of its new process, from its gate until its bake begins: the
-    carrier cannot hold the front while the deploy holds the unit's lock, and a bad config
-    fails in these moments (clients' requests just sent to it). A thread follows the
-    process's journal (``carry.hard_failures``'s pattern) and at the first hard failure
-    holds the front, as the early hold does (``launcher.watch.revert.EarlyHold``), under the
-    lock this deploy holds, once the handover no longer touches the front's hold (``free``:
-    the phase ``released`` after a hold, ``serving`` when the switch back sends requests to
-    the unit); ``_first_moments`` then judges it. Only for a bake a hard failure reverts for
-    sure (``carry.certain``), behind a front whose release watcher is installed."""
+    """The deploy's own watch of its new process, from its gate's pass until its bake
+    begins: the carrier cannot hold the front while the deploy holds the unit's lock, and a
+    bad config fails in these moments (clients' requests just sent to it). A thread (all of
+    its work there: clients wait at the front while the deploy goes on) checks that a hold
+    may come (a front with its release watcher, a bake a hard failure reverts for sure:
+    ``carry.certain``), follows the process's journal (``carry.hard_failures``'s pattern)
+    and at the first hard failure holds the front, as the early hold does
+    (``launcher.watch.revert.EarlyHold``), under the lock this deploy holds, once the
+    handover no longer touches the front's hold (``free``: the phase ``released`` after a
+    hold, ``serving`` when the switch back sends requests to the unit); ``_first_moments``
+    then judges it. ``close`` waits for the thread (a hold is bounded by HAProxy's start),
+    and no hold comes after it."""
 
-    def __init__(self, d: Deployer, front: Front, pid: int, seconds: float) -> None:
-        self.systemd, self.front, self.pid, self.seconds = d.systemd, front, pid, seconds
+    def __init__(self, d: Deployer) -> None:
+        self.d = d
         self.stop = threading.Event()
         #: set when the handover is done with the front's hold: a hold now is not undone
         self.free = threading.Event()
+        #: taken by a hold and by ``close``: no hold begins after the stop
+        self.holding = threading.Lock()
         #: what was held (the early hold's record), or None
         self.held: dict[str, Any] | None = None
-        self.thread = threading.Thread(target=self._watch, name="lookout", daemon=True)
+        self.thread = threading.Thread(target=self._run, name="lookout", daemon=True)
         self.thread.start()
 
-    @classmethod
-    def of(cls, d: Deployer) -> Lookout | None:
-        try:
-            txn = d.store.txn()
-            to, previous = txn.get("to"), txn.get("from")
-            if not isinstance(to, int) or not isinstance(previous, int):
-                return None
-            front = Front(d.store.root, d.settings.unit_name, d.settings.scope)
-            if front.spec() is None or fronthold.watcher_missing(front) is not None:
-                return None
-            if not carry.certain(bake.plan(d.settings, d.store, to, previous)):
-                return None
-            pid = d.systemd.state().main_pid
-            drain = min(d.settings.drain_timeout, d.settings.bake_drain)
-            seconds = budgets.deploy_total(drain, d.gate.waits, budgets.last_load(d.store))
-        except (LauncherError, OSError):
-            return None
-        return cls(d, front, pid, seconds) if pid > 0 else None
+    def _run(self) -> None:
+        with contextlib.suppress(LauncherError, OSError, StoreError):
+            armed = self._arm()
+            if armed is not None:
+                self._watch(*armed)
 
-    def _watch(self) -> None:
-        try:  # the journal handle is this thread's (sd-journal(3))
-            follower = self.systemd.follow(None, grep=serverlog.HARD_FAILURE_GREP, pid=self.pid)
-        except (LauncherError, OSError):
-            return
+    def _arm(self) -> tuple[Front, int, float] | None:
+        """The front, the process and the hold's length, when a hold may come."""
+        d = self.d
+        txn = d.store.txn()
+        to, previous = txn.get("to"), txn.get("from")
+        if not isinstance(to, int) or not isinstance(previous, int):
+            return None
+        front = Front(d.store.root, d.settings.unit_name, d.settings.scope)
+        if front.spec() is None or fronthold.watcher_missing(front) is not None:
+            return None
+        if not carry.certain(bake.plan(d.settings, d.store, to, previous)):
+            return None
+        pid = d.systemd.state().main_pid
+        drain = min(d.settings.drain_timeout, d.settings.bake_drain)
+        seconds = budgets.deploy_total(drain, d.gate.waits, budgets.last_load(d.store))
+        return (front, pid, seconds) if pid > 0 else None
+
+    def _watch(self, front: Front, pid: int, seconds: float) -> None:
+        # the journal handle is this thread's (sd-journal(3))
+        follower = self.d.systemd.follow(None, grep=serverlog.HARD_FAILURE_GREP, pid=pid)
         with follower:
             while not self.stop.is_set() and not follower.ended:
                 if follower.read(LOOK):
                     while not self.free.wait(LOOK):
                         if self.stop.is_set():
                             return
-                    self._hold()
+                    self._hold(front, seconds)
                     return
 
-    def _hold(self) -> None:
-        t0 = time.monotonic()
-        with contextlib.suppress(LauncherError, OSError):
-            self.front.hold(self.seconds)
-            took = round(time.monotonic() - t0, 3)
-            self.held = {"held": True, "at": time.time(), "took": took, "by": "the deploy"}
+    def _hold(self, front: Front, seconds: float) -> None:
+        with self.holding:
+            if self.stop.is_set():
+                return
+            t0 = time.monotonic()
+            with contextlib.suppress(LauncherError, OSError):
+                front.hold(seconds)
+                took = round(time.monotonic() - t0, 3)
+                self.held = {"held": True, "at": time.time(), "took": took, "by": "the deploy"}
 
     def close(self) -> dict[str, Any] | None:
-        """Stop watching; what was held."""
-        self.stop.set()
-        self.thread.join(timeout=5)
+        """Stop watching (a hold under way is waited for; none begins after); what was held."""
+        with self.holding:
+            self.stop.set()
+        self.thread.join()
         return self.held
 
 
@@ -243,7 +280,12 @@ def _first_moments(d: Deployer, result: Result, held: dict[str, Any]) -> None:
             done = revert.revert(b.generation, b.previous, b.settings, b.policy.drain, why, True)
             return {**done, "early_hold": held}
 
-        sample.sample(sampler.target_for(d.settings), d.systemd, revert=rev)
+        out = sample.sample(sampler.target_for(d.settings), d.systemd, revert=rev)
+        if out.skipped:
+            result.warnings.append(
+                f"the front was held at a hard failure, but the bake's first sample did not "
+                f"judge it ({out.skipped}); the sampler's service judges it next"
+            )
         b = bake.load(gen.path)
         if b is not None and not b.running:
             data["verdict"] = {**b.view(), "line": bake.say(b)}

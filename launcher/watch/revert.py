@@ -36,7 +36,7 @@ from launcher.deploy.outcome import Result
 from launcher.deploy.restart import fronthold
 from launcher.deploy.restart.front import Front
 from launcher.deploy.transaction import Deployer
-from launcher.errors import DeployFailed, LauncherError, RollbackFailed
+from launcher.errors import DeployFailed, LauncherError, RollbackFailed, Superseded
 from launcher.watch.bake import note
 from launcher.watch.verdict import Verdict
 
@@ -67,7 +67,13 @@ def revert(
     deployer = Deployer(settings)
     deployer.lock_held = locked
     try:
-        result = deployer.rollback(to=previous)
+        if locked:  # under a hold already taken: a signal waits until the revert is done
+            with deployer.signals.deferred():
+                result = deployer.rollback(to=previous, only_if_live=generation)
+        else:
+            result = deployer.rollback(to=previous, only_if_live=generation)
+    except Superseded as e:  # a deploy replaced the baked generation first: nothing to do
+        return {"outcome": "ended", "ok": False, "message": str(e), "error": "Superseded"}
     except (DeployFailed, RollbackFailed) as e:
         failed = e.result if isinstance(e.result, Result) else None
         data = kept(failed) if failed else {"outcome": "rollback_failed", "ok": False}
@@ -85,6 +91,8 @@ def revert(
         f"generation {generation} was reverted after its bake ({kind}: {why.reason}); "
         f"generation {previous}'s config serves again as generation {result.generation}"
     )
+    if deployer.signals.pending is not None:
+        result.message += " (a signal arrived during the revert; it waited until it was done)"
     result.say_front_down()
     if result.generation is not None:
         gen = deployer.store.get(result.generation)
