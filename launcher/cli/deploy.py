@@ -341,8 +341,29 @@ def cmd_install(ns: argparse.Namespace) -> int:
         site=install.site_for(tuple(ns.read_only_path), ns.mdwe, ns.allow_nice),
         front_kind=ns.front,
         second_instance=ns.second_instance,
+        admission=_admission(ns),
     )
     return _finish(ns, result, settings)
+
+
+def _admission(ns: argparse.Namespace) -> Any:
+    """``--admission`` and its bounds (None: off); a bound without it is refused."""
+    from launcher.errors import ConfigInvalid
+    from launcher.install import install
+
+    if not ns.admission:
+        for flag, value in (
+            ("--admission-queue", ns.admission_queue),
+            ("--admission-wait", ns.admission_wait),
+        ):
+            if value is not None:
+                raise ConfigInvalid(f"{flag} {value:g} needs --admission: add it, or drop {flag}")
+        return None
+    defaults = install.Admission()
+    return install.Admission(
+        ns.admission_queue if ns.admission_queue is not None else defaults.queue,
+        ns.admission_wait if ns.admission_wait is not None else defaults.wait,
+    )
 
 
 def cmd_uninstall(ns: argparse.Namespace) -> int:

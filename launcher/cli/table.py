@@ -169,6 +169,25 @@ FRONT = options(
         "own) serves the live config while the unit restarts, so nothing is held, and "
         "keeps it warm after (keep_warm): a rollback then is a switch (setting handover)",
     ),
+    arg(
+        "--admission",
+        action="store_true",
+        help="with --front haproxy: admit each generation only when its worst case fits "
+        "what the shared KV pool has left, others wait at the front; an over-committed "
+        "pool is then allowed (guide 05-kv-pools)",
+    ),
+    arg(
+        "--admission-queue",
+        type=int,
+        metavar="N",
+        help="with --admission: requests that may wait at once (default 64); past it, 503",
+    ),
+    arg(
+        "--admission-wait",
+        type=float,
+        metavar="SECONDS",
+        help="with --admission: how long a request may wait (default 120); past it, 503",
+    ),
 )
 #: The options of the verbs that have their own only.
 PLAN = options(

@@ -303,12 +303,17 @@ class ServerConfig(BaseModel):
             raise ConfigInvalid(str(e)) from None
 
     def check_overcommit(
-        self, n_ctx_train: int | None, lacks_cap: str | None = None, np_default: int = -1
+        self,
+        n_ctx_train: int | None,
+        lacks_cap: str | None = None,
+        np_default: int = -1,
+        admitted: bool = False,
     ) -> kvlayout.PoolPlan:
-        """Refuse a shared pool whose slots can exhaust it, unless allow_overcommit.
+        """Refuse a shared pool whose slots can exhaust it, unless allow_overcommit or
+        ``admitted`` (the front admits requests against the pool, so none can exhaust it).
         ``lacks_cap``: the binary has no --kv-unified-per-slot, and why (``BinaryInfo.lacks``)."""
         plan = self.pool_plan(n_ctx_train, np_default)
-        if plan.overcommitted and not self.allow_overcommit:
+        if plan.overcommitted and not (self.allow_overcommit or admitted):
             raise OvercommitError(overcommit_message(plan, self, lacks_cap))
         return plan
 
@@ -352,6 +357,14 @@ def overcommit_message(
         f"  3. split the pool instead (each slot gets {kvlayout.pad(plan.n_ctx // n)}): "
         f"llama-launcher set -np {n} -no-kvu\n"
         f"or accept the risk with allow_overcommit = true (--allow-overcommit)."
+    )
+
+
+def admission_note(plan: kvlayout.PoolPlan) -> str:
+    """What a deploy says of an over-committed shared pool that the front admits against."""
+    return (
+        f"{plan.n_slots} slots x {plan.n_ctx_slot} promised, one pool of {plan.n_ctx}: the "
+        "front admits against it; no request is killed by another's; a request may wait"
     )
 
 

@@ -114,10 +114,15 @@ class Validated:
     server: binary.BinaryInfo
     memory: memory.Need
     steps: tuple[str, ...] = field(default=STEPS)
+    #: the unit's front admits against the shared pool (``launcher.deploy.restart.admission``)
+    admitted: bool = False
 
     @property
     def warnings(self) -> list[str]:
-        """What a deploy of it says: a pool over-committed on purpose (allow_overcommit)."""
+        """What a deploy of it says: a pool over-committed on purpose (allow_overcommit), or
+        one the front admits against."""
+        if self.plan.overcommitted and self.admitted:
+            return [config.admission_note(self.plan)]
         if self.plan.overcommitted and self.config.allow_overcommit:
             return [config.overcommit_warning(self.plan)]
         return []
@@ -425,6 +430,7 @@ def validate(
     unified: devices.UnifiedSetting = "auto",
     svc: service.ServiceView | None = None,
     made: Path | None = None,
+    admitted: bool = False,
 ) -> Validated:
     """Render ``cfg`` to a temporary file and run the whole chain on it.
 
@@ -434,6 +440,8 @@ def validate(
     unified per ``unified``); ``available``: the host's free memory (default MemAvailable).
     ``svc``: the hardened unit's view, whose user must be able to read every file (None: the
     service reads as the caller). ``made``: the slot folder the deploy makes itself.
+    ``admitted``: the unit's front admits requests against the shared pool, so a pool that
+    promises more than it holds passes step ``pool`` (no request is killed by another's).
     """
     text = config.render_env(cfg, key_file)
     values = config.env_values(cfg, key_file)
@@ -445,14 +453,16 @@ def validate(
         info = validate_file(path, cfg, values, expected)
     model, layout, unsupported = check_world(cfg, svc, made)
     try:
-        plan = cfg.check_overcommit(model.get("n_ctx_train"), info.lacks(CAP), info.np_default)
+        plan = cfg.check_overcommit(
+            model.get("n_ctx_train"), info.lacks(CAP), info.np_default, admitted
+        )
     except ConfigInvalid as e:
         raise ValidationFailed("pool", str(e)) from None
     need = memory_step(cfg, plan, model, layout, unsupported, info, box, unified)
     memory.guard(
         need, releasable() if callable(releasable) else releasable, force_memory, available
     )
-    return Validated(cfg, text, values, expected, plan, model, info, need)
+    return Validated(cfg, text, values, expected, plan, model, info, need, admitted=admitted)
 
 
 def check_port(
@@ -507,6 +517,7 @@ def beside_state(
     live_meta: Callable[[], Mapping[str, Any] | None] = lambda: None,
     made: Path | None = None,
     unit: str | None = None,
+    admitted: bool = False,
 ) -> tuple[Validated, UnitState | None]:
     """``validate`` with the unit's state (a systemctl) read beside the chain's processes;
     the state tells the memory guard what the running server frees, on the host (its
@@ -544,6 +555,7 @@ def beside_state(
             box=box,
             unified=unified,
             made=made,
+            admitted=admitted,
         )
         state = unit_state()
         check_port(checked.config, state, unit)

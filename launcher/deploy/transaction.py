@@ -30,7 +30,7 @@ from launcher.config import beside, memory, validate
 from launcher.deploy import budgets, defaults, home, keys, rollback, store, window
 from launcher.deploy.gate import Gate, Progress, together
 from launcher.deploy.outcome import Result
-from launcher.deploy.restart import fronthold, handover, standby
+from launcher.deploy.restart import admission, fronthold, handover, standby
 from launcher.deploy.restart.bridge import Bridge, Endpoint, bridging
 from launcher.deploy.restart.front import Front
 from launcher.deploy.rollback import Reverter, Signals, on_error
@@ -79,6 +79,9 @@ class Deployer:
         #: files ``install`` is about to write (the unit, an instance's drop-in; None: to be
         #: removed): the validation reads the unit from them (``defaults.target``)
         self.pending: dict[Path, str | None] = {}
+        #: the front admits against the shared pool (None: as the front's spec says; install
+        #: sets it before the front it installs exists)
+        self.admits: bool | None = None
         #: why a unit with a second instance holds this restart instead of switching
         self.held_because: str | None = None
         #: that second instance, stopped before the held restart (``Handover.standby``)
@@ -227,6 +230,17 @@ class Deployer:
 
     # -- validate -> unchanged? ------------------------------------------------------------
 
+    def _admits(self) -> bool:
+        """Whether the unit's front admits requests against the shared pool, which lets a
+        pool that promises more than it holds through the over-commit guard."""
+        if self.admits is not None:
+            return self.admits
+        try:
+            spec = Front(self.store.root, self.systemd.unit, self.settings.scope).spec()
+        except LauncherError:
+            return False
+        return spec is not None and spec.admission
+
     def _deploy(
         self,
         cfg: config.ServerConfig,
@@ -249,6 +263,7 @@ class Deployer:
             live_meta=self.store.live_meta,
             made=unit.slot_folder,
             unit=self.systemd.unit,
+            admitted=self._admits(),
         )
         front = defaults.front_address(unit, checked.config)
         return self._proceed(
@@ -340,6 +355,7 @@ class Deployer:
             {"host": checked.config.host, "port": checked.config.port},
             checked.plan.n_slots,
             old_meta,
+            admission.pool_of(checked.plan),
         )
         bridge = self._bridge_for(change, live_text, old_meta, prev, before, result)
         gen = self._store(checked, live_text, prev, origin, result.planned, before, change, bridge)

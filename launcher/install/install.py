@@ -221,6 +221,7 @@ def install(
     site: units.Site | None = None,
     front_kind: str = "none",
     second_instance: bool = False,
+    admission: Admission | None = None,
 ) -> Result:
     """Install the unit, create folders with safe modes, enable it, deploy through the gate.
 
@@ -232,7 +233,9 @@ def install(
     ``front_kind="haproxy"``: HAProxy holds the config's address and llama-server moves to a
     private one (``launcher.deploy.restart.front``); ``second_instance``: and a second instance on a
     standby port of the front (``launcher.deploy.restart.standby``), which serves while the unit
-    restarts and keeps the previous config warm after.
+    restarts and keeps the previous config warm after; ``admission``: the front admits
+    requests against the shared KV pool (``launcher.deploy.restart.admission``), and a pool
+    that promises more than it holds passes the over-commit guard.
     Nothing is changed when the input is refused (a hand-edited unit without ``force``,
     system scope without root, user scope without linger, any step of the validation chain,
     which runs on the unit as it will be written before anything is). An instance of the
@@ -240,6 +243,11 @@ def install(
     (``llama-server@NAME.service.d/``), so another instance's install never changes them.
     """
     the_front, spec = _refuse_early(settings, cfg, template, front_kind, second_instance)
+    if admission is not None and front_kind != "haproxy":
+        raise ConfigInvalid(
+            "--admission is the front's: install with --front haproxy --admission; nothing "
+            "was changed"
+        )
     env_file = settings.resolved_env_file()
     if template:
         _check_template(settings, env_file, settings.resolved_unit_dir())
@@ -250,11 +258,13 @@ def install(
     # the whole validation chain on the unit as it will be, before anything is written: a
     # refused install changes nothing (no unit, folder, key file or wants link left behind)
     deployer.pending = pending
+    if front_kind == "haproxy":
+        deployer.admits = admission is not None
     deployer.deploy(cfg, check=True, origin="install")
     deployer.pending = {}
     state_dir = _make_folders(settings, env_file)
     if front_kind == "haproxy":
-        spec = _front_spec(cfg, spec, second_instance)
+        spec = _front_spec(cfg, spec, second_instance, admission)
     if spec is not None:
         # llama-server listens on the private address; the front holds the config's one
         cfg = cfg.model_copy(update={"host": spec.private_host, "port": spec.private_port})
@@ -340,7 +350,14 @@ def _install_front_units(
 ) -> None:
     """After the first deploy: the front (sized for the slots the deploy planned) and the
     second instance, when it has a standby port; what they are goes into the handover."""
-    slots = int((result.planned or {}).get("n_slots") or 1)
+    planned = result.planned or {}
+    slots = int(planned.get("n_slots") or 1)
+    if planned.get("kv_unified"):
+        spec = dataclasses.replace(
+            spec,
+            pool_cells=int(planned.get("pool_cells") or 0),
+            slot_cells=int(planned.get("n_ctx_slot") or 0),
+        )
     watcher = frontunits.release_service_text(the_front, *units.this_python(), home.where(settings))
     result.handover = {
         **(result.handover or {}),
@@ -425,14 +442,41 @@ def require_same_public(
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class Admission:
+    """``install --front haproxy --admission``: the admission queue's bounds."""
+
+    queue: int = 64
+    wait: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.queue < 1:
+            raise ConfigInvalid(
+                f"--admission-queue {self.queue} is no queue length; use 1 or more, e.g. 64"
+            )
+        if not 0 < self.wait <= 86400:
+            raise ConfigInvalid(
+                f"--admission-wait {self.wait:g} is no wait; use seconds over 0, e.g. 120"
+            )
+
+
 def _front_spec(
-    cfg: config.ServerConfig, old: front.FrontSpec | None, second: bool = False
+    cfg: config.ServerConfig,
+    old: front.FrontSpec | None,
+    second: bool = False,
+    admission: Admission | None = None,
 ) -> front.FrontSpec:
     """The config's address becomes the public one; the private one is kept across
     re-installs (the server may be listening on it; ``require_same_public`` refused a
-    public address that moved)."""
+    public address that moved). Admission is as this install says (off without it)."""
     host = old.private_host if old is not None else "127.0.0.1"
     spec = old or front.FrontSpec(cfg.host, cfg.port, host, front.free_port(host))
+    spec = dataclasses.replace(
+        spec,
+        admission=admission is not None,
+        admission_queue=admission.queue if admission else spec.admission_queue,
+        admission_wait=admission.wait if admission else spec.admission_wait,
+    )
     while second and spec.standby_port in (None, spec.private_port):
         spec = dataclasses.replace(spec, standby_port=front.free_port(host))
     return spec

@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from launcher.deploy import store
+from launcher.deploy.restart import admission
 from launcher.errors import CommandError, ConfigInvalid, LauncherError
 from launcher.host import proc
 from launcher.host.systemd import Systemd
@@ -109,8 +110,23 @@ class FrontSpec:
     standby_port: int | None = None
     #: which server takes the requests: ``a`` (``llama`` on ``private_port``) or ``b``
     serving: str = "a"
+    #: admission against the shared KV pool (``launcher.deploy.restart.admission``): a
+    #: generation waits at the front until its worst case fits what the pool has left
+    admission: bool = False
+    #: requests that may wait for room at once; past it: 503 with Retry-After
+    admission_queue: int = 64
+    #: seconds a request may wait for room; past it: 503 with Retry-After
+    admission_wait: float = 120.0
+    #: the shared pool's cells and one slot's window, from the deploy's plan (0: a split
+    #: pool or none planned yet; every request is admitted)
+    pool_cells: int = 0
+    slot_cells: int = 0
 
     def __post_init__(self) -> None:
+        if self.admission_queue < 1:
+            raise ValueError(f"admission_queue is {self.admission_queue}; it is 1 or more")
+        if not self.admission_wait > 0:
+            raise ValueError(f"admission_wait is {self.admission_wait}; it is over 0 seconds")
         if self.serving not in SERVERS:
             raise ValueError(f"serving is {self.serving!r}; it is 'a' or 'b'")
         if self.serving == "b" and self.standby_port is None:
@@ -227,27 +243,36 @@ class Front:
 
     # -- the config file -------------------------------------------------------------------
 
+    @property
+    def lua_path(self) -> Path:
+        """Admission's Lua beside the config (``admission.lua``: HAProxy loads it at start)."""
+        return self.dir / admission.LUA.name
+
     def render(self, spec: FrontSpec, slots: int) -> str:
         """HAProxy's config: the public listener (the socket unit's fd), one server with
         ``maxconn`` = the server's slots (more requests wait in HAProxy's queue, not in
-        llama-server's), long timeouts for streamed generations."""
+        llama-server's), long timeouts for streamed generations; with ``admission``, the
+        generations admitted against the shared pool (``admission.global_lines``)."""
         if len(str(self.admin_socket)) > SUN_PATH_MAX:
             raise ConfigInvalid(
                 f"the front's runtime socket {self.admin_socket} is longer than a unix socket "
                 f"path may be ({SUN_PATH_MAX} bytes); use a shorter --state-dir"
             )
+        admit = spec.admission
+        server = address(spec.private_host, spec.port(spec.serving))
         return f"""\
 # Rendered by llama-launcher: the front of {self.unit}. Deploys change it (validated with
 # haproxy -c, swapped atomically, the old one kept as .bak); edits are replaced.
 global
     stats socket {self.admin_socket} mode 600 level admin
     log stderr format short local0 notice
-
+{admission.global_lines(spec, server) if admit else ""}
 defaults
     mode http
     log global
     # one request per connection: a held request is a new connection in the listen backlog
     option httpclose
+{admission.DEFAULTS_LINES if admit else ""}\
     timeout connect 5s
     timeout client 1h
     timeout server 1h
@@ -256,6 +281,7 @@ defaults
 frontend {FRONTEND}
     # the public socket from {self.socket_unit}; paused during a deploy, never closed
     bind "${{LLAMA_FRONT_BIND}}"
+{admission.FRONTEND_LINES if admit else ""}\
     default_backend {BACKEND}
 
 backend {BACKEND}
@@ -285,7 +311,10 @@ backend {BACKEND}
                 f.write(text)
             proc.run(
                 [spec.haproxy, "-c", "-f", str(tmp)],
-                env=proc.base_env(LLAMA_FRONT_BIND=address(spec.public_host, spec.public_port)),
+                env=proc.base_env(
+                    LLAMA_FRONT_BIND=address(spec.public_host, spec.public_port),
+                    LLAMA_FRONT_LUA=str(admission.LUA),
+                ),
                 timeout=30,
             )
         except CommandError as e:
@@ -301,7 +330,9 @@ backend {BACKEND}
             return None
 
     def swap(self, text: str, backup: bool = True) -> None:
-        """Install the validated text atomically, keeping the old one as ``.bak``."""
+        """Install the validated text atomically, keeping the old one as ``.bak``; admission's
+        Lua beside it, as this version of the package has it."""
+        admission.place(self.lua_path)
         store.swap_env(self.config_path, text, backup)
 
     def put_back(self, record: dict[str, Any]) -> bool:
@@ -388,6 +419,8 @@ backend {BACKEND}
         name = SERVERS[side]
         self.command(f"set server {BACKEND}/{name} addr {spec.private_host} port {spec.port(side)}")
         self._expect_empty(f"set maxconn server {BACKEND}/{name} {max(slots, 1)}")
+        if spec.admission:
+            admission.announce(self, spec, address(spec.private_host, spec.port(side)))
 
     def switch(
         self,

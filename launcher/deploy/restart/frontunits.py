@@ -7,6 +7,7 @@ serve, and why a socket unit holds the port, is ``launcher.deploy.restart.front`
 
 from __future__ import annotations
 
+from launcher.deploy.restart import admission
 from launcher.deploy.restart.front import Front, FrontSpec, address
 from launcher.host import units
 
@@ -52,6 +53,7 @@ StartLimitIntervalSec=0
 [Service]
 Type=notify
 Environment=LLAMA_FRONT_BIND=fd@3
+Environment=LLAMA_FRONT_LUA={admission.lua_env(front)}
 ExecStart={spec.haproxy} -Ws -f {config}
 # SIGUSR1: a soft stop, requests in flight finish (SIGTERM would cut them)
 KillSignal=SIGUSR1
@@ -72,6 +74,7 @@ def _system_hardening(front: Front) -> str:
 # credential PID 1 reads for it (at every start) and keeps its runtime socket in /run.
 DynamicUser=yes
 LoadCredential=haproxy.cfg:{front.config_path}
+LoadCredential={admission.LUA.name}:{front.lua_path}
 RuntimeDirectory={front.admin_socket.parent.name}
 RuntimeDirectoryMode=0700
 UMask=0077

@@ -485,10 +485,13 @@ def front_change(
     cfg: dict[str, Any],
     planned_slots: int | None,
     old_meta: dict[str, Any] | None,
+    pool: tuple[int, int] = (0, 0),
 ) -> FrontChange | None:
     """The front's config for the server config ``cfg`` (its host and port are the private
     address), validated with ``haproxy -c`` when it changes: before anything live changes,
-    a text HAProxy refuses is refused (exit 2). None: the unit has no front."""
+    a text HAProxy refuses is refused (exit 2). ``pool``: the shared pool's cells and a
+    slot's window that admission counts against ((0, 0): a split pool). None: the unit
+    has no front."""
     front = Front(state_dir, unit, scope)
     old_spec = front.spec()
     if old_spec is None:
@@ -498,6 +501,8 @@ def front_change(
         private_host=str(cfg.get("host") or old_spec.private_host),
         private_port=int(cfg.get("port") or old_spec.private_port),
         serving="a",  # a transaction ends with the unit serving (launcher.deploy.restart.standby)
+        pool_cells=pool[0],
+        slot_cells=pool[1],
     )
     n = int(planned_slots or 1)
     old_n = int(((old_meta or {}).get("planned") or {}).get("n_slots") or n)

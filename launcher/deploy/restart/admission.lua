@@ -1,0 +1,254 @@
+-- Rendered beside the front's config by llama-launcher (launcher/deploy/restart/admission.py
+-- says why and how): admission against llama-server's shared KV pool, inside HAProxy.
+--
+-- A generation is admitted only when its worst case fits what the pool has left: the cells
+-- reserved by the requests admitted before it and still running, plus its own prompt (counted
+-- by the server's own template and tokenizer: POST /apply-template, then /tokenize) and what it
+-- may generate (max_tokens, else up to its slot's window), at most one slot's window. Idle
+-- slots' cached cells count as free: llama-server purges them when a batch needs room.
+-- A request that does not fit waits here, first come first served, at most `queue` of them
+-- and `wait` seconds each; past either: 503 with Retry-After. A prompt no slot can hold gets
+-- the server's own 400 at once. A client that leaves is taken out of the queue (option
+-- abortonclose ends this action; the filter's end_analyze removes its ticket).
+-- A reservation ends with its stream (the filter's end_analyze); one cut short (the client
+-- left mid-stream) is kept `grace` seconds more, while llama-server notices and stops its slot.
+-- Without a pool (0: a split pool, or none announced yet) every request is admitted.
+
+local cfg = {
+  pool = tonumber(os.getenv("LLAMA_ADMIT_POOL") or "0") or 0,
+  slot = tonumber(os.getenv("LLAMA_ADMIT_SLOT") or "0") or 0,
+  queue = tonumber(os.getenv("LLAMA_ADMIT_QUEUE") or "64") or 64,
+  wait = tonumber(os.getenv("LLAMA_ADMIT_WAIT") or "120") or 120,
+  server = os.getenv("LLAMA_ADMIT_SERVER") or "",
+  grace = 1.0,
+  poll_ms = 10,
+}
+
+-- what `llama admission` shows (launcher.deploy.restart.admission.Ledger parses it)
+local st = {
+  admitted = 0, waited = 0, refused_queue = 0, refused_wait = 0, refused_large = 0,
+  left = 0, counted = 0, bounded = 0, released = 0, cut = 0,
+}
+local WAIT_BOUNDS = { 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300 }
+local waits = { counts = {}, sum = 0, n = 0 }
+for i = 1, #WAIT_BOUNDS do waits.counts[i] = 0 end
+
+local queue = {}     -- tickets waiting, oldest first
+local held = {}      -- ticket -> cells reserved by an admitted request
+local ending = {}    -- ticket -> {cells, until}: cut streams kept for `grace`
+local reserved = 0
+local next_ticket = 0
+
+local function now()
+  local t = core.now()
+  return t.sec + t.usec / 1e6
+end
+
+local function sweep()
+  local t = now()
+  for ticket, e in pairs(ending) do
+    if t >= e.deadline then
+      reserved = reserved - e.cells
+      ending[ticket] = nil
+    end
+  end
+end
+
+local function unqueue(ticket)
+  for i, t in ipairs(queue) do
+    if t == ticket then
+      table.remove(queue, i)
+      return true
+    end
+  end
+  return false
+end
+
+local function observe(seconds)
+  waits.sum = waits.sum + seconds
+  waits.n = waits.n + 1
+  for i, bound in ipairs(WAIT_BOUNDS) do
+    if seconds <= bound then waits.counts[i] = waits.counts[i] + 1 end
+  end
+end
+
+local function json_string(s)
+  return '"' .. s:gsub('[%c"\\]', function(c)
+    if c == '"' then return '\\"' elseif c == '\\' then return '\\\\' end
+    return string.format('\\u%04x', c:byte())
+  end) .. '"'
+end
+
+local function reply(txn, status, reason, body, retry)
+  local headers = { ["content-type"] = { "application/json; charset=utf-8" } }
+  if retry then headers["retry-after"] = { tostring(retry) } end
+  txn:done(txn:reply({ status = status, reason = reason, headers = headers, body = body }))
+end
+
+-- the prompt's tokens as the server will count them, or nil (then the slot's window bounds it)
+local function count(txn, body)
+  if cfg.server == "" then return nil end
+  local headers = { ["content-type"] = { "application/json" } }
+  local auth = txn.f:req_hdr("authorization")
+  if auth then headers["authorization"] = { auth } end
+  local hc = core.httpclient()
+  local base = "http://" .. cfg.server
+  local ok, r = pcall(hc.post, hc, { url = base .. "/apply-template", headers = headers,
+                                     body = body, timeout = 10000 })
+  if not ok or not r or r.status ~= 200 or not r.body then return nil end
+  local prompt, n = r.body:gsub('^{"prompt":', '{"add_special":true,"parse_special":true,"content":', 1)
+  if n ~= 1 then return nil end
+  ok, r = pcall(hc.post, hc, { url = base .. "/tokenize", headers = headers, body = prompt,
+                               timeout = 10000 })
+  if not ok or not r or r.status ~= 200 or not r.body then return nil end
+  local tokens = r.body:match('^{"tokens":%[(.-)%]')
+  if tokens == nil then return nil end
+  if tokens == "" then return 0 end
+  local _, commas = tokens:gsub(",", ",")
+  return commas + 1
+end
+
+local function bound_of(txn, body)
+  for _, key in ipairs({ "$.max_tokens", "$.max_completion_tokens", "$.n_predict" }) do
+    local v = tonumber(txn.sc:json_query(body, key, "int"))
+    if v ~= nil and v > 0 then return math.floor(v) end
+  end
+  return nil
+end
+
+core.register_action("llama_admit", { "http-req" }, function(txn)
+  sweep()
+  if cfg.pool <= 0 or cfg.slot <= 0 then return end
+  local body = txn.f:req_body() or ""
+  local length = tonumber(txn.f:req_hdr("content-length") or "")
+  local prompt = nil
+  if length == nil or #body >= length then prompt = count(txn, body) end
+  local slot = math.min(cfg.slot, cfg.pool)
+  if prompt == nil then
+    st.bounded = st.bounded + 1
+  else
+    st.counted = st.counted + 1
+    if prompt >= slot then
+      st.refused_large = st.refused_large + 1
+      reply(txn, 400, "Bad Request", string.format(
+        '{"error":{"code":400,"message":"request (%d tokens) exceeds the available context size (%d tokens), try increasing it","type":"exceed_context_size_error","n_prompt_tokens":%d,"n_ctx":%d}}',
+        prompt, slot, prompt, slot))
+      return
+    end
+  end
+  local gen = bound_of(txn, body)
+  local need = slot
+  if prompt ~= nil and gen ~= nil then need = math.min(slot, prompt + gen) end
+  if #queue >= cfg.queue then
+    st.refused_queue = st.refused_queue + 1
+    reply(txn, 503, "Service Unavailable", string.format(
+      '{"error":{"code":503,"message":%s,"type":"unavailable_error"}}',
+      json_string(string.format("the front's admission queue is full (%d requests wait for room in the KV pool); try again later", cfg.queue))),
+      math.max(1, math.floor(cfg.wait / 4)))
+    return
+  end
+  next_ticket = next_ticket + 1
+  local ticket = next_ticket
+  queue[#queue + 1] = ticket
+  txn:set_var("txn.llama_ticket", ticket)
+  local t0 = now()
+  local waited = false
+  while not (queue[1] == ticket and reserved + need <= cfg.pool) do
+    if now() - t0 > cfg.wait then
+      unqueue(ticket)
+      st.refused_wait = st.refused_wait + 1
+      reply(txn, 503, "Service Unavailable", string.format(
+        '{"error":{"code":503,"message":%s,"type":"unavailable_error"}}',
+        json_string(string.format("no room in the KV pool for this request's %d cells within %g s; try again later", need, cfg.wait))),
+        math.max(1, math.floor(cfg.wait / 4)))
+      return
+    end
+    waited = true
+    core.msleep(cfg.poll_ms)
+    sweep()
+  end
+  table.remove(queue, 1)
+  reserved = reserved + need
+  held[ticket] = need
+  txn:set_var("txn.llama_admitted", ticket)
+  st.admitted = st.admitted + 1
+  if waited then st.waited = st.waited + 1 end
+  observe(now() - t0)
+end, 0)
+
+-- ends a stream's ticket: out of the queue, or its reservation released
+Release = {}
+Release.id = "llama-release"
+Release.flags = filter.FLT_CFG_FL_HTX
+Release.__index = Release
+
+function Release:new()
+  return setmetatable({ finished = false }, Release)
+end
+
+function Release:start_analyze(txn, chn)
+  -- http_end is called only on a channel whose data the filter registered for
+  if chn:is_resp() then filter.register_data_filter(self, chn) end
+end
+
+function Release:http_end(txn, msg)
+  if msg.channel:is_resp() then self.finished = true end
+  return filter.CONTINUE
+end
+
+-- called at the stream's end for one channel or both (which one depends on the filter's data
+-- registration): the first call does the work, the second finds nothing left to do
+function Release:end_analyze(txn, chn)
+  local waiting = txn:get_var("txn.llama_ticket")
+  if waiting ~= nil and txn:get_var("txn.llama_admitted") == nil and unqueue(waiting) then
+    st.left = st.left + 1
+  end
+  local ticket = txn:get_var("txn.llama_admitted")
+  local cells = ticket and held[ticket]
+  if cells == nil then return end
+  held[ticket] = nil
+  st.released = st.released + 1
+  if self.finished then
+    reserved = reserved - cells
+  else
+    st.cut = st.cut + 1
+    ending[ticket] = { cells = cells, deadline = now() + cfg.grace }
+  end
+end
+
+core.register_filter("llama_release", Release, function(f, args)
+  return f
+end)
+
+local function show(applet)
+  sweep()
+  local lines = {
+    "pool " .. cfg.pool, "slot " .. cfg.slot, "queue_limit " .. cfg.queue,
+    "wait_limit " .. cfg.wait, "server " .. (cfg.server ~= "" and cfg.server or "-"),
+    "reserved " .. reserved, "running " .. (function() local n = 0 for _ in pairs(held) do n = n + 1 end return n end)(),
+    "waiting " .. #queue,
+  }
+  for k, v in pairs(st) do lines[#lines + 1] = k .. " " .. v end
+  for i, bound in ipairs(WAIT_BOUNDS) do
+    lines[#lines + 1] = "wait_le_" .. bound .. " " .. waits.counts[i]
+  end
+  lines[#lines + 1] = "wait_count " .. waits.n
+  lines[#lines + 1] = string.format("wait_sum %.6f", waits.sum)
+  applet:send(table.concat(lines, "\n") .. "\n")
+end
+
+-- `llama admission`: the ledger; `llama admission set POOL SLOT HOST:PORT`: a deploy's pool
+core.register_cli({ "llama", "admission" }, "llama admission [set POOL SLOT HOST:PORT] : the KV pool's admission",
+  function(applet, a, b, verb, pool, slot, server)
+    if verb == "set" then
+      local p, s = tonumber(pool), tonumber(slot)
+      if p == nil or s == nil or server == nil then
+        applet:send("usage: llama admission set POOL SLOT HOST:PORT\n")
+        return
+      end
+      cfg.pool, cfg.slot, cfg.server = p, s, server
+      applet:send("set\n")
+      return
+    end
+    show(applet)
+  end)

@@ -1,0 +1,243 @@
+"""Admission against the shared KV pool, at the front (``install --front haproxy
+--admission``): no request is killed by another's, even in a pool that promises its slots
+more than it holds.
+
+Why: in a unified pool (``-kvu``, ``-np`` auto) every slot may grow to its whole window while
+all share one pool; when the busy slots fill it together, llama-server fails *every* request
+in flight at once ("Context size has been exceeded"), whichever was small. The front knows
+what it let in, so it can refuse to let in what would not fit:
+
+- **The budget.** A generation's worst case is its prompt plus what it may generate
+  (``max_tokens``, ``max_completion_tokens`` or ``n_predict``; without one, up to its slot's
+  window), at most one slot's window (a slot never holds more: the server stops it there).
+  It is admitted when that fits the pool beside the worst cases of the requests admitted
+  before it and still running. Reservations end with their streams, so two requests admitted
+  together never count on the same cells. Idle slots' cached prompts count as free:
+  llama-server purges an idle slot's cache when a batch needs its cells (WARN ``purging slot
+  N``), and that slot's next request is read again from the start.
+- **The count.** The prompt is counted the way the server counts it: its own chat template
+  (``POST /apply-template``) and tokenizer (``POST /tokenize``, with the special tokens), on
+  the server the front serves from; b9093, b10405 and b11434 all have both. A count that cannot
+  be made (the server busy past 10 s, down, a body larger than HAProxy's buffer) is replaced
+  by the bound that is never below it: the slot's whole window.
+- **The queue.** A request that does not fit waits at the front, first come first served
+  (a large one at the head is not overtaken), at most ``admission_queue`` requests for at most
+  ``admission_wait`` seconds; past either, 503 with ``Retry-After``. A prompt no slot can hold
+  is answered at once with the server's own 400 (``exceed_context_size_error``). A client
+  that leaves is taken out of the queue (``option abortonclose``).
+- **Fail open, said so.** Without a pool to admit against (a split pool, whose slots cannot
+  take each other's cells; a front whose HAProxy restarted before any deploy told it the
+  pool; an error in the Lua) a request is admitted as before admission existed. Traffic that
+  reaches llama-server around the front is not counted.
+
+The mechanism stays inside HAProxy: a Lua action (``admission.lua``) on the frontend, whose
+waits yield to HAProxy's scheduler, and a Lua filter that ends each stream's reservation. The
+deploy tells a running HAProxy the new pool (``llama admission set``, on the runtime API) when
+it points the front at the new server; a restarted HAProxy reads it from its config.
+``llama admission`` on the runtime API is the ledger ``status``, ``top`` and the metrics read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from launcher.errors import LauncherError
+
+if TYPE_CHECKING:
+    from launcher.server.kvlayout import PoolPlan
+
+
+class Front(Protocol):
+    """What admission needs of ``launcher.deploy.restart.front.Front`` (which imports this)."""
+
+    @property
+    def scope(self) -> str: ...
+
+    @property
+    def lua_path(self) -> Path: ...
+
+    def command(self, line: str, timeout: float = 5.0) -> str: ...
+
+
+class FrontSpec(Protocol):
+    """What admission needs of ``launcher.deploy.restart.front.FrontSpec``."""
+
+    @property
+    def admission_queue(self) -> int: ...
+
+    @property
+    def admission_wait(self) -> float: ...
+
+    @property
+    def pool_cells(self) -> int: ...
+
+    @property
+    def slot_cells(self) -> int: ...
+
+
+#: the Lua HAProxy loads (copied beside the front's config, ``Front.lua_path``)
+LUA = Path(__file__).with_name("admission.lua")
+#: the bounds of the waits' histogram, in seconds (the Lua's WAIT_BOUNDS)
+WAIT_BOUNDS = (0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+#: HAProxy's buffer, which holds a whole request body to count (a larger one is bounded)
+BUFSIZE = 1 << 20
+#: the paths of generations; other requests (/health, /slots, /tokenize, ...) pass
+GENERATIONS = r"^/(v1/)?(chat/completions|completions?|messages|infill)$"
+
+DEFAULTS_LINES = """\
+    # admission: a client that leaves while its request waits is taken out of the queue
+    option abortonclose
+"""
+FRONTEND_LINES = f"""\
+    # admission against the shared KV pool (admission.lua; llama-launcher status shows it)
+    filter lua.llama_release
+    http-request wait-for-body time 10s at-least {BUFSIZE} if METH_POST
+    http-request lua.llama_admit if METH_POST {{ path_reg {GENERATIONS} }}
+"""
+
+
+def pool_of(plan: PoolPlan) -> tuple[int, int]:
+    """The cells admission counts against and a slot's window: a shared pool's; (0, 0) for
+    split pools, whose slots cannot take each other's cells (nothing to admit against)."""
+    return (plan.n_ctx, plan.n_ctx_slot) if plan.kv_unified else (0, 0)
+
+
+def global_lines(spec: FrontSpec, server: str) -> str:
+    """The global section's admission lines: the Lua, its settings, a buffer for a body."""
+    return f"""\
+    # admission: the pool and the queue's bounds; a deploy changes the pool at run time
+    setenv LLAMA_ADMIT_POOL {spec.pool_cells}
+    setenv LLAMA_ADMIT_SLOT {spec.slot_cells}
+    setenv LLAMA_ADMIT_QUEUE {spec.admission_queue}
+    setenv LLAMA_ADMIT_WAIT {spec.admission_wait:g}
+    setenv LLAMA_ADMIT_SERVER {server}
+    tune.bufsize {BUFSIZE}
+    lua-load "${{LLAMA_FRONT_LUA}}"
+"""
+
+
+def place(path: Path) -> None:
+    """This package's Lua at ``path`` (the credential a system-scope HAProxy is handed)."""
+    text = LUA.read_bytes()
+    with contextlib.suppress(OSError):
+        if path.read_bytes() == text:
+            return
+    from launcher.deploy import store
+
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    store.atomic_write(path, text, 0o644)
+
+
+class AdmissionError(LauncherError):
+    """The front's admission did not take the pool it was given."""
+
+    fix = (
+        "llama-launcher status shows the front; reinstall it with "
+        "install --front haproxy --admission so that its config loads admission.lua"
+    )
+
+
+def announce(front: Front, spec: FrontSpec, server: str) -> None:
+    """Tell the running HAProxy the pool the deploy planned and the server it counts on."""
+    line = f"llama admission set {spec.pool_cells} {spec.slot_cells} {server}"
+    answer = front.command(line).strip()
+    if answer != "set":
+        raise AdmissionError(f"the front answered {answer[:200]!r} to {line!r}")
+
+
+@dataclass(frozen=True)
+class Ledger:
+    """``llama admission``: the pool, what is reserved, waiting and refused, the waits."""
+
+    pool: int
+    slot: int
+    reserved: int
+    running: int
+    waiting: int
+    admitted: int
+    waited: int
+    refused_queue: int
+    refused_wait: int
+    refused_large: int
+    left: int
+    counted: int
+    bounded: int
+    released: int
+    cut: int
+    queue_limit: int
+    wait_limit: float
+    #: cumulative counts of waits <= each of WAIT_BOUNDS, their number and their sum
+    wait_buckets: tuple[int, ...]
+    wait_count: int
+    wait_sum: float
+
+    @property
+    def free(self) -> int:
+        return max(self.pool - self.reserved, 0)
+
+    @property
+    def refused(self) -> int:
+        return self.refused_queue + self.refused_wait + self.refused_large
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "free": self.free, "refused": self.refused}
+
+    @classmethod
+    def parse(cls, text: str) -> Ledger:
+        values: dict[str, str] = {}
+        for line in text.splitlines():
+            key, _, value = line.strip().partition(" ")
+            if key:
+                values[key] = value.strip()
+        try:
+            return cls(
+                **{
+                    name: int(float(values[name]))
+                    for name in (
+                        "pool",
+                        "slot",
+                        "reserved",
+                        "running",
+                        "waiting",
+                        "admitted",
+                        "waited",
+                        "refused_queue",
+                        "refused_wait",
+                        "refused_large",
+                        "left",
+                        "counted",
+                        "bounded",
+                        "released",
+                        "cut",
+                        "queue_limit",
+                        "wait_count",
+                    )
+                },
+                wait_limit=float(values["wait_limit"]),
+                wait_buckets=tuple(int(values[f"wait_le_{b:g}"]) for b in WAIT_BOUNDS),
+                wait_sum=float(values["wait_sum"]),
+            )
+        except (KeyError, ValueError) as e:
+            raise AdmissionError(
+                f"'llama admission' answered no ledger ({e}): {text[:200]!r}"
+            ) from None
+
+
+def ledger(front: Front) -> Ledger | None:
+    """The running HAProxy's ledger; None when its config loads no admission."""
+    text = front.command("llama admission")
+    if not text.startswith("pool "):
+        return None
+    return Ledger.parse(text)
+
+
+def lua_env(front: Front) -> str:
+    """Where the front's service finds the Lua (its ``LLAMA_FRONT_LUA``): the copy beside
+    the config, or in system scope the credential PID 1 hands it."""
+    if front.scope == "system":
+        return "%d/" + LUA.name
+    return os.fspath(front.lua_path)
