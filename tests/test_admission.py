@@ -1,0 +1,398 @@
+"""Admission against the shared KV pool at the front (issue 42): HAProxy's Lua
+(``launcher/deploy/restart/admission.lua``) admits a generation only when its worst case fits
+what the pool has left. Real parts: Debian's HAProxy 2.6 with the config ``Front.render``
+writes, llama-server b11434 with an over-committed shared pool (``-np 4 -kvu -c 1024``: each
+slot may grow to 1,024 cells, the four share 1,024). The mechanics' tests use a model deep
+enough that a 900-token generation takes seconds, so that one request holds the pool while
+the next one arrives; they wait on what the ledger says, never on a clock."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from launcher.deploy.restart import admission
+from launcher.deploy.restart.front import HAPROXY, Front, FrontSpec, address, free_port
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+import repro
+
+POOL = 1024
+SERVER_FLAGS = ["-c", str(POOL), "-np", "4", "-kvu", "-t", "1"]
+
+
+@dataclass
+class Server:
+    port: int
+    proc: subprocess.Popen[bytes]
+
+
+def start_server(binary: str, model: Path, log: Path) -> Server:
+    port = free_port()
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [binary, "-m", str(model), "--port", str(port), *SERVER_FLAGS],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return Server(port, proc)
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None, log.read_text()[-2000:]
+        time.sleep(0.2)
+    proc.kill()
+    pytest.fail(f"llama-server did not start: {log.read_text()[-2000:]}")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def slow_server(
+    llama_server_bin: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    """A model deep enough that 900 tokens take seconds on one thread."""
+    import tinymodel
+
+    d = tmp_path_factory.mktemp("slow")
+    model = tinymodel.write(
+        d / "slow.gguf", tinymodel.Shape(layers=8, n_embd=512, heads=8, kv_heads=4, ff=1024)
+    )
+    server = start_server(llama_server_bin, model, d / "server.log")
+    yield server
+    stop(server.proc)
+
+
+@pytest.fixture(scope="module")
+def fast_server(
+    llama_server_bin: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    server = start_server(llama_server_bin, tiny_model, tmp_path_factory.mktemp("fast") / "log")
+    yield server
+    stop(server.proc)
+
+
+@dataclass
+class Proxy:
+    """HAProxy run from the config ``Front.render`` writes, in the foreground."""
+
+    front: Front
+    spec: FrontSpec
+    url: str
+    proc: subprocess.Popen[bytes] | None = None
+    log: Path = field(default_factory=Path)
+
+    def ledger(self) -> admission.Ledger:
+        found = admission.ledger(self.front)
+        assert found is not None, "the front loads no admission"
+        return found
+
+    def until(self, what: Callable[[admission.Ledger], bool], timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if what(self.ledger()):
+                return
+            time.sleep(0.02)
+        pytest.fail(f"the ledger never got there: {self.ledger()}\n{self.log.read_text()}")
+
+
+@contextlib.contextmanager
+def run_front(tmp_path: Path, server: Server, **fields: Any) -> Iterator[Proxy]:
+    front = Front(tmp_path / "state", "adm.service")
+    public = free_port()
+    spec = FrontSpec(
+        "127.0.0.1",
+        public,
+        "127.0.0.1",
+        server.port,
+        **{"admission": True, "pool_cells": POOL, "slot_cells": POOL, **fields},
+    )
+    front.dir.mkdir(parents=True)
+    text = front.render(spec, 4)
+    front.validate(text, spec)
+    front.swap(text)
+    log = tmp_path / "haproxy.log"
+    env = {
+        **os.environ,
+        "LLAMA_FRONT_BIND": address("127.0.0.1", public),
+        "LLAMA_FRONT_LUA": str(front.lua_path),
+    }
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [HAPROXY, "-db", "-f", str(front.config_path)], env=env, stdout=out, stderr=out
+        )
+    proxy = Proxy(front, spec, f"http://127.0.0.1:{public}", proc, log)
+    deadline = time.monotonic() + 20
+    while not front.admin_socket.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        yield proxy
+    finally:
+        stop(proc)
+
+
+@pytest.fixture
+def front_on(tmp_path: Path) -> Iterator[Callable[..., Proxy]]:
+    """``front_on(server, **spec_fields)``: a front with admission before ``server``."""
+    with contextlib.ExitStack() as stack:
+
+        def start(server: Server, **fields: Any) -> Proxy:
+            return stack.enter_context(run_front(tmp_path / "front", server, **fields))
+
+        yield start
+
+
+def chat(text: str, max_tokens: int | None, **more: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": text}], "ignore_eos": True}
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
+    return {**body, **more}
+
+
+class Call(threading.Thread):
+    """One request in a thread: its status, body and when it ended."""
+
+    def __init__(self, url: str, body: dict[str, Any], timeout: float = 120) -> None:
+        super().__init__(daemon=True)
+        self.url, self.body, self.timeout = url, body, timeout
+        self.status: int | None = None
+        self.text = ""
+        self.headers: dict[str, str] = {}
+        self.ended = 0.0
+        self.start()
+
+    def run(self) -> None:
+        try:
+            r = httpx.post(self.url + "/v1/chat/completions", json=self.body, timeout=self.timeout)
+            self.status, self.text, self.headers = r.status_code, r.text, dict(r.headers)
+        except httpx.HTTPError as e:
+            self.text = repr(e)
+        self.ended = time.monotonic()
+
+
+def long(proxy: Proxy) -> Call:
+    """A generation that reserves most of the pool (its prompt and 900 tokens) for seconds."""
+    call = Call(proxy.url, chat("hold the pool", 900))
+    proxy.until(lambda led: led.running == 1)
+    return call
+
+
+def test_a_generation_that_does_not_fit_waits_until_the_one_before_it_ends(
+    slow_server: Server, front_on: Callable[..., Proxy]
+) -> None:
+    proxy = front_on(slow_server)
+    first = long(proxy)
+    second = Call(proxy.url, chat("then me", 200))
+    proxy.until(lambda led: led.waiting == 1)
+    first.join(120)
+    second.join(120)
+    assert (first.status, second.status) == (200, 200), (first.text, second.text)
+    assert proxy.ledger().waited == 1
+
+
+def test_generations_that_fit_together_are_admitted_at_once(
+    slow_server: Server, front_on: Callable[..., Proxy]
+) -> None:
+    proxy = front_on(slow_server)
+    calls = [Call(proxy.url, chat(f"agent {i}", 150)) for i in range(3)]
+    for c in calls:
+        c.join(120)
+    assert [c.status for c in calls] == [200, 200, 200]
+    ledger = proxy.ledger()
+    assert (ledger.admitted, ledger.waited) == (3, 0)
+
+
+def test_the_prompt_is_counted_by_the_servers_tokenizer(
+    fast_server: Server, front_on: Callable[..., Proxy]
+) -> None:
+    proxy = front_on(fast_server)
+    r = httpx.post(proxy.url + "/v1/chat/completions", json=chat("count me", 5), timeout=60)
+    assert r.status_code == 200, r.text
+    ledger = proxy.ledger()
+    assert (ledger.counted, ledger.bounded) == (1, 0)
+
+
+def test_a_prompt_no_slot_can_hold_gets_the_servers_own_400_at_once(
+    fast_server: Server, front_on: Callable[..., Proxy]
+) -> None:
+    proxy = front_on(fast_server)
+    r = httpx.post(proxy.url + "/v1/chat/completions", json=chat("a" * 1100, 5), timeout=60)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["type"] == "exceed_context_size_error"
+    assert error["n_ctx"] == POOL and error["n_prompt_tokens"] > POOL
+    assert "exceeds the available context size (1024 tokens)" in error["message"]
+    assert proxy.ledger().refused_large == 1
+
+
+def test_past_the_queues_length_a_request_gets_503_with_retry_after(
+    slow_server: Server, front_on: Callable[..., Proxy]
+) -> None:
+    proxy = front_on(slow_server, admission_queue=1)
+    first = long(proxy)
+    waiting = Call(proxy.url, chat("I wait", 200))
+    proxy.until(lambda led: led.waiting == 1)
+    r = httpx.post(proxy.url + "/v1/chat/completions", json=chat("no room", 200), timeout=60)
+    assert r.status_code == 503
+    assert int(r.headers["retry-after"]) >= 1
+    assert "admission queue is full" in r.json()["error"]["message"]
+    first.join(120)
+    waiting.join(120)
+    assert waiting.status == 200
+    assert proxy.ledger().refused_queue == 1
+
+
+def test_past_the_wait_a_request_gets_503_with_retry_after(
+    slow_server: Server, front_on: Callable[..., Proxy]
+) -> None:
+    proxy = front_on(slow_server, admission_wait=0.3)
+    first = long(proxy)
+    r = httpx.post(proxy.url + "/v1/chat/completions", json=chat("no room", 200), timeout=60)
+    first.join(120)
+    assert r.status_code == 503 and "retry-after" in r.headers
+    assert "no room in the KV pool" in r.json()["error"]["message"]
+    assert proxy.ledger().refused_wait == 1
+
+
+def test_a_client_that_leaves_the_queue_is_taken_out_of_it(
+    slow_server: Server, front_on: Callable[..., Proxy]
+) -> None:
+    proxy = front_on(slow_server)
+    first = long(proxy)
+    leaving = Call(proxy.url, chat("I leave", 200), timeout=0.5)
+    leaving.join(30)
+    proxy.until(lambda led: led.waiting == 0)
+    first.join(120)
+    ledger = proxy.ledger()
+    assert (ledger.left, ledger.admitted) == (1, 1)
+
+
+def test_a_stream_cut_short_gives_its_cells_back(
+    slow_server: Server, front_on: Callable[..., Proxy]
+) -> None:
+    proxy = front_on(slow_server)
+    with httpx.stream(
+        "POST", proxy.url + "/v1/chat/completions", json=chat("cut me", 900, stream=True)
+    ) as r:
+        next(r.iter_lines())
+    proxy.until(lambda led: led.reserved == 0 and led.released == 1)
+    assert proxy.ledger().cut == 1
+
+
+def test_without_a_count_the_slots_window_bounds_each_request(
+    slow_server: Server, front_on: Callable[..., Proxy]
+) -> None:
+    """The server the front counts on does not answer (its address is wrong): each prompt is
+    bounded by the slot's window, so each generation reserves the whole pool and waits."""
+    proxy = front_on(slow_server)
+    assert proxy.front.command(f"llama admission set {POOL} {POOL} 127.0.0.1:1").strip() == "set"
+    first = Call(proxy.url, chat("bounded", 900))
+    proxy.until(lambda led: led.running == 1)
+    second = Call(proxy.url, chat("bounded too", 10))
+    proxy.until(lambda led: led.waiting == 1)
+    first.join(120)
+    second.join(120)
+    assert (first.status, second.status) == (200, 200)
+    ledger = proxy.ledger()
+    assert (ledger.bounded, ledger.counted, ledger.waited) == (2, 0, 1)
+
+
+def test_without_a_pool_every_request_is_admitted(
+    slow_server: Server, front_on: Callable[..., Proxy]
+) -> None:
+    """A split pool (pool 0): nothing to admit against, as without admission."""
+    proxy = front_on(slow_server, pool_cells=0, slot_cells=0)
+    first = Call(proxy.url, chat("no pool", 100))
+    second = Call(proxy.url, chat("no pool either", 100))
+    first.join(120)
+    second.join(120)
+    assert (first.status, second.status) == (200, 200)
+    assert proxy.ledger().admitted == 0
+
+
+# -- the load that kills sessions in an over-committed pool --------------------------------
+
+
+@dataclass
+class Load:
+    """Four agents whose histories grow every turn until their cells pass the pool; a failed
+    request ends its agent's session (it begins a new one)."""
+
+    url: str
+    turns: int = 12
+    failures: list[str] = field(default_factory=list)
+    answered: int = 0
+
+    def agent(self, i: int) -> None:
+        history = [{"role": "user", "content": repro.prompt(20, 90 + i)}]
+        for _turn in range(self.turns):
+            body = {"messages": history, "max_tokens": 48, "ignore_eos": True, "temperature": 0}
+            r = httpx.post(self.url + "/v1/chat/completions", json=body, timeout=120)
+            if r.status_code == 200 and "choices" in r.text:
+                self.answered += 1
+                history.append(r.json()["choices"][0]["message"])
+                history.append({"role": "user", "content": repro.prompt(12, 7 * _turn + i)})
+                if len(json.dumps(history)) > 700:  # a slot's window ahead: compact
+                    history[:] = history[-1:]
+            else:
+                self.failures.append(r.text[:200])
+                history[:] = [{"role": "user", "content": repro.prompt(20, 300 + i)}]
+
+    def run(self) -> Load:
+        agents = [threading.Thread(target=self.agent, args=(i,)) for i in range(4)]
+        for a in agents:
+            a.start()
+        for a in agents:
+            a.join(600)
+        return self
+
+
+def test_without_admission_the_load_overflows_the_shared_pool(fast_server: Server) -> None:
+    """The control: the load of the next test, straight to the server, kills sessions."""
+    load = Load(f"http://127.0.0.1:{fast_server.port}").run()
+    assert any("Context size has been exceeded" in f for f in load.failures), load.failures
+
+
+def test_with_admission_the_same_load_loses_nothing(
+    fast_server: Server, front_on: Callable[..., Proxy]
+) -> None:
+    proxy = front_on(fast_server)
+    load = Load(proxy.url).run()
+    assert load.failures == []
+    assert load.answered == 4 * load.turns
+    ledger = proxy.ledger()
+    assert ledger.waited > 0  # the pool was full at times: admission made requests wait
+    assert ledger.reserved == 0 and ledger.running == 0
+
+
+def test_a_deploy_tells_the_running_front_its_pool(
+    fast_server: Server, front_on: Callable[..., Proxy]
+) -> None:
+    proxy = front_on(fast_server)
+    proxy.front.apply(replace(proxy.spec, pool_cells=2048, slot_cells=512), 4)
+    ledger = proxy.ledger()
+    assert (ledger.pool, ledger.slot) == (2048, 512)
