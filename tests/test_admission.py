@@ -396,3 +396,19 @@ def test_a_deploy_tells_the_running_front_its_pool(
     proxy.front.apply(replace(proxy.spec, pool_cells=2048, slot_cells=512), 4)
     ledger = proxy.ledger()
     assert (ledger.pool, ledger.slot) == (2048, 512)
+
+
+def test_an_answered_stream_leaves_nothing_in_flight_at_the_front(
+    fast_server: Server, front_on: Callable[..., Proxy]
+) -> None:
+    """The release filter reads every response to its end: a data filter that did not pass
+    the bytes on would hold the stream open (and a deploy's drain would wait for it)."""
+    proxy = front_on(fast_server)
+    with httpx.stream(
+        "POST", proxy.url + "/v1/chat/completions", json=chat("stream me", 30, stream=True)
+    ) as r:
+        lines = list(r.iter_lines())
+    assert "data: [DONE]" in lines
+    proxy.until(lambda led: led.released == 1)
+    assert proxy.front.in_flight() == 0
+    assert proxy.ledger().cut == 0

@@ -191,6 +191,11 @@ function Release:start_analyze(txn, chn)
   if chn:is_resp() then filter.register_data_filter(self, chn) end
 end
 
+-- a filter registered for data forwards what it was given (else the stream stalls)
+function Release:http_payload(txn, msg)
+  return msg:input()
+end
+
 function Release:http_end(txn, msg)
   if msg.channel:is_resp() then self.finished = true end
   return filter.CONTINUE
