@@ -24,13 +24,15 @@ Printed per phase: the requests sent, answered and failed (by kind: ``context_ex
 the shared pool ran out, "Context size has been exceeded"; ``too_long``, "exceeds the
 available context size"; ``refused``, the admission's 503 past its queue or wait; ``cut``,
 no answer or the front's 5xx; ``timeout``; ``other``), the sessions that died and those
-compacted, the most cells the agents' histories held together, the client's TTFT and
-end-to-end time p50/p99 (answered requests), the tokens generated per second; with
-admission, the front's ledger (``status --json`` ``front.admission``: admitted, waited,
-refused, and the waits' p50/p99 as the upper bound of their histogram bucket, with the
-mean); the server's memory after the load (``status --json`` ``memory``: the unit's cgroup,
-and the main process's VmRSS), the KV estimate and the planned pool (``pool_cells``, each
-slot's window ``n_ctx_slot``). A table of the three closes the run.
+compacted, the most cells the agents' histories held together, the client's TTFT, its
+end-to-end time and the stream's time from its first token to its end, p50/p99 (answered
+requests), the tokens generated per second, the prompt tokens and those the server read
+(not from a slot's cache: a shared pool purges idle slots' caches when it needs the
+cells); with admission, the front's ledger (``status --json`` ``front.admission``:
+admitted, waited, refused, and the waits' p50/p99 as the upper bound of their histogram
+bucket, with the mean); the server's memory after the load (``status --json`` ``memory``:
+the unit's cgroup, and the main process's VmRSS), the KV estimate and the planned pool
+(``pool_cells``, each slot's window ``n_ctx_slot``). A table of the three closes the run.
 
 Environment: ``BENCH_SECONDS`` (60; the issue's full check is 600), ``BENCH_CAP`` (1,024),
 ``BENCH_MAX_TOKENS`` (48), ``BENCH_THINK`` (seconds between an agent's turns, 0),
@@ -107,9 +109,21 @@ class Phase:
 
 
 PHASES = [
-    Phase("1", "over-committed", "bench-adm-over.service", [*OVER, "--allow-overcommit"], False),
-    Phase("2", "admission", "bench-adm-admit.service", OVER, True),
-    Phase("3", "guaranteed", "bench-adm-pool.service", GUARANTEED, GUARANTEED_ADMISSION),
+    Phase(
+        "1",
+        "over-committed, no admission",
+        "bench-adm-over.service",
+        [*OVER, "--allow-overcommit"],
+        False,
+    ),
+    Phase("2", "over-committed, admission", "bench-adm-admit.service", OVER, True),
+    Phase(
+        "3",
+        "guaranteed" + (", admission" if GUARANTEED_ADMISSION else ", no admission"),
+        "bench-adm-pool.service",
+        GUARANTEED,
+        GUARANTEED_ADMISSION,
+    ),
 ]
 
 
@@ -154,6 +168,8 @@ class Request:
     ttft: float | None  # seconds from sent to the first token (answered requests)
     elapsed: float  # seconds from sent to the end
     generated: int  # completion tokens
+    prompt: int  # prompt tokens (the server's usage)
+    read: int | None  # of them, those the server read, not taken from a slot's cache
     error: str | None  # the failure in a line
 
 
@@ -193,9 +209,13 @@ class Agents:
                 r = chat.stream_chat(client, body)
                 why = kind_of(r)
                 generated = r.usage.completion_tokens if r.usage else 0
+                prompt = r.usage.prompt_tokens if r.usage else 0
+                read = r.timings.prompt_n if r.timings else None
                 with self.lock:
                     self.requests.append(
-                        Request(sent, why, r.ttft_s, r.elapsed_s, generated, r.failure)
+                        Request(
+                            sent, why, r.ttft_s, r.elapsed_s, generated, prompt, read, r.failure
+                        )
                     )
                     if why is not None:
                         self.died += 1
@@ -343,6 +363,9 @@ def report(
     by_kind = {k: sum(1 for r in failed if r.kind == k) for k in KINDS}
     ttfts = [r.ttft for r in answered if r.ttft is not None]
     ends = [r.elapsed for r in answered]
+    # from the first token to the end: the generation as the client saw it (the tiny model
+    # makes max_tokens tokens in about a millisecond when it runs alone)
+    spans = [r.elapsed - r.ttft for r in answered if r.ttft is not None]
     tokens = sum(r.generated for r in answered)
     ttft50, ttft99 = percentile(ttfts, 0.5), percentile(ttfts, 0.99)
     planned = after.get("planned") or before.get("planned") or {}
@@ -374,7 +397,17 @@ def report(
         f"{seconds(percentile(ends, 0.5))}, p99 {seconds(percentile(ends, 0.99))} "
         f"(answered requests)"
     )
+    print(
+        f"first token -> end p50 {seconds(percentile(spans, 0.5))}, "
+        f"p99 {seconds(percentile(spans, 0.99))} ({MAX_TOKENS} tokens streamed)"
+    )
     print(f"generated: {tokens} tokens, {tokens / took if took else 0:.1f} tokens/s")
+    timed = [r for r in answered if r.read is not None]
+    prompts, read = sum(r.prompt for r in timed), sum(r.read or 0 for r in timed)
+    print(
+        f"prompt tokens: {prompts}, of them read by the server (not from a slot's cache): "
+        f"{read} ({read / prompts if prompts else 0:.0%}; a purged slot's history is read again)"
+    )
     ledger = ledger_delta(
         (before.get("front") or {}).get("admission"), (after.get("front") or {}).get("admission")
     )
@@ -455,7 +488,7 @@ def main() -> None:
     print(" | ".join(["phase", *names, "pool (window)"]))
     for res in results:
         phase = res["phase"]
-        label = f"{phase.number} {phase.name}" + (" +admission" if phase.admission else "")
+        label = f"{phase.number} {phase.name}"
         if not res["installed"]:
             print(f"{label} | install refused")
             continue

@@ -23,9 +23,11 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from launcher.deploy.restart import admission
 from launcher.deploy.restart.front import HAPROXY, Front, FrontSpec, address, free_port
+from launcher.watch import reads, textfile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import repro
@@ -143,7 +145,7 @@ def run_front(tmp_path: Path, server: Server, **fields: Any) -> Iterator[Proxy]:
     }
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [HAPROXY, "-db", "-f", str(front.config_path)], env=env, stdout=out, stderr=out
+            [HAPROXY, "-W", "-db", "-f", str(front.config_path)], env=env, stdout=out, stderr=out
         )
     proxy = Proxy(front, spec, f"http://127.0.0.1:{public}", proc, log)
     deadline = time.monotonic() + 20
@@ -412,3 +414,43 @@ def test_an_answered_stream_leaves_nothing_in_flight_at_the_front(
     proxy.until(lambda led: led.released == 1)
     assert proxy.front.in_flight() == 0
     assert proxy.ledger().cut == 0
+
+
+def test_a_refusal_is_the_fronts_answer_not_a_failed_request(
+    slow_server: Server, front_on: Callable[..., Proxy]
+) -> None:
+    """The sampler and the bake count the 5xx the front sent beyond the server's; the 503s
+    of admission's refusals are not among them."""
+    proxy = front_on(slow_server, admission_wait=0.3)
+    first = long(proxy)
+    r = httpx.post(proxy.url + "/v1/chat/completions", json=chat("no room", 200), timeout=60)
+    first.join(120)
+    assert r.status_code == 503
+    (_identity, sent, server), ledger = reads.front_5xx(proxy.front, admits=True)
+    assert (sent, server) == (0, 0)
+    assert ledger is not None and ledger.refused_wait == 1
+
+
+def test_the_metrics_file_shows_the_ledger(
+    fast_server: Server, front_on: Callable[..., Proxy]
+) -> None:
+    proxy = front_on(fast_server)
+    httpx.post(proxy.url + "/v1/chat/completions", json=chat("count me", 5), timeout=60)
+    proxy.until(lambda led: led.released == 1)
+    page = textfile.Page("adm.service")
+    textfile.admission_lines(proxy.ledger(), page)
+    families = {f.name: f for f in text_string_to_metric_families(page.render())}
+    requests = {
+        s.labels["outcome"]: s.value for s in families["llama_launcher_admission_requests"].samples
+    }
+    assert (requests["admitted"], requests["waited"], requests["refused_queue"]) == (1, 0, 0)
+    pool = {
+        s.labels["state"]: s.value for s in families["llama_launcher_admission_pool_tokens"].samples
+    }
+    assert pool == {"reserved": 0, "free": POOL}
+    waits = {
+        (s.name, s.labels.get("le")): s.value
+        for s in families["llama_launcher_admission_wait_seconds"].samples
+    }
+    assert waits[("llama_launcher_admission_wait_seconds_bucket", "+Inf")] == 1
+    assert waits[("llama_launcher_admission_wait_seconds_count", None)] == 1

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 
 from launcher.deploy import keys, store
-from launcher.deploy.restart import front
+from launcher.deploy.restart import admission, front
 from launcher.errors import LauncherError, Unreadable
 from launcher.host import journalread, procfs
 from launcher.host.systemd import Systemd, UnitState
@@ -53,6 +53,8 @@ class Reads:
     #: the front's HAProxy, when the unit has one: (identity, 5xx sent to clients, 5xx the
     #: server sent it), from ``show stat``
     front: tuple[str, int, int] | None = None
+    #: the front's admission against the pool, when it admits (``admission.Ledger``)
+    admission: admission.Ledger | None = None
 
 
 def read_server(
@@ -151,26 +153,35 @@ def read_all(
     except LauncherError as e:
         reads.unread["journal"] = str(e)
     the_front = front.Front(target.state_dir, target.unit, systemd.scope)
-    if the_front.spec() is not None:
+    spec = the_front.spec()
+    if spec is not None:
         try:
-            reads.front = front_5xx(the_front)
+            reads.front, reads.admission = front_5xx(the_front, spec.admission)
         except LauncherError as e:
             reads.unread["front"] = str(e)
     return reads
 
 
-def front_5xx(the_front: front.Front) -> tuple[str, int, int]:
+def front_5xx(
+    the_front: front.Front, admits: bool = False
+) -> tuple[tuple[str, int, int], admission.Ledger | None]:
     """The front's HAProxy (its identity: a restart sets its counters back) and its
-    ``hrsp_5xx`` counters: the frontend's (every 5xx a client got) and the server's (the
-    ones llama-server sent, which its journal already counts as failed requests)."""
+    ``hrsp_5xx`` counters: the frontend's (every 5xx a client got, less the 503s of
+    admission's refusals: the front's answer to a full pool, not a failure) and the
+    server's (the ones llama-server sent, which its journal already counts as failed
+    requests); with ``admits``, admission's ledger (read after the counters: a refusal
+    between the two reads is not counted as a failure)."""
     identity = the_front.identity()
     rows = the_front.stats()
-    sent = rows.get((front.FRONTEND, "FRONTEND"), {}).get("hrsp_5xx") or 0
+    ledger = admission.ledger(the_front) if admits else None
+    sent = int(rows.get((front.FRONTEND, "FRONTEND"), {}).get("hrsp_5xx") or 0)
+    if ledger is not None:
+        sent = max(sent - ledger.refused_queue - ledger.refused_wait, 0)
     server = sum(
         int(rows.get((front.BACKEND, name), {}).get("hrsp_5xx") or 0)
         for name in front.SERVERS.values()
     )
-    return identity, int(sent), server
+    return (identity, sent, server), ledger
 
 
 def _try(reads: Reads, source: str, fn: Callable[[], Any]) -> Any:

@@ -21,6 +21,7 @@ sampler's writer (a full disk, in the tests).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 from collections.abc import Iterator
@@ -29,9 +30,15 @@ from pathlib import Path
 from typing import NamedTuple, Protocol
 
 from prometheus_client.exposition import generate_latest
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
 from launcher.deploy import store
+from launcher.deploy.restart.admission import WAIT_BOUNDS, Ledger
 from launcher.errors import StoreError
 from launcher.host.systemd import UnitState
 from launcher.server.metrics import Metrics
@@ -154,6 +161,28 @@ METRICS: dict[str, Declared] = {
         (),
         "When the newest bake's window ends (Unix time).",
     ),
+    "llama_launcher_admission_requests_total": Declared(
+        "counter",
+        ("outcome",),
+        "Generations the front's admission took in (admitted, of them waited: let in after a "
+        "wait) or answered itself (refused_queue, refused_wait: 503 with Retry-After; "
+        "refused_large: the server's 400 for a prompt no slot holds; left: the client went "
+        "away while it waited). From HAProxy's start.",
+    ),
+    "llama_launcher_admission_waiting": Declared(
+        "gauge", (), "Generations waiting at the front for room in the KV pool."
+    ),
+    "llama_launcher_admission_pool_tokens": Declared(
+        "gauge",
+        ("state",),
+        "The shared KV pool as the front's admission counts it: reserved (the worst cases of "
+        "the generations it let in and that still run) and free.",
+    ),
+    "llama_launcher_admission_wait_seconds": Declared(
+        "histogram",
+        (),
+        "How long admitted generations waited at the front for room in the KV pool.",
+    ),
     "llama_launcher_sample_source_up": Declared(
         "gauge",
         ("source",),
@@ -166,6 +195,9 @@ SOURCES = ("slots", "metrics", "proc", "journal")
 
 _NAME = re.compile(r"[^A-Za-z0-9_]")
 _FAMILY = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily}
+#: a histogram's series: its cumulative buckets (upper bound, count; the last +Inf: all of
+#: them) and the sum of values
+Histogram = tuple[tuple[tuple[float, int], ...], float]
 
 
 @dataclass
@@ -175,20 +207,43 @@ class Page:
 
     unit: str
     samples: dict[str, list[tuple[dict[str, str], float]]] = field(default_factory=dict)
+    histograms: dict[str, Histogram] = field(default_factory=dict)
 
     def add(self, name: str, value: float | None, **labels: str) -> None:
         """One series (``unit`` is added); a value of None leaves it out."""
-        if name not in METRICS:
-            raise KeyError(f"{name} is not a metric of this file")
-        if tuple(labels) != METRICS[name].labels:
-            raise KeyError(f"{name} has the labels {METRICS[name].labels}, not {tuple(labels)}")
+        self._declared(name, labels, "histogram", False)
         if value is None:
             return
         self.samples.setdefault(name, []).append(({"unit": self.unit, **labels}, float(value)))
 
+    def add_histogram(self, name: str, value: Histogram) -> None:
+        """A histogram's one series (``unit`` is its label): buckets <= each bound and sum."""
+        self._declared(name, {}, "histogram", True)
+        self.histograms[name] = value
+
+    @staticmethod
+    def _declared(name: str, labels: dict[str, str], kind: str, is_kind: bool) -> None:
+        if name not in METRICS:
+            raise KeyError(f"{name} is not a metric of this file")
+        if (METRICS[name].kind == kind) is not is_kind:
+            raise KeyError(f"{name} is a {METRICS[name].kind}")
+        if tuple(labels) != METRICS[name].labels:
+            raise KeyError(f"{name} has the labels {METRICS[name].labels}, not {tuple(labels)}")
+
     def collect(self) -> Iterator[Metric]:
         """One family per metric that has a series, each series once."""
         for name, (kind, _, text) in METRICS.items():
+            if kind == "histogram":
+                if name in self.histograms:
+                    buckets, total = self.histograms[name]
+                    family = HistogramMetricFamily(name, text, labels=["unit"])
+                    family.add_metric(
+                        [self.unit],
+                        [("+Inf" if math.isinf(le) else f"{le:g}", n) for le, n in buckets],
+                        total,
+                    )
+                    yield family
+                continue
             series = self.samples.get(name)
             if not series:
                 continue
@@ -250,6 +305,8 @@ class Read(Protocol):
     def metrics(self) -> Metrics | None: ...
     @property
     def unread(self) -> dict[str, str]: ...
+    @property
+    def admission(self) -> Ledger | None: ...
 
 
 class Told(Protocol):
@@ -306,7 +363,22 @@ def page_of(
         page.add("llama_launcher_unit_restarts_total", reads.unit.n_restarts)
         for source in SOURCES:
             page.add("llama_launcher_sample_source_up", source not in reads.unread, source=source)
+        if reads.admission is not None:
+            admission_lines(reads.admission, page)
     return page
+
+
+def admission_lines(ledger: Ledger, page: Page) -> None:
+    """The front's admission: what it took in and answered, what waits, the pool it counts."""
+    for outcome in ("admitted", "waited", "refused_queue", "refused_wait", "refused_large", "left"):
+        page.add(
+            "llama_launcher_admission_requests_total", getattr(ledger, outcome), outcome=outcome
+        )
+    page.add("llama_launcher_admission_waiting", ledger.waiting)
+    page.add("llama_launcher_admission_pool_tokens", ledger.reserved, state="reserved")
+    page.add("llama_launcher_admission_pool_tokens", ledger.free, state="free")
+    buckets = (*zip(WAIT_BOUNDS, ledger.wait_buckets, strict=True), (math.inf, ledger.wait_count))
+    page.add_histogram("llama_launcher_admission_wait_seconds", (buckets, ledger.wait_sum))
 
 
 def bake_lines(st: store.Store, page: Page) -> None:

@@ -117,6 +117,7 @@ local function bound_of(txn, body)
 end
 
 core.register_action("llama_admit", { "http-req" }, function(txn)
+  local t0 = now()  -- a wait counts from the request's arrival, its count included
   sweep()
   if cfg.pool <= 0 or cfg.slot <= 0 then return end
   local body = txn.f:req_body() or ""
@@ -151,7 +152,6 @@ core.register_action("llama_admit", { "http-req" }, function(txn)
   local ticket = next_ticket
   queue[#queue + 1] = ticket
   txn:set_var("txn.llama_ticket", ticket)
-  local t0 = now()
   local waited = false
   while not (queue[1] == ticket and reserved + need <= cfg.pool) do
     if now() - t0 > cfg.wait then
