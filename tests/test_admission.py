@@ -42,11 +42,11 @@ class Server:
     proc: subprocess.Popen[bytes]
 
 
-def start_server(binary: str, model: Path, log: Path) -> Server:
+def start_server(binary: str, model: Path, log: Path, *more: str) -> Server:
     port = free_port()
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [binary, "-m", str(model), "--port", str(port), *SERVER_FLAGS],
+            [binary, "-m", str(model), "--port", str(port), *SERVER_FLAGS, *more],
             stdout=out,
             stderr=subprocess.STDOUT,
         )
@@ -94,6 +94,17 @@ def fast_server(
     llama_server_bin: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Server]:
     server = start_server(llama_server_bin, tiny_model, tmp_path_factory.mktemp("fast") / "log")
+    yield server
+    stop(server.proc)
+
+
+@pytest.fixture(scope="module")
+def no_slots_server(
+    llama_server_bin: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    """A server whose /slots does not answer (``--no-slots``: 501)."""
+    log = tmp_path_factory.mktemp("noslots") / "log"
+    server = start_server(llama_server_bin, tiny_model, log, "--no-slots")
     yield server
     stop(server.proc)
 
@@ -323,6 +334,33 @@ def test_without_a_count_the_slots_window_bounds_each_request(
     assert (ledger.bounded, ledger.counted, ledger.waited) == (2, 0, 1)
 
 
+def test_a_busy_slot_the_front_did_not_admit_is_counted_as_a_whole_window(
+    slow_server: Server, front_on: Callable[..., Proxy]
+) -> None:
+    """A generation sent around the front (to the server's own port) holds a slot: the
+    front counts it as a whole window, so its next generation waits for it."""
+    proxy = front_on(slow_server)
+    around = Call(f"http://127.0.0.1:{slow_server.port}", chat("around the front", 900))
+    proxy.until(lambda led: led.unseen == 1)
+    through = Call(proxy.url, chat("through it", 20))
+    proxy.until(lambda led: led.waiting == 1)
+    around.join(120)
+    through.join(120)
+    assert (around.status, through.status) == (200, 200), (around.text, through.text)
+    assert proxy.ledger().waited == 1
+
+
+def test_when_the_pool_cannot_be_read_admission_goes_on_its_own_ledger(
+    no_slots_server: Server, front_on: Callable[..., Proxy]
+) -> None:
+    proxy = front_on(no_slots_server)
+    proxy.until(lambda led: led.pool_unread > 0)
+    load = Load(proxy.url, turns=6).run()
+    assert load.failures == []
+    ledger = proxy.ledger()
+    assert (ledger.pool_read, ledger.unseen, ledger.admitted) == (False, 0, 24)
+
+
 def test_without_a_pool_every_request_is_admitted(
     slow_server: Server, front_on: Callable[..., Proxy]
 ) -> None:
@@ -447,7 +485,7 @@ def test_the_metrics_file_shows_the_ledger(
     pool = {
         s.labels["state"]: s.value for s in families["llama_launcher_admission_pool_tokens"].samples
     }
-    assert pool == {"reserved": 0, "free": POOL}
+    assert pool == {"reserved": 0, "unseen": 0, "free": POOL}
     waits = {
         (s.name, s.labels.get("le")): s.value
         for s in families["llama_launcher_admission_wait_seconds"].samples

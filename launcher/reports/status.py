@@ -96,9 +96,11 @@ def _admission_line(a: dict[str, Any]) -> str:
         return f"  admission: {a['state']} ({a.get('note')})"
     waits = a["wait_count"]
     mean = f", mean wait {a['wait_sum'] / waits:.2f}s" if waits else ""
+    unseen = f", {a['unseen']} busy slots it did not admit" if a.get("unseen") else ""
+    unread = "" if a.get("pool_read", True) else " (/slots unread: its own ledger only)"
     return (
         f"  admission: {a['state']}: pool {a['pool']} cells, {a['reserved']} reserved by "
-        f"{a['running']} running, {a['free']} free; {a['waiting']} waiting; "
+        f"{a['running']} running{unseen}, {a['free']} free{unread}; {a['waiting']} waiting; "
         f"{a['admitted']} admitted ({a['waited']} waited{mean}), {a['refused']} refused"
     )
 

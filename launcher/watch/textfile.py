@@ -176,7 +176,8 @@ METRICS: dict[str, Declared] = {
         "gauge",
         ("state",),
         "The shared KV pool as the front's admission counts it: reserved (the worst cases of "
-        "the generations it let in and that still run) and free.",
+        "the generations it let in and that still run), unseen (busy slots it did not let "
+        "in, a whole window each) and free.",
     ),
     "llama_launcher_admission_wait_seconds": Declared(
         "histogram",
@@ -376,6 +377,7 @@ def admission_lines(ledger: Ledger, page: Page) -> None:
         )
     page.add("llama_launcher_admission_waiting", ledger.waiting)
     page.add("llama_launcher_admission_pool_tokens", ledger.reserved, state="reserved")
+    page.add("llama_launcher_admission_pool_tokens", ledger.taken - ledger.reserved, state="unseen")
     page.add("llama_launcher_admission_pool_tokens", ledger.free, state="free")
     buckets = (*zip(WAIT_BOUNDS, ledger.wait_buckets, strict=True), (math.inf, ledger.wait_count))
     page.add_histogram("llama_launcher_admission_wait_seconds", (buckets, ledger.wait_sum))

@@ -22,12 +22,13 @@ local cfg = {
   server = os.getenv("LLAMA_ADMIT_SERVER") or "",
   grace = 1.0,
   poll_ms = 10,
+  slots_ms = 200,
 }
 
 -- what `llama admission` shows (launcher.deploy.restart.admission.Ledger parses it)
 local st = {
   admitted = 0, waited = 0, refused_queue = 0, refused_wait = 0, refused_large = 0,
-  left = 0, counted = 0, bounded = 0, released = 0, cut = 0,
+  left = 0, counted = 0, bounded = 0, released = 0, cut = 0, pool_unread = 0,
 }
 local WAIT_BOUNDS = { 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300 }
 local waits = { counts = {}, sum = 0, n = 0 }
@@ -38,6 +39,12 @@ local held = {}      -- ticket -> cells reserved by an admitted request
 local ending = {}    -- ticket -> {cells, until}: cut streams kept for `grace`
 local reserved = 0
 local next_ticket = 0
+-- the server's busy slots beyond the generations admitted here (a HAProxy restarted while
+-- the one before it still ran streams, a client that went around the front), each bounded
+-- by a slot's window; read from /slots every slots_ms. Unreadable: 0, and said (pool_read)
+local unseen = 0
+local pool_read = false
+local last_auth = nil -- the Authorization a client sent last: /slots needs the server's key
 
 local function now()
   local t = core.now()
@@ -53,6 +60,39 @@ local function sweep()
     end
   end
 end
+
+local function running()
+  local n = 0
+  for _ in pairs(held) do n = n + 1 end
+  return n
+end
+
+local function taken()
+  return reserved + unseen * math.min(cfg.slot, cfg.pool)
+end
+
+core.register_task(function()
+  while true do
+    if cfg.pool > 0 and cfg.server ~= "" then
+      local headers = {}
+      if last_auth then headers["authorization"] = { last_auth } end
+      local hc = core.httpclient()
+      local ok, r = pcall(hc.get, hc, { url = "http://" .. cfg.server .. "/slots",
+                                        headers = headers, timeout = 2000 })
+      if ok and r and r.status == 200 and r.body and r.body:sub(1, 1) == "[" then
+        local _, busy = r.body:gsub('"is_processing":%s*true', "")
+        unseen = math.max(0, busy - running())
+        pool_read = true
+      else
+        unseen, pool_read = 0, false
+        st.pool_unread = st.pool_unread + 1
+      end
+    else
+      unseen, pool_read = 0, false
+    end
+    core.msleep(cfg.slots_ms)
+  end
+end)
 
 local function unqueue(ticket)
   for i, t in ipairs(queue) do
@@ -121,6 +161,7 @@ core.register_action("llama_admit", { "http-req" }, function(txn)
   sweep()
   if cfg.pool <= 0 or cfg.slot <= 0 then return end
   local body = txn.f:req_body() or ""
+  last_auth = txn.f:req_hdr("authorization") or last_auth
   local length = tonumber(txn.f:req_hdr("content-length") or "")
   local prompt = nil
   if length == nil or #body >= length then prompt = count(txn, body) end
@@ -153,7 +194,7 @@ core.register_action("llama_admit", { "http-req" }, function(txn)
   queue[#queue + 1] = ticket
   txn:set_var("txn.llama_ticket", ticket)
   local waited = false
-  while not (queue[1] == ticket and reserved + need <= cfg.pool) do
+  while not (queue[1] == ticket and taken() + need <= cfg.pool) do
     if now() - t0 > cfg.wait then
       unqueue(ticket)
       st.refused_wait = st.refused_wait + 1
@@ -230,8 +271,8 @@ local function show(applet)
   local lines = {
     "pool " .. cfg.pool, "slot " .. cfg.slot, "queue_limit " .. cfg.queue,
     "wait_limit " .. cfg.wait, "server " .. (cfg.server ~= "" and cfg.server or "-"),
-    "reserved " .. reserved, "running " .. (function() local n = 0 for _ in pairs(held) do n = n + 1 end return n end)(),
-    "waiting " .. #queue,
+    "reserved " .. reserved, "running " .. running(), "waiting " .. #queue,
+    "unseen " .. unseen, "pool_read " .. (pool_read and 1 or 0),
   }
   for k, v in pairs(st) do lines[#lines + 1] = k .. " " .. v end
   for i, bound in ipairs(WAIT_BOUNDS) do

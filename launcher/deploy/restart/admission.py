@@ -25,10 +25,17 @@ what it let in, so it can refuse to let in what would not fit:
   ``admission_wait`` seconds; past either, 503 with ``Retry-After``. A prompt no slot can hold
   is answered at once with the server's own 400 (``exceed_context_size_error``). A client
   that leaves is taken out of the queue (``option abortonclose``).
-- **Fail open, said so.** Without a pool to admit against (a split pool, whose slots cannot
-  take each other's cells; a front whose HAProxy restarted before any deploy told it the
-  pool; an error in the Lua) a request is admitted as before admission existed. Traffic that
-  reaches llama-server around the front is not counted.
+- **What it did not admit.** Every 200 ms the front reads the server's ``/slots`` (with the
+  key the last client sent): busy slots beyond the generations it admitted and that still
+  run (a HAProxy restarted while the one before it finished its streams, a client that went
+  around the front, the gate's and the sampler's probes) are each counted as a whole window.
+- **When the pool cannot be read, admission goes on, said so.** ``/slots`` that does not
+  answer (the server restarting, ``--no-slots``, a key no client sent yet) counts no unseen
+  slot: the front's own ledger still covers every generation it let in, and ``status``
+  says ``pool_read`` false. Without a pool to admit against (a split pool, whose slots
+  cannot take each other's cells; an error in the Lua) a request is admitted as before
+  admission existed: open, not closed, because closing would refuse every client for a
+  fault of the bookkeeping, while the server's own limits still hold.
 
 The mechanism stays inside HAProxy: a Lua action (``admission.lua``) on the frontend, whose
 waits yield to HAProxy's scheduler, and a Lua filter that ends each stream's reservation. The
@@ -168,6 +175,11 @@ class Ledger:
     bounded: int
     released: int
     cut: int
+    #: busy slots the front did not admit (read from /slots), each counted as a whole window
+    unseen: int
+    #: whether the last read of /slots answered; reads that did not, since HAProxy started
+    pool_read: bool
+    pool_unread: int
     queue_limit: int
     wait_limit: float
     #: cumulative counts of waits <= each of WAIT_BOUNDS, their number and their sum
@@ -176,15 +188,20 @@ class Ledger:
     wait_sum: float
 
     @property
+    def taken(self) -> int:
+        """What admission counts as taken: its reservations and the unseen busy slots."""
+        return self.reserved + self.unseen * min(self.slot, self.pool)
+
+    @property
     def free(self) -> int:
-        return max(self.pool - self.reserved, 0)
+        return max(self.pool - self.taken, 0)
 
     @property
     def refused(self) -> int:
         return self.refused_queue + self.refused_wait + self.refused_large
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "free": self.free, "refused": self.refused}
+        return {**asdict(self), "taken": self.taken, "free": self.free, "refused": self.refused}
 
     @classmethod
     def parse(cls, text: str) -> Ledger:
@@ -213,10 +230,13 @@ class Ledger:
                         "bounded",
                         "released",
                         "cut",
+                        "unseen",
+                        "pool_unread",
                         "queue_limit",
                         "wait_count",
                     )
                 },
+                pool_read=values["pool_read"] == "1",
                 wait_limit=float(values["wait_limit"]),
                 wait_buckets=tuple(int(values[f"wait_le_{b:g}"]) for b in WAIT_BOUNDS),
                 wait_sum=float(values["wait_sum"]),
