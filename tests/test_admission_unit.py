@@ -96,3 +96,12 @@ def test_requests_waiting_through_a_deploy_are_answered_after_it(host: Host) -> 
     assert (first.status, first.error, first.done) == (200, None, True)
     assert (waiting.status, waiting.error, waiting.done) == (200, None, True)
     assert (ledger(host).pool, ledger(host).waiting, ledger(host).reserved) == (1536, 0, 0)
+
+
+def test_top_shows_the_ledger(host: Host) -> None:
+    installed(host, *OVER, "--front", "haproxy", "--admission")
+    host.chat()
+    rc, frame = host.cli_json("top", "--once")
+    assert rc == 0
+    assert (frame["admission"]["state"], frame["admission"]["admitted"]) == ("on", 1), frame
+    assert "admission: on: pool 1024 cells" in host.cli("top", "--once").stdout

@@ -269,3 +269,22 @@ def test_an_unknown_build_deploys_through_props_and_rolls_back_cleanly(
         assert h.chat()["usage"]["completion_tokens"] > 0
     finally:
         h.remove()
+
+
+def test_admission_counts_with_the_builds_own_endpoints_and_loses_nothing(
+    tmp_path: Path, tiny_model: Path, server_bin: str
+) -> None:
+    """Every build the bed has answers ``/apply-template`` and ``/tokenize`` (admission's
+    count) and ``/slots``: the load that overflows an over-committed pool loses nothing
+    behind the front, each prompt counted by the server, none bounded."""
+    from test_admission import Load, run_front, start_server, stop
+
+    server = start_server(server_bin, tiny_model, tmp_path / "server.log")
+    try:
+        with run_front(tmp_path / "front", server) as proxy:
+            load = Load(proxy.url, turns=8).run()
+            ledger = proxy.ledger()
+    finally:
+        stop(server.proc)
+    assert load.failures == []
+    assert (ledger.counted, ledger.bounded, ledger.pool_read) == (32, 0, True)

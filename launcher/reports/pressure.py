@@ -9,11 +9,14 @@ come from the samples the sampler recorded.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import TYPE_CHECKING, Any
 
 from launcher.deploy import store
-from launcher.errors import StoreError
+from launcher.deploy.restart import admission
+from launcher.deploy.restart.front import Front, FrontError
+from launcher.errors import LauncherError, StoreError
 from launcher.host.systemd import Systemd
 from launcher.server import metrics
 from launcher.watch import record, sampler
@@ -54,6 +57,9 @@ def snapshot(
             "last_sample": sampler.last_run(target),
         }
     )
+    the_front = Front(target.state_dir, target.unit, systemd.scope)
+    if (admitted := admission_status(the_front)) is not None:
+        data["admission"] = admitted
     data["rates"] = _rates(previous, data)
     return data
 
@@ -102,6 +108,36 @@ class Top:
         data = snapshot(self.target, self.systemd, self.store, self.previous)
         self.previous = data
         return data
+
+
+def admission_status(the_front: Front) -> dict[str, Any] | None:
+    """The front's admission against the pool (``launcher.deploy.restart.admission``): its
+    ledger, or why it cannot be read; None when the front does not admit."""
+    with contextlib.suppress(FrontError):
+        spec = the_front.spec()
+        if spec is None or not spec.admission:
+            return None
+    try:
+        ledger = admission.ledger(the_front)
+    except LauncherError as e:
+        return {"state": "unknown", "note": str(e)}
+    if ledger is None:
+        return {"state": "off", "note": "the running HAProxy loads no admission.lua"}
+    return {"state": "on" if ledger.pool > 0 else "open (no shared pool)", **ledger.to_dict()}
+
+
+def admission_line(a: dict[str, Any]) -> str:
+    if "pool" not in a:
+        return f"  admission: {a['state']} ({a.get('note')})"
+    waits = a["wait_count"]
+    mean = f", mean wait {a['wait_sum'] / waits:.2f}s" if waits else ""
+    unseen = f", {a['unseen']} busy slots it did not admit" if a.get("unseen") else ""
+    unread = "" if a.get("pool_read", True) else " (/slots unread: its own ledger only)"
+    return (
+        f"  admission: {a['state']}: pool {a['pool']} cells, {a['reserved']} reserved by "
+        f"{a['running']} running{unseen}, {a['free']} free{unread}; {a['waiting']} waiting; "
+        f"{a['admitted']} admitted ({a['waited']} waited{mean}), {a['refused']} refused"
+    )
 
 
 # -- text ------------------------------------------------------------------------------------
@@ -167,6 +203,8 @@ def top_lines(d: dict[str, Any]) -> list[str]:
         lines.append(f"  decode {rates['decode_tps']:,.1f} tok/s since the last frame")
     if d.get("deferred"):
         lines.append(f"  requests waiting for a slot: {d['deferred']:g}")
+    if d.get("admission"):
+        lines.append(admission_line(d["admission"]))
     if d.get("memory"):
         lines.append(f"  memory (RssAnon + VmSwap): {d['memory']['growth'] / 2**20:,.1f} MiB")
     return lines

@@ -10,7 +10,7 @@ from launcher import config
 from launcher.config import argv_diff
 from launcher.config.memory import process_memory
 from launcher.deploy import home, store
-from launcher.deploy.restart import admission, standby
+from launcher.deploy.restart import standby
 from launcher.deploy.restart.front import Front, FrontError
 from launcher.errors import LauncherError, StoreError
 from launcher.host import envfile, launch
@@ -70,39 +70,9 @@ def front_status(settings: config.ToolSettings) -> dict[str, Any]:
     second = second_instance(settings, the_front)
     if second is not None:
         out["second_instance"] = second
-    if (admitted := admission_status(the_front)) is not None:
+    if (admitted := pressure.admission_status(the_front)) is not None:
         out["admission"] = admitted
     return {"front": out}
-
-
-def admission_status(the_front: Front) -> dict[str, Any] | None:
-    """The front's admission against the pool (``launcher.deploy.restart.admission``): its
-    ledger, or why it cannot be read; None when the front does not admit."""
-    with contextlib.suppress(FrontError):
-        spec = the_front.spec()
-        if spec is None or not spec.admission:
-            return None
-    try:
-        ledger = admission.ledger(the_front)
-    except LauncherError as e:
-        return {"state": "unknown", "note": str(e)}
-    if ledger is None:
-        return {"state": "off", "note": "the running HAProxy loads no admission.lua"}
-    return {"state": "on" if ledger.pool > 0 else "open (no shared pool)", **ledger.to_dict()}
-
-
-def _admission_line(a: dict[str, Any]) -> str:
-    if "pool" not in a:
-        return f"  admission: {a['state']} ({a.get('note')})"
-    waits = a["wait_count"]
-    mean = f", mean wait {a['wait_sum'] / waits:.2f}s" if waits else ""
-    unseen = f", {a['unseen']} busy slots it did not admit" if a.get("unseen") else ""
-    unread = "" if a.get("pool_read", True) else " (/slots unread: its own ledger only)"
-    return (
-        f"  admission: {a['state']}: pool {a['pool']} cells, {a['reserved']} reserved by "
-        f"{a['running']} running{unseen}, {a['free']} free{unread}; {a['waiting']} waiting; "
-        f"{a['admitted']} admitted ({a['waited']} waited{mean}), {a['refused']} refused"
-    )
 
 
 def second_instance(settings: config.ToolSettings, the_front: Front) -> dict[str, Any] | None:
@@ -235,7 +205,7 @@ def status_text(d: dict[str, Any]) -> str:
         if (b := d["front"].get("second_instance")) is not None:
             lines.append(_second_line(b))
         if (a := d["front"].get("admission")) is not None:
-            lines.append(_admission_line(a))
+            lines.append(pressure.admission_line(a))
     if d.get("live_generation") is None:
         lines.append("  no generation deployed by llama-launcher yet")
         return "\n".join(lines)
