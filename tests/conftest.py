@@ -304,10 +304,14 @@ def host(
     request: pytest.FixtureRequest,
 ) -> Iterator[Host]:
     """A fresh unit (its own name, port, env file and state dir) for one test."""
+    import hashlib
     import re
     import shutil
 
-    name = "ll-" + re.sub(r"[^a-z0-9]+", "-", request.node.name.lower())[:40].strip("-")
+    words = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")
+    if len(words) > 40:  # cut short, and told apart from a test whose name begins the same
+        words = words[:33].strip("-") + "-" + hashlib.sha1(words.encode()).hexdigest()[:6]
+    name = "ll-" + words
     model = tmp_path / "model.gguf"
     shutil.copy(tiny_model, model)
     h = Host(sandbox, tmp_path, name, model, llama_server_bin)

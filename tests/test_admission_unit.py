@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from conftest import Host
 from test_bake_server import until
 from test_front_hold import front_of
@@ -78,11 +79,14 @@ def test_a_bound_without_admission_is_refused(host: Host) -> None:
     assert "--admission-queue 8 needs --admission" in str(out)
 
 
-def test_requests_waiting_through_a_deploy_are_answered_after_it(host: Host) -> None:
+@pytest.mark.parametrize("handover", [(), ("--second-instance",)], ids=["hold", "switch"])
+def test_requests_waiting_through_a_deploy_are_answered_after_it(
+    host: Host, handover: tuple[str, ...]
+) -> None:
     """A long generation holds most of the pool, a second request waits at the front for
-    room, and a deploy begins: the deploy drains the first, the second is admitted in its
-    turn, and both are answered; the front then counts on the new server."""
-    installed(slow_host(host), *OVER, "--front", "haproxy", "--admission")
+    room, and a deploy begins (the front held, or a switch to the second instance): both
+    are answered, and the front then counts on the new server's pool."""
+    installed(slow_host(host), *OVER, "--front", "haproxy", "--admission", *handover)
     first = Stream(host.url, 900)
     first.start()
     assert first.first_chunk.wait(60)
@@ -105,3 +109,24 @@ def test_top_shows_the_ledger(host: Host) -> None:
     assert rc == 0
     assert (frame["admission"]["state"], frame["admission"]["admitted"]) == ("on", 1), frame
     assert "admission: on: pool 1024 cells" in host.cli("top", "--once").stdout
+
+
+def test_a_front_killed_with_requests_waiting_comes_back_admitting(host: Host) -> None:
+    """HAProxy killed while one generation runs and one waits: both clients lose their
+    connection (a restart's cost, not admission's), systemd starts it again from its config
+    on disk, and it admits against the deployed pool from an empty ledger."""
+    installed(slow_host(host), *OVER, "--front", "haproxy", "--admission")
+    first = Stream(host.url, 900)
+    first.start()
+    assert first.first_chunk.wait(60)
+    waiting = Stream(host.url, 200, "I wait for room")
+    waiting.start()
+    until(lambda: ledger(host).waiting == 1, 60)
+    service = front_of(host).service
+    host.sandbox.systemctl("kill", "--signal=SIGKILL", service)
+    first.join(120)
+    waiting.join(120)
+    assert first.error is not None and waiting.error is not None
+    host.chat()  # the socket unit holds the port; the restarted HAProxy answers
+    after = ledger(host)
+    assert (after.pool, after.admitted, after.reserved) == (1024, 1, 0)
