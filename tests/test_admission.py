@@ -239,14 +239,49 @@ def test_generations_that_fit_together_are_admitted_at_once(
     assert (ledger.admitted, ledger.waited) == (3, 0)
 
 
-def test_the_prompt_is_counted_by_the_servers_tokenizer(
+def anthropic(answer: dict[str, Any]) -> int:
+    """Anthropic's usage counts the prompt's cached tokens apart."""
+    usage = answer["usage"]
+    return int(usage["input_tokens"]) + int(usage.get("cache_read_input_tokens") or 0)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "told"),
+    [
+        ("/v1/chat/completions", chat("count me", 5), lambda a: a["usage"]["prompt_tokens"]),
+        ("/v1/messages", {"system": "be brief", **chat("count me", 5)}, anthropic),
+        ("/completion", {"prompt": "count me", "n_predict": 5}, lambda a: a["tokens_evaluated"]),
+        (
+            "/v1/completions",
+            {"prompt": "count me", "max_tokens": 5},
+            lambda a: a["usage"]["prompt_tokens"],
+        ),
+    ],
+    ids=["chat", "messages", "completion", "v1-completions"],
+)
+def test_the_prompt_is_counted_as_the_server_counts_it(
+    fast_server: Server,
+    front_on: Callable[..., Proxy],
+    path: str,
+    body: dict[str, Any],
+    told: Callable[[dict[str, Any]], int],
+) -> None:
+    proxy = front_on(fast_server)
+    r = httpx.post(proxy.url + path, json={"model": "tiny", **body}, timeout=60)
+    assert r.status_code == 200, r.text
+    ledger = proxy.ledger()
+    assert (ledger.counted, ledger.bounded, ledger.prompt_tokens) == (1, 0, told(r.json()))
+
+
+def test_a_prompt_of_tokens_is_bounded_by_the_slots_window(
     fast_server: Server, front_on: Callable[..., Proxy]
 ) -> None:
     proxy = front_on(fast_server)
-    r = httpx.post(proxy.url + "/v1/chat/completions", json=chat("count me", 5), timeout=60)
+    r = httpx.post(
+        proxy.url + "/completion", json={"prompt": [1, 2, 3], "n_predict": 2}, timeout=60
+    )
     assert r.status_code == 200, r.text
-    ledger = proxy.ledger()
-    assert (ledger.counted, ledger.bounded) == (1, 0)
+    assert (proxy.ledger().counted, proxy.ledger().bounded) == (0, 1)
 
 
 def test_a_prompt_no_slot_can_hold_gets_the_servers_own_400_at_once(

@@ -29,6 +29,7 @@ local cfg = {
 local st = {
   admitted = 0, waited = 0, refused_queue = 0, refused_wait = 0, refused_large = 0,
   left = 0, counted = 0, bounded = 0, released = 0, cut = 0, pool_unread = 0,
+  prompt_tokens = 0,
 }
 local WAIT_BOUNDS = { 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300 }
 local waits = { counts = {}, sum = 0, n = 0 }
@@ -125,7 +126,24 @@ local function reply(txn, status, reason, body, retry)
   txn:done(txn:reply({ status = status, reason = reason, headers = headers, body = body }))
 end
 
--- the prompt's tokens as the server will count them, or nil (then the slot's window bounds it)
+local function post(hc, url, headers, body)
+  local ok, r = pcall(hc.post, hc, { url = url, headers = headers, body = body, timeout = 10000 })
+  if ok and r and r.status == 200 and r.body then return r.body end
+  return nil
+end
+
+local function tokens_of(hc, base, headers, tokenize)
+  local answer = post(hc, base .. "/tokenize", headers, tokenize)
+  local tokens = answer and answer:match('^{"tokens":%[(.-)%]')
+  if tokens == nil then return nil end
+  if tokens == "" then return 0 end
+  local _, commas = tokens:gsub(",", ",")
+  return commas + 1
+end
+
+-- the prompt's tokens as the server will count them, or nil (then the slot's window bounds
+-- it): a chat through the server's template and tokenizer, Anthropic's messages through its
+-- own count, a completion's string prompt through the tokenizer; anything else is bounded
 local function count(txn, body)
   if cfg.server == "" then return nil end
   local headers = { ["content-type"] = { "application/json" } }
@@ -133,19 +151,26 @@ local function count(txn, body)
   if auth then headers["authorization"] = { auth } end
   local hc = core.httpclient()
   local base = "http://" .. cfg.server
-  local ok, r = pcall(hc.post, hc, { url = base .. "/apply-template", headers = headers,
-                                     body = body, timeout = 10000 })
-  if not ok or not r or r.status ~= 200 or not r.body then return nil end
-  local prompt, n = r.body:gsub('^{"prompt":', '{"add_special":true,"parse_special":true,"content":', 1)
-  if n ~= 1 then return nil end
-  ok, r = pcall(hc.post, hc, { url = base .. "/tokenize", headers = headers, body = prompt,
-                               timeout = 10000 })
-  if not ok or not r or r.status ~= 200 or not r.body then return nil end
-  local tokens = r.body:match('^{"tokens":%[(.-)%]')
-  if tokens == nil then return nil end
-  if tokens == "" then return 0 end
-  local _, commas = tokens:gsub(",", ",")
-  return commas + 1
+  local path = txn.f:path() or ""
+  if path:match("/messages$") then
+    local answer = post(hc, base .. "/v1/messages/count_tokens", headers, body)
+    return answer and tonumber(answer:match('"input_tokens":%s*(%d+)'))
+  end
+  if path:match("chat/completions$") then
+    local answer = post(hc, base .. "/apply-template", headers, body)
+    if answer == nil then return nil end
+    local tokenize, n = answer:gsub('^{"prompt":', '{"add_special":true,"parse_special":true,"content":', 1)
+    if n ~= 1 then return nil end
+    return tokens_of(hc, base, headers, tokenize)
+  end
+  if path:match("/completions?$") then
+    local prompt = txn.sc:json_query(body, "$.prompt")
+    -- a prompt of tokens or pieces (an array: json_query gives ""; an object) is bounded
+    if type(prompt) ~= "string" or prompt == "" or prompt:match("^%s*[%[{]") then return nil end
+    return tokens_of(hc, base, headers,
+      '{"add_special":true,"parse_special":true,"content":' .. json_string(prompt) .. '}')
+  end
+  return nil
 end
 
 local function bound_of(txn, body)
@@ -170,6 +195,7 @@ core.register_action("llama_admit", { "http-req" }, function(txn)
     st.bounded = st.bounded + 1
   else
     st.counted = st.counted + 1
+    st.prompt_tokens = st.prompt_tokens + prompt
     if prompt >= slot then
       st.refused_large = st.refused_large + 1
       reply(txn, 400, "Bad Request", string.format(

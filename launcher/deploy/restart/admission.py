@@ -171,8 +171,11 @@ class Ledger:
     refused_wait: int
     refused_large: int
     left: int
+    #: prompts counted by the server's tokenizer, those bounded by a window, and the tokens
+    #: of the counted ones
     counted: int
     bounded: int
+    prompt_tokens: int
     released: int
     cut: int
     #: busy slots the front did not admit (read from /slots), each counted as a whole window
@@ -228,6 +231,7 @@ class Ledger:
                         "left",
                         "counted",
                         "bounded",
+                        "prompt_tokens",
                         "released",
                         "cut",
                         "unseen",
