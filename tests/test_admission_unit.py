@@ -38,6 +38,10 @@ def test_with_admission_an_over_committed_pool_is_deployed_and_says_so(host: Hos
         "is killed by another's; a request may wait" in out["warnings"]
     )
     assert not any("allow_overcommit" in w for w in out["warnings"])
+    assert out["message"].endswith(
+        "the front admits against it; no request is killed by another's; a request may wait"
+    )
+    assert out["planned"]["admitted"] is True
     assert (ledger(host).pool, ledger(host).slot) == (1024, 1024)
 
 

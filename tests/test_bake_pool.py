@@ -27,6 +27,8 @@ T0 = 1_000_000.0
 RUNNING = UnitState("active", "running", "success", 0, 0, 4242, None, "x", "loaded")
 WATCHED = Policy(duration=600, interval=15, pool_limit=0.9, pool_poll=0.25)
 OVER = {"overcommitted": True, "pool_cells": 1024}
+#: over-committed, and admitted against at the front (issue 42): it cannot overflow
+ADMITTED = {**OVER, "admitted": True}
 GUARANTEED = {"overcommitted": False, "pool_cells": 4096}
 
 
@@ -108,8 +110,12 @@ def test_the_pool_is_watched_when_an_over_committed_pool_replaces_a_guaranteed_o
 
 @pytest.mark.parametrize(
     ("old", "new"),
-    [(GUARANTEED, GUARANTEED), (OVER, OVER)],
-    ids=["guaranteed-over-guaranteed", "over-committed-over-over-committed"],
+    [(GUARANTEED, GUARANTEED), (OVER, OVER), (GUARANTEED, ADMITTED)],
+    ids=[
+        "guaranteed-over-guaranteed",
+        "over-committed-over-over-committed",
+        "admitted-over-guaranteed",
+    ],
 )
 def test_the_pool_is_not_watched_when_a_revert_would_not_guarantee_more(
     tmp_path: Path, old: dict[str, Any], new: dict[str, Any]
@@ -117,6 +123,14 @@ def test_the_pool_is_not_watched_when_a_revert_would_not_guarantee_more(
     st = generations(tmp_path, old, new)
     b = bake.begin(config.load_settings(bake="10m"), st, 2, 1)
     assert b.policy.pool_limit == 0.0 and b.view()["pool_limit"] is None
+
+
+def test_the_pool_is_watched_when_an_over_committed_pool_replaces_an_admitted_one(
+    tmp_path: Path,
+) -> None:
+    # the front admitted against the old pool, so it could not overflow: a revert cures
+    st = generations(tmp_path, ADMITTED, OVER)
+    assert bake.begin(config.load_settings(bake="10m"), st, 2, 1).policy.pool_limit == 0.9
 
 
 def test_a_previous_generation_without_a_plan_leaves_the_pool_unwatched(tmp_path: Path) -> None:

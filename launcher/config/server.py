@@ -362,10 +362,7 @@ def overcommit_message(
 
 def admission_note(plan: kvlayout.PoolPlan) -> str:
     """What a deploy says of an over-committed shared pool that the front admits against."""
-    return (
-        f"{plan.n_slots} slots x {plan.n_ctx_slot} promised, one pool of {plan.n_ctx}: the "
-        "front admits against it; no request is killed by another's; a request may wait"
-    )
+    return plan.describe(admitted=True)
 
 
 def overcommit_warning(plan: kvlayout.PoolPlan) -> str:

@@ -287,6 +287,8 @@ class Deployer:
         live_text = self.reverter.live_text()
         notes = self.reverter.notes(check, running, live_text == checked.env_text)
         planned = window.plan_dict(checked.plan)
+        if checked.admitted:
+            planned["admitted"] = True
         if front is not None:
             planned["front"] = front
         result = Result(
@@ -407,7 +409,9 @@ class Deployer:
             result.client_window = window.publish(self.settings, self._window(checked, gen.number))
             result.timings["total"] = round(time.monotonic() - t0, 3)
             self.store.commit(gen, memory=result.memory, timings=result.timings, **gate.record())
-        result.message = f"generation {gen.number} is serving: {checked.plan.describe()}"
+        result.message = (
+            f"generation {gen.number} is serving: {checked.plan.describe(checked.admitted)}"
+        )
         if self.signals.pending is not None:
             result.message += " (a signal arrived after the gate passed; the deploy stands)"
         return result.say_front_down()

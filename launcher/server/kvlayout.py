@@ -71,8 +71,16 @@ class PoolPlan:
             return self.n_ctx_slot
         return min(self.n_ctx_slot, self.n_ctx // self.n_slots)
 
-    def describe(self) -> str:
-        """The startup line read as a sentence."""
+    def describe(self, admitted: bool = False) -> str:
+        """The startup line read as a sentence; ``admitted``: the front admits requests
+        against the pool (``launcher.deploy.restart.admission``), so an over-commit is a
+        wait, not a failure."""
+        if admitted and self.overcommitted:
+            return (
+                f"{self.n_slots} slots x {self.n_ctx_slot} promised, one pool of {self.n_ctx}: "
+                "the front admits against it; no request is killed by another's; a request "
+                "may wait"
+            )
         kind = "one shared pool" if self.kv_unified else "split pools"
         text = f"{self.n_slots} slots x {self.n_ctx_slot} cells each, {kind} of {self.n_ctx} cells"
         if self.overcommitted:

@@ -301,10 +301,13 @@ def awaited(
 
 
 def _overcommitted(gen: store.Generation) -> bool | None:
-    """Whether the generation's planned pool is over-committed (None: it has no plan, e.g.
-    an adopted hand edit: unknown)."""
+    """Whether the generation's planned pool can overflow: over-committed, and not admitted
+    against at the front (whose admission keeps it from overflowing: a full pool there is a
+    wait, no reason to revert). None: it has no plan (an adopted hand edit): unknown."""
     planned = gen.meta.get("planned")
-    return bool(planned.get("overcommitted")) if isinstance(planned, dict) else None
+    if not isinstance(planned, dict):
+        return None
+    return bool(planned.get("overcommitted")) and not planned.get("admitted")
 
 
 def live_bake(st: store.Store) -> tuple[store.Generation, Bake] | None:

@@ -130,7 +130,7 @@ def _sample(
     delta, pressure = _delta(clock(), gen, reads, state, rec, previous, out)
     out.unread, out.lost = reads.unread, reads.journal.lost
     out.pressure = pressure.to_dict() if pressure else None
-    out.warnings += _warnings(target, pressure, delta, state)
+    out.warnings += _warnings(target, pressure if reads.admission is None else None, delta, state)
     state.unread = reads.unread
     changed = rec.changed_by(delta)
     if changed:
@@ -422,6 +422,8 @@ def _warnings(
     delta: record.Delta,
     state: State,
 ) -> list[str]:
+    """A pool near full (none given ``pressure`` None: the front admits against the pool,
+    so a full one makes requests wait, none fail) and the overflows since the last sample."""
     out = []
     if pressure is not None and pressure.known:
         over = pressure.over(WARN_AT)
