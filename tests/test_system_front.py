@@ -166,3 +166,20 @@ def test_a_bakes_hard_failure_is_reverted_through_the_front_by_the_timers_sample
     assert system.bed.read(ENV_FILE) == before
     recovered(system)  # no transaction left, the front open
     assert system.bed.chat(PORT)[0] == 200
+
+
+def test_the_hardened_front_admits_against_the_pool(
+    system: System, fronted: dict[str, Any]
+) -> None:
+    """Installed again with ``--admission``: the Lua reaches HAProxy as a credential, the
+    over-committed shared pool passes, and the ledger counts a chat through the front."""
+    rc, out = system.cli_json(
+        "install", *system.flags(), "-c", "4096", "-np", "2", "-kvu", "--front", "haproxy",
+        "--admission",
+    )  # fmt: skip
+    journal = system.bed.run("journalctl", "-u", FRONT, "-n", "40", "--no-pager").stdout
+    assert (rc, out.get("outcome")) == (0, "deployed"), journal
+    assert system.bed.chat(PORT)[0] == 200
+    rc, status = system.cli_json("status")
+    seen = status["front"]["admission"]
+    assert (rc, seen["state"], seen["pool"], seen["counted"]) == (0, "on", 4096, 1), seen

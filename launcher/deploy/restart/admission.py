@@ -92,8 +92,17 @@ LUA = Path(__file__).with_name("admission.lua")
 WAIT_BOUNDS = (0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 #: HAProxy's buffer, which holds a whole request body to count (a larger one is bounded)
 BUFSIZE = 1 << 20
-#: the paths of generations; other requests (/health, /slots, /tokenize, ...) pass
-GENERATIONS = r"^/(v1/)?(chat/completions|completions?|messages|infill)$"
+#: the paths of generations; other requests (/health, /slots, /tokenize, ...) pass. Exact
+#: strings, no regex: a hardened HAProxy (MemoryDenyWriteExecute=) cannot JIT-compile one
+GENERATIONS = (
+    "/v1/chat/completions",
+    "/chat/completions",
+    "/v1/completions",
+    "/completions",
+    "/completion",
+    "/v1/messages",
+    "/infill",
+)
 
 DEFAULTS_LINES = """\
     # admission: a client that leaves while its request waits is taken out of the queue
@@ -103,7 +112,7 @@ FRONTEND_LINES = f"""\
     # admission against the shared KV pool (admission.lua; llama-launcher status shows it)
     filter lua.llama_release
     http-request wait-for-body time 10s at-least {BUFSIZE} if METH_POST
-    http-request lua.llama_admit if METH_POST {{ path_reg {GENERATIONS} }}
+    http-request lua.llama_admit if METH_POST {{ path {" ".join(GENERATIONS)} }}
 """
 
 
