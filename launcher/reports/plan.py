@@ -370,7 +370,9 @@ def _rows(b: _Builder, n: int, w: int, cache: str, model: ModelSummary | None) -
     opts = [
         b.option(
             "shared",
-            f"one pool of {w} shared by {n} slots (over-committed)",
+            f"one pool of {w} shared by {n} slots (over-committed: when they fill it together "
+            "every request in flight fails; behind install --front haproxy --admission they "
+            "wait instead)",
             n,
             w,
             True,
