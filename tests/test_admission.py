@@ -273,6 +273,17 @@ def test_the_prompt_is_counted_as_the_server_counts_it(
     assert (ledger.counted, ledger.bounded, ledger.prompt_tokens) == (1, 0, told(r.json()))
 
 
+def test_a_body_sent_in_chunks_is_bounded_by_the_slots_window(
+    fast_server: Server, front_on: Callable[..., Proxy]
+) -> None:
+    """Without a Content-Length the front cannot tell a whole body from one still coming."""
+    proxy = front_on(fast_server)
+    body = json.dumps(chat("chunked", 5)).encode()
+    r = httpx.post(proxy.url + "/v1/chat/completions", content=iter([body]), timeout=60)
+    assert r.status_code == 200, r.text
+    assert (proxy.ledger().counted, proxy.ledger().bounded) == (0, 1)
+
+
 def test_a_prompt_of_tokens_is_bounded_by_the_slots_window(
     fast_server: Server, front_on: Callable[..., Proxy]
 ) -> None:

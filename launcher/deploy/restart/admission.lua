@@ -187,9 +187,11 @@ core.register_action("llama_admit", { "http-req" }, function(txn)
   if cfg.pool <= 0 or cfg.slot <= 0 then return end
   local body = txn.f:req_body() or ""
   last_auth = txn.f:req_hdr("authorization") or last_auth
+  -- only a whole body is counted: one larger than the buffer, or sent in chunks (whose end
+  -- wait-for-body does not tell from a pause), is bounded by the window
   local length = tonumber(txn.f:req_hdr("content-length") or "")
   local prompt = nil
-  if length == nil or #body >= length then prompt = count(txn, body) end
+  if length ~= nil and #body >= length then prompt = count(txn, body) end
   local slot = math.min(cfg.slot, cfg.pool)
   if prompt == nil then
     st.bounded = st.bounded + 1

@@ -17,9 +17,11 @@ what it let in, so it can refuse to let in what would not fit:
   N``), and that slot's next request is read again from the start.
 - **The count.** The prompt is counted the way the server counts it: its own chat template
   (``POST /apply-template``) and tokenizer (``POST /tokenize``, with the special tokens), on
-  the server the front serves from; b9093, b10405 and b11434 all have both. A count that cannot
-  be made (the server busy past 10 s, down, a body larger than HAProxy's buffer) is replaced
-  by the bound that is never below it: the slot's whole window.
+  the server the front serves from; b9093, b10405 and b11434 all have both (and
+  ``/v1/messages/count_tokens`` for Anthropic's messages; a completion's string prompt goes
+  to ``/tokenize`` alone). A count that cannot be made (the server busy past 10 s, or down;
+  a body larger than HAProxy's buffer, or sent in chunks; a prompt of token ids) is
+  replaced by the bound that is never below it: the slot's whole window.
 - **The queue.** A request that does not fit waits at the front, first come first served
   (a large one at the head is not overtaken), at most ``admission_queue`` requests for at most
   ``admission_wait`` seconds; past either, 503 with ``Retry-After``. A prompt no slot can hold
