@@ -109,6 +109,20 @@ def no_slots_server(
     stop(server.proc)
 
 
+KEY = "admission-test-key"
+
+
+@pytest.fixture(scope="module")
+def keyed_server(
+    llama_server_bin: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    """A server with an API key (its /health answers without one)."""
+    log = tmp_path_factory.mktemp("keyed") / "log"
+    server = start_server(llama_server_bin, tiny_model, log, "--api-key", KEY)
+    yield server
+    stop(server.proc)
+
+
 @dataclass
 class Proxy:
     """HAProxy run from the config ``Front.render`` writes, in the foreground."""
@@ -207,6 +221,11 @@ class Call(threading.Thread):
         self.ended = time.monotonic()
 
 
+def long_on_fast(proxy: Proxy) -> Call:
+    """A generation of the fast model's whole window: it holds the pool a moment."""
+    return Call(proxy.url, chat("hold the pool", None))
+
+
 def long(proxy: Proxy) -> Call:
     """A generation that reserves most of the pool (its prompt and 900 tokens) for seconds."""
     call = Call(proxy.url, chat("hold the pool", 900))
@@ -256,8 +275,13 @@ def anthropic(answer: dict[str, Any]) -> int:
             {"prompt": "count me", "max_tokens": 5},
             lambda a: a["usage"]["prompt_tokens"],
         ),
+        (
+            "/v1/responses",
+            {"input": "count me", "max_output_tokens": 5},
+            lambda a: a["usage"]["input_tokens"],
+        ),
     ],
-    ids=["chat", "messages", "completion", "v1-completions"],
+    ids=["chat", "messages", "completion", "v1-completions", "responses"],
 )
 def test_the_prompt_is_counted_as_the_server_counts_it(
     fast_server: Server,
@@ -299,13 +323,63 @@ def test_a_prompt_no_slot_can_hold_gets_the_servers_own_400_at_once(
     fast_server: Server, front_on: Callable[..., Proxy]
 ) -> None:
     proxy = front_on(fast_server)
-    r = httpx.post(proxy.url + "/v1/chat/completions", json=chat("a" * 1100, 5), timeout=60)
-    assert r.status_code == 400
-    error = r.json()["error"]
-    assert error["type"] == "exceed_context_size_error"
-    assert error["n_ctx"] == POOL and error["n_prompt_tokens"] > POOL
-    assert "exceeds the available context size (1024 tokens)" in error["message"]
+    body = {"model": "tiny", **chat("a" * 1100, 5)}
+    r = httpx.post(proxy.url + "/v1/chat/completions", json=body, timeout=60)
+    direct = httpx.post(f"http://127.0.0.1:{fast_server.port}/v1/chat/completions", json=body)
+    assert (r.status_code, direct.status_code) == (400, 400)
+    assert r.json() == direct.json()  # the server's own words and figures
+    assert r.json()["error"]["type"] == "exceed_context_size_error"
     assert proxy.ledger().refused_large == 1
+
+
+def test_a_request_the_server_refuses_to_count_gets_its_answer_at_once(
+    fast_server: Server, front_on: Callable[..., Proxy]
+) -> None:
+    """A malformed body is not queued behind the pool: the server's 400 comes back."""
+    proxy = front_on(fast_server)
+    first = long_on_fast(proxy)
+    r = httpx.post(
+        proxy.url + "/v1/chat/completions",
+        content=b'{"messages": [',
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
+    first.join(120)
+    assert r.status_code == 400 and "parse error" in r.json()["error"]["message"]
+    assert (proxy.ledger().refused_server, proxy.ledger().waiting) == (1, 0)
+
+
+def test_a_wrong_key_gets_the_servers_401_at_once_and_a_right_one_is_counted(
+    keyed_server: Server, front_on: Callable[..., Proxy]
+) -> None:
+    proxy = front_on(keyed_server)
+    wrong = httpx.post(
+        proxy.url + "/v1/chat/completions",
+        json=chat("who am I", 5),
+        headers={"authorization": "Bearer wrong"},
+        timeout=60,
+    )
+    assert wrong.status_code == 401
+    right = httpx.post(
+        proxy.url + "/v1/chat/completions",
+        json=chat("who am I", 5),
+        headers={"authorization": f"Bearer {KEY}"},
+        timeout=60,
+    )
+    assert right.status_code == 200, right.text
+    proxy.until(lambda led: led.pool_read)  # /slots read with the key that counted
+    ledger = proxy.ledger()
+    assert (ledger.refused_server, ledger.counted, ledger.bounded) == (1, 1, 0)
+
+
+def test_the_servers_own_tools_pass_uncounted(
+    fast_server: Server, front_on: Callable[..., Proxy]
+) -> None:
+    proxy = front_on(fast_server)
+    r = httpx.post(proxy.url + "/tokenize", json={"content": "hello"}, timeout=60)
+    assert r.status_code == 200 and r.json()["tokens"]
+    ledger = proxy.ledger()
+    assert (ledger.admitted, ledger.counted, ledger.bounded) == (0, 0, 0)
 
 
 def test_past_the_queues_length_a_request_gets_503_with_retry_after(
@@ -510,8 +584,9 @@ def test_a_refusal_is_the_fronts_answer_not_a_failed_request(
     r = httpx.post(proxy.url + "/v1/chat/completions", json=chat("no room", 200), timeout=60)
     first.join(120)
     assert r.status_code == 503
+    raw = proxy.front.stats()[("public", "FRONTEND")]["hrsp_5xx"]
     (_identity, sent, server), ledger = reads.front_5xx(proxy.front, admits=True)
-    assert (sent, server) == (0, 0)
+    assert (int(raw), sent, server) == (1, 0, 0)  # HAProxy counts the 503; the sample not
     assert ledger is not None and ledger.refused_wait == 1
 
 
@@ -538,3 +613,21 @@ def test_the_metrics_file_shows_the_ledger(
     }
     assert waits[("llama_launcher_admission_wait_seconds_bucket", "+Inf")] == 1
     assert waits[("llama_launcher_admission_wait_seconds_count", None)] == 1
+
+
+def test_a_stopping_front_sends_its_waiting_requests_to_the_next_one(
+    slow_server: Server, front_on: Callable[..., Proxy]
+) -> None:
+    """A soft stop (SIGUSR1: systemd's stop of the front) lets the running generation end,
+    and answers a waiting one 503 with Retry-After 1 at once: it asks the next HAProxy
+    rather than wait until the stop's timeout cuts it."""
+    proxy = front_on(slow_server)
+    first = long(proxy)
+    waiting = Call(proxy.url, chat("I wait", 200))
+    proxy.until(lambda led: led.waiting == 1)
+    assert proxy.proc is not None
+    proxy.proc.send_signal(signal.SIGUSR1)
+    waiting.join(60)
+    first.join(120)
+    assert (waiting.status, waiting.headers.get("retry-after")) == (503, "1"), waiting.text
+    assert first.status == 200

@@ -352,12 +352,12 @@ def _install_front_units(
     second instance, when it has a standby port; what they are goes into the handover."""
     planned = result.planned or {}
     slots = int(planned.get("n_slots") or 1)
-    if planned.get("kv_unified"):
-        spec = dataclasses.replace(
-            spec,
-            pool_cells=int(planned.get("pool_cells") or 0),
-            slot_cells=int(planned.get("n_ctx_slot") or 0),
-        )
+    unified = bool(planned.get("kv_unified"))  # split pools: nothing to admit against
+    spec = dataclasses.replace(
+        spec,
+        pool_cells=int(planned.get("pool_cells") or 0) if unified else 0,
+        slot_cells=int(planned.get("n_ctx_slot") or 0) if unified else 0,
+    )
     watcher = frontunits.release_service_text(the_front, *units.this_python(), home.where(settings))
     result.handover = {
         **(result.handover or {}),

@@ -9,6 +9,7 @@ counters; and ``look``, the slots alone, between a bake's samples.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -173,7 +174,10 @@ def front_5xx(
     between the two reads is not counted as a failure)."""
     identity = the_front.identity()
     rows = the_front.stats()
-    ledger = admission.ledger(the_front) if admits else None
+    ledger = None
+    if admits:
+        with contextlib.suppress(admission.AdmissionError):  # a ledger of another version
+            ledger = admission.ledger(the_front)
     sent = int(rows.get((front.FRONTEND, "FRONTEND"), {}).get("hrsp_5xx") or 0)
     if ledger is not None:
         sent = max(sent - ledger.refused_queue - ledger.refused_wait, 0)

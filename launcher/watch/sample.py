@@ -130,7 +130,8 @@ def _sample(
     delta, pressure = _delta(clock(), gen, reads, state, rec, previous, out)
     out.unread, out.lost = reads.unread, reads.journal.lost
     out.pressure = pressure.to_dict() if pressure else None
-    out.warnings += _warnings(target, pressure if reads.admission is None else None, delta, state)
+    admitted = reads.admission is not None and reads.admission.pool > 0
+    out.warnings += _warnings(target, None if admitted else pressure, delta, state)
     state.unread = reads.unread
     changed = rec.changed_by(delta)
     if changed:

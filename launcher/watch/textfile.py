@@ -166,8 +166,9 @@ METRICS: dict[str, Declared] = {
         ("outcome",),
         "Generations the front's admission took in (admitted, of them waited: let in after a "
         "wait) or answered itself (refused_queue, refused_wait: 503 with Retry-After; "
-        "refused_large: the server's 400 for a prompt no slot holds; left: the client went "
-        "away while it waited). From HAProxy's start.",
+        "refused_large: the server's 400 for a prompt no slot holds; refused_server: the "
+        "server refused to count it, malformed or without a valid key, and the client got "
+        "that answer; left: the client went away while it waited). From HAProxy's start.",
     ),
     "llama_launcher_admission_waiting": Declared(
         "gauge", (), "Generations waiting at the front for room in the KV pool."
@@ -371,7 +372,8 @@ def page_of(
 
 def admission_lines(ledger: Ledger, page: Page) -> None:
     """The front's admission: what it took in and answered, what waits, the pool it counts."""
-    for outcome in ("admitted", "waited", "refused_queue", "refused_wait", "refused_large", "left"):
+    outcomes = ("admitted", "waited", "refused_queue", "refused_wait", "refused_large", "left")
+    for outcome in (*outcomes, "refused_server"):
         page.add(
             "llama_launcher_admission_requests_total", getattr(ledger, outcome), outcome=outcome
         )

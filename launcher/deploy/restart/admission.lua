@@ -29,6 +29,7 @@ local cfg = {
 local st = {
   admitted = 0, waited = 0, refused_queue = 0, refused_wait = 0, refused_large = 0,
   left = 0, counted = 0, bounded = 0, released = 0, cut = 0, pool_unread = 0,
+  refused_server = 0,
   prompt_tokens = 0,
 }
 local WAIT_BOUNDS = { 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300 }
@@ -126,9 +127,15 @@ local function reply(txn, status, reason, body, retry)
   txn:done(txn:reply({ status = status, reason = reason, headers = headers, body = body }))
 end
 
+-- a count's answer: the body of a 200; a refusal of the request itself (400, 401, 403, 404:
+-- malformed, no or a wrong key), which the client gets at once; or nil (no count)
 local function post(hc, url, headers, body)
   local ok, r = pcall(hc.post, hc, { url = url, headers = headers, body = body, timeout = 10000 })
-  if ok and r and r.status == 200 and r.body then return r.body end
+  if not ok or not r then return nil end
+  if r.status == 200 and r.body then return r.body end
+  if r.status == 400 or r.status == 401 or r.status == 403 then
+    error({ refused = r.status, body = r.body or "", headers = r.headers })
+  end
   return nil
 end
 
@@ -141,20 +148,37 @@ local function tokens_of(hc, base, headers, tokenize)
   return commas + 1
 end
 
+local function input_tokens(hc, url, headers, body)
+  local answer = post(hc, url, headers, body)
+  return answer and tonumber(answer:match('"input_tokens":%s*(%d+)'))
+end
+
+-- media the tokenizer does not count (a projector reads it into cells of its own): bounded
+local MEDIA = { '"image_url"', '"input_audio"', '"input_image"', '"type":"image"', '"type": "image"' }
+
 -- the prompt's tokens as the server will count them, or nil (then the slot's window bounds
--- it): a chat through the server's template and tokenizer, Anthropic's messages through its
--- own count, a completion's string prompt through the tokenizer; anything else is bounded
+-- it): a chat through the server's template and tokenizer, Anthropic's messages and the
+-- Responses API through their own counts, a completion's string prompt through the
+-- tokenizer; anything else is bounded. Raises {refused = status} when the server refuses
+-- the request itself.
 local function count(txn, body)
   if cfg.server == "" then return nil end
+  for _, media in ipairs(MEDIA) do
+    if body:find(media, 1, true) then return nil end
+  end
   local headers = { ["content-type"] = { "application/json" } }
-  local auth = txn.f:req_hdr("authorization")
-  if auth then headers["authorization"] = { auth } end
+  for _, name in ipairs({ "authorization", "x-api-key" }) do
+    local value = txn.f:req_hdr(name)
+    if value then headers[name] = { value } end
+  end
   local hc = core.httpclient()
   local base = "http://" .. cfg.server
   local path = txn.f:path() or ""
   if path:match("/messages$") then
-    local answer = post(hc, base .. "/v1/messages/count_tokens", headers, body)
-    return answer and tonumber(answer:match('"input_tokens":%s*(%d+)'))
+    return input_tokens(hc, base .. "/v1/messages/count_tokens", headers, body)
+  end
+  if path:match("/responses$") then
+    return input_tokens(hc, base .. "/v1/responses/input_tokens", headers, body)
   end
   if path:match("chat/completions$") then
     local answer = post(hc, base .. "/apply-template", headers, body)
@@ -174,28 +198,52 @@ local function count(txn, body)
 end
 
 local function bound_of(txn, body)
-  for _, key in ipairs({ "$.max_tokens", "$.max_completion_tokens", "$.n_predict" }) do
+  for _, key in ipairs({ "$.max_tokens", "$.max_completion_tokens", "$.max_output_tokens", "$.n_predict" }) do
     local v = tonumber(txn.sc:json_query(body, key, "int"))
     if v ~= nil and v > 0 then return math.floor(v) end
   end
   return nil
 end
 
+local function unavailable(txn, why, counter, retry)
+  st[counter] = st[counter] + 1
+  reply(txn, 503, "Service Unavailable", string.format(
+    '{"error":{"code":503,"message":%s,"type":"unavailable_error"}}', json_string(why)),
+    retry or math.max(1, math.floor(cfg.wait / 4)))
+end
+
+local function queue_full(txn)
+  if #queue < cfg.queue then return false end
+  unavailable(txn, string.format("the front's admission queue is full (%d requests wait for room in the KV pool); try again later", cfg.queue), "refused_queue")
+  return true
+end
+
 core.register_action("llama_admit", { "http-req" }, function(txn)
   local t0 = now()  -- a wait counts from the request's arrival, its count included
   sweep()
   if cfg.pool <= 0 or cfg.slot <= 0 then return end
+  if queue_full(txn) then return end  -- before the count: an overload costs the server nothing
   local body = txn.f:req_body() or ""
-  last_auth = txn.f:req_hdr("authorization") or last_auth
   -- only a whole body is counted: one larger than the buffer, or sent in chunks (whose end
   -- wait-for-body does not tell from a pause), is bounded by the window
   local length = tonumber(txn.f:req_hdr("content-length") or "")
   local prompt = nil
-  if length ~= nil and #body >= length then prompt = count(txn, body) end
+  if length ~= nil and #body >= length then
+    local ok, got = pcall(count, txn, body)
+    if not ok and type(got) == "table" and got.refused then
+      st.refused_server = st.refused_server + 1
+      local reasons = { [400] = "Bad Request", [401] = "Unauthorized", [403] = "Forbidden" }
+      reply(txn, got.refused, reasons[got.refused], got.body)
+      return
+    end
+    if ok then prompt = got end
+  end
   local slot = math.min(cfg.slot, cfg.pool)
   if prompt == nil then
     st.bounded = st.bounded + 1
   else
+    -- a key that counted is one the server takes: /slots is read with it
+    last_auth = txn.f:req_hdr("authorization") or last_auth
     st.counted = st.counted + 1
     st.prompt_tokens = st.prompt_tokens + prompt
     if prompt >= slot then
@@ -209,14 +257,7 @@ core.register_action("llama_admit", { "http-req" }, function(txn)
   local gen = bound_of(txn, body)
   local need = slot
   if prompt ~= nil and gen ~= nil then need = math.min(slot, prompt + gen) end
-  if #queue >= cfg.queue then
-    st.refused_queue = st.refused_queue + 1
-    reply(txn, 503, "Service Unavailable", string.format(
-      '{"error":{"code":503,"message":%s,"type":"unavailable_error"}}',
-      json_string(string.format("the front's admission queue is full (%d requests wait for room in the KV pool); try again later", cfg.queue))),
-      math.max(1, math.floor(cfg.wait / 4)))
-    return
-  end
+  if queue_full(txn) then return end
   next_ticket = next_ticket + 1
   local ticket = next_ticket
   queue[#queue + 1] = ticket
@@ -225,15 +266,20 @@ core.register_action("llama_admit", { "http-req" }, function(txn)
   while not (queue[1] == ticket and taken() + need <= cfg.pool) do
     if now() - t0 > cfg.wait then
       unqueue(ticket)
-      st.refused_wait = st.refused_wait + 1
-      reply(txn, 503, "Service Unavailable", string.format(
-        '{"error":{"code":503,"message":%s,"type":"unavailable_error"}}',
-        json_string(string.format("no room in the KV pool for this request's %d cells within %g s; try again later", need, cfg.wait))),
-        math.max(1, math.floor(cfg.wait / 4)))
+      unavailable(txn, string.format("no room in the KV pool for this request's %d cells within %g s; try again later", need, cfg.wait), "refused_wait")
+      return
+    end
+    local stopping = txn.f:stopping()  -- a boolean fetch comes to Lua as a number
+    if stopping == true or stopping == 1 then
+      -- this HAProxy is stopping (a restart): the client asks the next one at once, rather
+      -- than wait here until systemd's stop timeout cuts it
+      unqueue(ticket)
+      unavailable(txn, "the front is restarting; try again", "refused_wait", 1)
       return
     end
     waited = true
-    core.msleep(cfg.poll_ms)
+    -- the head of the queue looks often; the others wait their turn
+    core.msleep(queue[1] == ticket and cfg.poll_ms or 5 * cfg.poll_ms)
     sweep()
   end
   table.remove(queue, 1)
@@ -256,8 +302,11 @@ function Release:new()
 end
 
 function Release:start_analyze(txn, chn)
-  -- http_end is called only on a channel whose data the filter registered for
-  if chn:is_resp() then filter.register_data_filter(self, chn) end
+  -- http_end is called only on a channel whose data the filter registered for: an admitted
+  -- generation's response (the request's rules ran before it starts); the others' pass by
+  if chn:is_resp() and txn:get_var("txn.llama_admitted") ~= nil then
+    filter.register_data_filter(self, chn)
+  end
 end
 
 -- a filter registered for data forwards what it was given (else the stream stalls)

@@ -94,17 +94,14 @@ LUA = Path(__file__).with_name("admission.lua")
 WAIT_BOUNDS = (0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 #: HAProxy's buffer, which holds a whole request body to count (a larger one is bounded)
 BUFSIZE = 1 << 20
-#: the paths of generations; other requests (/health, /slots, /tokenize, ...) pass. Exact
-#: strings, no regex: a hardened HAProxy (MemoryDenyWriteExecute=) cannot JIT-compile one
-GENERATIONS = (
-    "/v1/chat/completions",
-    "/chat/completions",
-    "/v1/completions",
-    "/completions",
-    "/completion",
-    "/v1/messages",
-    "/infill",
-)
+#: the POSTs admission lets pass uncounted: they generate nothing and hold no slot (the
+#: server's own tools: counts, templates, slot saves, settings). Every other POST is admitted:
+#: a generation is counted, anything else (embeddings, rerank, infill) bounded by a window.
+#: Exact strings and ends, no regex: a hardened HAProxy (MemoryDenyWriteExecute=) cannot
+#: JIT-compile one
+PASSIVE_PATHS = ("/tokenize", "/detokenize", "/apply-template", "/props", "/lora-adapters")
+PASSIVE_ENDS = ("/count_tokens", "/input_tokens")
+PASSIVE_BEGINNINGS = ("/slots",)
 
 DEFAULTS_LINES = """\
     # admission: a client that leaves while its request waits is taken out of the queue
@@ -112,9 +109,12 @@ DEFAULTS_LINES = """\
 """
 FRONTEND_LINES = f"""\
     # admission against the shared KV pool (admission.lua; llama-launcher status shows it)
+    acl llama_passive path {" ".join(PASSIVE_PATHS)}
+    acl llama_passive path_end {" ".join(PASSIVE_ENDS)}
+    acl llama_passive path_beg {" ".join(PASSIVE_BEGINNINGS)}
     filter lua.llama_release
-    http-request wait-for-body time 10s at-least {BUFSIZE} if METH_POST
-    http-request lua.llama_admit if METH_POST {{ path {" ".join(GENERATIONS)} }}
+    http-request wait-for-body time 10s at-least {BUFSIZE} if METH_POST !llama_passive
+    http-request lua.llama_admit if METH_POST !llama_passive
 """
 
 
@@ -181,6 +181,9 @@ class Ledger:
     refused_queue: int
     refused_wait: int
     refused_large: int
+    #: requests the server refused when asked to count them (malformed, no or a wrong key):
+    #: its answer went to the client at once
+    refused_server: int
     left: int
     #: prompts counted by the server's tokenizer, those bounded by a window, and the tokens
     #: of the counted ones
@@ -239,6 +242,7 @@ class Ledger:
                         "refused_queue",
                         "refused_wait",
                         "refused_large",
+                        "refused_server",
                         "left",
                         "counted",
                         "bounded",

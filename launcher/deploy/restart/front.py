@@ -420,7 +420,10 @@ backend {BACKEND}
         self.command(f"set server {BACKEND}/{name} addr {spec.private_host} port {spec.port(side)}")
         self._expect_empty(f"set maxconn server {BACKEND}/{name} {max(slots, 1)}")
         if spec.admission:
-            admission.announce(self, spec, address(spec.private_host, spec.port(side)))
+            try:
+                admission.announce(self, spec, address(spec.private_host, spec.port(side)))
+            except admission.AdmissionError as e:  # what the handover's callers handle
+                raise FrontError(str(e)) from e
 
     def switch(
         self,
