@@ -8,8 +8,8 @@ in flight at once ("Context size has been exceeded"), whichever was small. The f
 what it let in, so it can refuse to let in what would not fit:
 
 - **The budget.** A generation's worst case is its prompt plus what it may generate
-  (``max_tokens``, ``max_completion_tokens`` or ``n_predict``; without one, up to its slot's
-  window), at most one slot's window (a slot never holds more: the server stops it there).
+  (``max_tokens``, ``max_completion_tokens``, ``max_output_tokens`` or ``n_predict``;
+  without one, up to its slot's window), at most one slot's window (a slot never holds more: the server stops it there).
   It is admitted when that fits the pool beside the worst cases of the requests admitted
   before it and still running. Reservations end with their streams, so two requests admitted
   together never count on the same cells. Idle slots' cached prompts count as free:
@@ -18,19 +18,25 @@ what it let in, so it can refuse to let in what would not fit:
 - **The count.** The prompt is counted the way the server counts it: its own chat template
   (``POST /apply-template``) and tokenizer (``POST /tokenize``, with the special tokens), on
   the server the front serves from; b9093, b10405 and b11434 all have both (and
-  ``/v1/messages/count_tokens`` for Anthropic's messages; a completion's string prompt goes
-  to ``/tokenize`` alone). A count that cannot be made (the server busy past 10 s, or down;
-  a body larger than HAProxy's buffer, or sent in chunks; a prompt of token ids) is
-  replaced by the bound that is never below it: the slot's whole window.
+  ``/v1/messages/count_tokens`` for Anthropic's messages; ``/v1/responses/input_tokens``
+  from b10405 on; a completion's string prompt goes to ``/tokenize`` alone). A count that
+  cannot be made (the server busy past 10 s, or down; a body larger than HAProxy's buffer,
+  or sent in chunks; a prompt of token ids, images or audio; embeddings and other POSTs) is
+  replaced by the bound that is never below it: the slot's whole window. A request the
+  server refuses to count (malformed, no or a wrong key: 400, 401, 403) gets that answer at
+  once. The server's own tools (``PASSIVE_*``: counts, templates, slot saves) pass uncounted.
 - **The queue.** A request that does not fit waits at the front, first come first served
   (a large one at the head is not overtaken), at most ``admission_queue`` requests for at most
   ``admission_wait`` seconds; past either, 503 with ``Retry-After``. A prompt no slot can hold
   is answered at once with the server's own 400 (``exceed_context_size_error``). A client
-  that leaves is taken out of the queue (``option abortonclose``).
+  that leaves is taken out of the queue (``option abortonclose``; so is one that only
+  half-closes its side). A stopping HAProxy (a restart) answers its waiting requests 503
+  with ``Retry-After: 1``: the next one takes them, rather than systemd's stop timeout.
 - **What it did not admit.** Every 200 ms the front reads the server's ``/slots`` (with the
-  key the last client sent): busy slots beyond the generations it admitted and that still
-  run (a HAProxy restarted while the one before it finished its streams, a client that went
-  around the front, the gate's and the sampler's probes) are each counted as a whole window.
+  last key that counted): busy slots beyond the generations it admitted and that still run
+  (a client that went around the front, the gate's and the sampler's probes) are each
+  counted as a whole window. A lower bound: an admitted generation still waiting for a slot
+  hides one taken around the front.
 - **When the pool cannot be read, admission goes on, said so.** ``/slots`` that does not
   answer (the server restarting, ``--no-slots``, a key no client sent yet) counts no unseen
   slot: the front's own ledger still covers every generation it let in, and ``status``
