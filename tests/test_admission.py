@@ -436,13 +436,16 @@ def test_a_stream_cut_short_gives_its_cells_back(
     assert proxy.ledger().cut == 1
 
 
-def test_without_a_count_the_slots_window_bounds_each_request(
+def test_when_the_server_stops_answering_the_count_each_request_is_bounded(
     slow_server: Server, front_on: Callable[..., Proxy]
 ) -> None:
-    """The server the front counts on does not answer (its address is wrong): each prompt is
-    bounded by the slot's window, so each generation reserves the whole pool and waits."""
+    """Mid-run the server the front counts on and reads /slots from stops answering (its
+    address is wrong): each prompt is bounded by the slot's window, so each generation
+    reserves the whole pool and waits; the pool is said unread."""
     proxy = front_on(slow_server)
+    proxy.until(lambda led: led.pool_read)
     assert proxy.front.command(f"llama admission set {POOL} {POOL} 127.0.0.1:1").strip() == "set"
+    proxy.until(lambda led: not led.pool_read)
     first = Call(proxy.url, chat("bounded", 900))
     proxy.until(lambda led: led.running == 1)
     second = Call(proxy.url, chat("bounded too", 10))

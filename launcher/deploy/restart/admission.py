@@ -9,12 +9,13 @@ what it let in, so it can refuse to let in what would not fit:
 
 - **The budget.** A generation's worst case is its prompt plus what it may generate
   (``max_tokens``, ``max_completion_tokens``, ``max_output_tokens`` or ``n_predict``;
-  without one, up to its slot's window), at most one slot's window (a slot never holds more: the server stops it there).
-  It is admitted when that fits the pool beside the worst cases of the requests admitted
-  before it and still running. Reservations end with their streams, so two requests admitted
-  together never count on the same cells. Idle slots' cached prompts count as free:
-  llama-server purges an idle slot's cache when a batch needs its cells (WARN ``purging slot
-  N``), and that slot's next request is read again from the start.
+  without one, up to its slot's window), at most one slot's window (a slot never holds more:
+  the server stops it there). It is admitted when that fits the pool beside the worst cases
+  of the requests admitted before it and still running. Reservations end with their streams,
+  so two requests admitted together never count on the same cells. Idle slots' cached
+  prompts count as free: llama-server purges an idle slot's cache when a batch needs its
+  cells (WARN ``purging slot N``), and that slot's next request is read again from the
+  start.
 - **The count.** The prompt is counted the way the server counts it: its own chat template
   (``POST /apply-template``) and tokenizer (``POST /tokenize``, with the special tokens), on
   the server the front serves from; b9093, b10405 and b11434 all have both (and
