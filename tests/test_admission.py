@@ -634,3 +634,21 @@ def test_a_stopping_front_sends_its_waiting_requests_to_the_next_one(
     first.join(120)
     assert (waiting.status, waiting.headers.get("retry-after")) == (503, "1"), waiting.text
     assert first.status == 200
+
+
+def test_a_prompt_the_front_cannot_spell_again_is_bounded_not_refused(
+    fast_server: Server, front_on: Callable[..., Proxy]
+) -> None:
+    """HAProxy's JSON reader gives \\u00e9 as a raw byte: the body the front makes for the
+    tokenizer is not the client's, so the server's refusal of it is no answer to the client.
+    The request is bounded and goes to the server, whose own answer comes back."""
+    proxy = front_on(fast_server)
+    body = json.dumps({"prompt": "caf\u00e9 and more", "n_predict": 2})
+    headers = {"content-type": "application/json"}
+    r = httpx.post(proxy.url + "/completion", content=body, headers=headers, timeout=60)
+    direct = httpx.post(
+        f"http://127.0.0.1:{fast_server.port}/completion", content=body, headers=headers
+    )
+    assert (r.status_code, r.text) == (direct.status_code, direct.text)
+    ledger = proxy.ledger()
+    assert (ledger.bounded, ledger.refused_server, ledger.admitted) == (1, 0, 1)

@@ -38,15 +38,16 @@ for i = 1, #WAIT_BOUNDS do waits.counts[i] = 0 end
 
 local queue = {}     -- tickets waiting, oldest first
 local held = {}      -- ticket -> cells reserved by an admitted request
-local ending = {}    -- ticket -> {cells, until}: cut streams kept for `grace`
+local ending = {}    -- ticket -> {cells, deadline}: cut streams kept for `grace`
 local reserved = 0
 local next_ticket = 0
--- the server's busy slots beyond the generations admitted here (a HAProxy restarted while
--- the one before it still ran streams, a client that went around the front), each bounded
--- by a slot's window; read from /slots every slots_ms. Unreadable: 0, and said (pool_read)
+-- the server's busy slots beyond the generations admitted here (a client that went around
+-- the front, the gate's and the sampler's probes), each bounded by a slot's window; read
+-- from /slots every slots_ms. A lower bound: an admitted generation that waits for a slot
+-- hides one taken around the front. Unreadable: 0, and said (pool_read)
 local unseen = 0
 local pool_read = false
-local last_auth = nil -- the Authorization a client sent last: /slots needs the server's key
+local last_auth = nil -- the Authorization of the last request that counted: /slots needs a key
 
 local function now()
   local t = core.now()
@@ -191,8 +192,11 @@ local function count(txn, body)
     local prompt = txn.sc:json_query(body, "$.prompt")
     -- a prompt of tokens or pieces (an array: json_query gives ""; an object) is bounded
     if type(prompt) ~= "string" or prompt == "" or prompt:match("^%s*[%[{]") then return nil end
-    return tokens_of(hc, base, headers,
+    -- a body of the front's own making: a refusal of it is no answer to the client's request
+    -- (json_query gives \u00XX as a raw byte, which the server may take for bad UTF-8)
+    local ok, n = pcall(tokens_of, hc, base, headers,
       '{"add_special":true,"parse_special":true,"content":' .. json_string(prompt) .. '}')
+    return ok and n or nil
   end
   return nil
 end
