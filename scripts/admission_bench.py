@@ -427,7 +427,7 @@ def report(
                 f"{ledger['refused']} (queue {ledger['refused_queue']}, wait "
                 f"{ledger['refused_wait']}, too large {ledger['refused_large']}); prompts "
                 f"counted {ledger['counted']}, bounded {ledger['bounded']}; left "
-                f"{ledger['left']}, cut {ledger['cut']}"
+                f"{ledger['left']}"
             )
             print(
                 f"admission wait (the ledger, a bucket's upper bound): p50 {wait50}, "

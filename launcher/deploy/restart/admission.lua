@@ -10,8 +10,7 @@
 -- and `wait` seconds each; past either: 503 with Retry-After. A prompt no slot can hold gets
 -- the server's own 400 at once. A client that leaves is taken out of the queue (option
 -- abortonclose ends this action; the filter's end_analyze removes its ticket).
--- A reservation ends with its stream (the filter's end_analyze); one cut short (the client
--- left mid-stream) is kept `grace` seconds more, while llama-server notices and stops its slot.
+-- A reservation ends with its stream (the filter's end_analyze).
 -- Without a pool (0: a split pool, or none announced yet) every request is admitted.
 
 local cfg = {
@@ -20,7 +19,6 @@ local cfg = {
   queue = tonumber(os.getenv("LLAMA_ADMIT_QUEUE") or "64") or 64,
   wait = tonumber(os.getenv("LLAMA_ADMIT_WAIT") or "120") or 120,
   server = os.getenv("LLAMA_ADMIT_SERVER") or "",
-  grace = 1.0,
   poll_ms = 10,
   slots_ms = 200,
 }
@@ -28,7 +26,7 @@ local cfg = {
 -- what `llama admission` shows (launcher.deploy.restart.admission.Ledger parses it)
 local st = {
   admitted = 0, waited = 0, refused_queue = 0, refused_wait = 0, refused_large = 0,
-  left = 0, counted = 0, bounded = 0, released = 0, cut = 0, pool_unread = 0,
+  left = 0, counted = 0, bounded = 0, released = 0, pool_unread = 0,
   refused_server = 0,
   prompt_tokens = 0,
 }
@@ -38,7 +36,6 @@ for i = 1, #WAIT_BOUNDS do waits.counts[i] = 0 end
 
 local queue = {}     -- tickets waiting, oldest first
 local held = {}      -- ticket -> cells reserved by an admitted request
-local ending = {}    -- ticket -> {cells, deadline}: cut streams kept for `grace`
 local reserved = 0
 local next_ticket = 0
 -- the server's busy slots beyond the generations admitted here (a client that went around
@@ -52,16 +49,6 @@ local last_auth = nil -- the Authorization of the last request that counted: /sl
 local function now()
   local t = core.now()
   return t.sec + t.usec / 1e6
-end
-
-local function sweep()
-  local t = now()
-  for ticket, e in pairs(ending) do
-    if t >= e.deadline then
-      reserved = reserved - e.cells
-      ending[ticket] = nil
-    end
-  end
 end
 
 local function running()
@@ -224,7 +211,6 @@ end
 
 core.register_action("llama_admit", { "http-req" }, function(txn)
   local t0 = now()  -- a wait counts from the request's arrival, its count included
-  sweep()
   if cfg.pool <= 0 or cfg.slot <= 0 then return end
   if queue_full(txn) then return end  -- before the count: an overload costs the server nothing
   local body = txn.f:req_body() or ""
@@ -284,8 +270,7 @@ core.register_action("llama_admit", { "http-req" }, function(txn)
     waited = true
     -- the head of the queue looks often; the others wait their turn
     core.msleep(queue[1] == ticket and cfg.poll_ms or 5 * cfg.poll_ms)
-    sweep()
-  end
+    end
   table.remove(queue, 1)
   reserved = reserved + need
   held[ticket] = need
@@ -295,36 +280,20 @@ core.register_action("llama_admit", { "http-req" }, function(txn)
   observe(now() - t0)
 end, 0)
 
--- ends a stream's ticket: out of the queue, or its reservation released
+-- ends a stream's ticket: out of the queue, or its reservation released (end_analyze only,
+-- the least of HAProxy 2.6's filter API: a finished stream and one cut short are not told
+-- apart; a cut one's slot is stopped by llama-server at its next token)
 Release = {}
 Release.id = "llama-release"
 Release.flags = filter.FLT_CFG_FL_HTX
 Release.__index = Release
 
 function Release:new()
-  return setmetatable({ finished = false }, Release)
+  return setmetatable({}, Release)
 end
 
-function Release:start_analyze(txn, chn)
-  -- http_end is called only on a channel whose data the filter registered for: an admitted
-  -- generation's response (the request's rules ran before it starts); the others' pass by
-  if chn:is_resp() and txn:get_var("txn.llama_admitted") ~= nil then
-    filter.register_data_filter(self, chn)
-  end
-end
-
--- a filter registered for data forwards what it was given (else the stream stalls)
-function Release:http_payload(txn, msg)
-  return msg:input()
-end
-
-function Release:http_end(txn, msg)
-  if msg.channel:is_resp() then self.finished = true end
-  return filter.CONTINUE
-end
-
--- called at the stream's end for one channel or both (which one depends on the filter's data
--- registration): the first call does the work, the second finds nothing left to do
+-- called at the stream's end for one channel or both: the first call does the work, the
+-- second finds nothing left to do
 function Release:end_analyze(txn, chn)
   local waiting = txn:get_var("txn.llama_ticket")
   if waiting ~= nil and txn:get_var("txn.llama_admitted") == nil and unqueue(waiting) then
@@ -335,12 +304,7 @@ function Release:end_analyze(txn, chn)
   if cells == nil then return end
   held[ticket] = nil
   st.released = st.released + 1
-  if self.finished then
-    reserved = reserved - cells
-  else
-    st.cut = st.cut + 1
-    ending[ticket] = { cells = cells, deadline = now() + cfg.grace }
-  end
+  reserved = reserved - cells
 end
 
 core.register_filter("llama_release", Release, function(f, args)
@@ -348,7 +312,6 @@ core.register_filter("llama_release", Release, function(f, args)
 end)
 
 local function show(applet)
-  sweep()
   local lines = {
     "pool " .. cfg.pool, "slot " .. cfg.slot, "queue_limit " .. cfg.queue,
     "wait_limit " .. cfg.wait, "server " .. (cfg.server ~= "" and cfg.server or "-"),

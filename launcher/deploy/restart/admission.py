@@ -141,6 +141,9 @@ def global_lines(spec: FrontSpec, server: str) -> str:
     setenv LLAMA_ADMIT_WAIT {spec.admission_wait:g}
     setenv LLAMA_ADMIT_SERVER {server}
     tune.bufsize {BUFSIZE}
+    # one thread: HAProxy 2.6's Lua filter, on the state lua-load shares between threads,
+    # corrupted its stack and crashed the worker under load with two
+    nbthread 1
     lua-load "${{LLAMA_FRONT_LUA}}"
 """
 
@@ -198,7 +201,6 @@ class Ledger:
     bounded: int
     prompt_tokens: int
     released: int
-    cut: int
     #: busy slots the front did not admit (read from /slots), each counted as a whole window
     unseen: int
     #: whether the last read of /slots answered; reads that did not, since HAProxy started
@@ -255,7 +257,6 @@ class Ledger:
                         "bounded",
                         "prompt_tokens",
                         "released",
-                        "cut",
                         "unseen",
                         "pool_unread",
                         "queue_limit",
