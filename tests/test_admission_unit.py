@@ -25,6 +25,17 @@ def ledger(host: Host) -> admission.Ledger:
     return found
 
 
+def one_runs_one_waits(host: Host) -> tuple[Stream, Stream]:
+    """A long generation that holds most of the pool, and a second one waiting for room."""
+    first = Stream(host.url, 900)
+    first.start()
+    assert first.first_chunk.wait(60)
+    waiting = Stream(host.url, 200, "I wait for room")
+    waiting.start()
+    until(lambda: ledger(host).waiting == 1, 60)
+    return first, waiting
+
+
 def test_an_over_committed_pool_is_refused_without_admission(host: Host) -> None:
     rc, out = host.install(*OVER, "--front", "haproxy")
     assert rc == 2, out
@@ -91,12 +102,7 @@ def test_requests_waiting_through_a_deploy_are_answered_after_it(
     room, and a deploy begins (the front held, or a switch to the second instance): both
     are answered, and the front then counts on the new server's pool."""
     installed(slow_host(host), *OVER, "--front", "haproxy", "--admission", *handover)
-    first = Stream(host.url, 900)
-    first.start()
-    assert first.first_chunk.wait(60)
-    waiting = Stream(host.url, 200, "I wait for room")
-    waiting.start()
-    until(lambda: ledger(host).waiting == 1, 60)
+    first, waiting = one_runs_one_waits(host)
     rc, out = host.cli_json("set", "-c", "1536")
     first.join(120)
     waiting.join(120)
@@ -120,12 +126,7 @@ def test_a_front_killed_with_requests_waiting_comes_back_admitting(host: Host) -
     connection (a restart's cost, not admission's), systemd starts it again from its config
     on disk, and it admits against the deployed pool from an empty ledger."""
     installed(slow_host(host), *OVER, "--front", "haproxy", "--admission")
-    first = Stream(host.url, 900)
-    first.start()
-    assert first.first_chunk.wait(60)
-    waiting = Stream(host.url, 200, "I wait for room")
-    waiting.start()
-    until(lambda: ledger(host).waiting == 1, 60)
+    first, waiting = one_runs_one_waits(host)
     service = front_of(host).service
     host.sandbox.systemctl("kill", "--signal=SIGKILL", service)
     first.join(120)

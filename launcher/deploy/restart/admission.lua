@@ -270,7 +270,7 @@ core.register_action("llama_admit", { "http-req" }, function(txn)
     waited = true
     -- the head of the queue looks often; the others wait their turn
     core.msleep(queue[1] == ticket and cfg.poll_ms or 5 * cfg.poll_ms)
-    end
+  end
   table.remove(queue, 1)
   reserved = reserved + need
   held[ticket] = need
