@@ -490,3 +490,31 @@ def test_module_force_memory_passes_the_memory_guard(host: Host) -> None:
     forced = _adhoc(host, {**huge, "force_memory": True, "unified_memory": "no"}, "--check")
     assert forced.returncode == 0, forced.stdout + forced.stderr
     assert '"outcome": "checked"' in forced.stdout
+
+
+def test_module_routes_long_prompts_to_a_lane_address(host: Host) -> None:
+    """An inventory's lane address on another host: the task's front routes there, once."""
+    from launcher.deploy.restart.front import Front
+
+    rc, out = host.install("-c", "2048", "-np", "2", "--front", "haproxy")
+    assert rc == 0, out
+    try:
+        lane = {"ctx_size": 2048, "parallel": 2, "lane": "far", "lane_address": "10.0.0.9:8081"}
+        lane["lane_threshold"] = 4096
+        first = _adhoc(host, lane)
+        assert first.returncode == 0, first.stdout + first.stderr
+        assert '"changed": true' in first.stdout
+        spec = Front(host.state_dir, host.unit, "user").spec()
+        assert spec is not None
+        assert (spec.lane, spec.lane_host, spec.lane_port, spec.lane_threshold) == (
+            "far",
+            "10.0.0.9",
+            8081,
+            4096,
+        )
+        again = _adhoc(host, lane)
+        assert again.returncode == 0, again.stdout + again.stderr
+        assert '"changed": false' in again.stdout
+    finally:
+        host.cli("uninstall", "--lane", "far")
+        host.cli("uninstall")

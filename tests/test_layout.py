@@ -166,6 +166,7 @@ def test_the_units_standard_library_paths_import_only_the_standard_library() -> 
         "launcher.deploy.restart",
         "launcher.deploy.restart.front",
         "launcher.deploy.restart.admission",
+        "launcher.deploy.restart.lane",
         "launcher.host.proc",
         "launcher.host.systemd",
         "launcher.host.units",

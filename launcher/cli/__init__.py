@@ -30,6 +30,7 @@ EPILOG = "exit codes:\n" + "\n".join(
 GLOBAL_OPTIONS = {
     "--unit": 1,
     "--instance": 1,
+    "--lane": 1,
     "--scope": 1,
     "--env-file": 1,
     "--state-dir": 1,
@@ -81,9 +82,10 @@ def verb_options(parser: argparse.ArgumentParser) -> dict[str, set[str]]:
 
 DESCRIPTION = (
     "Launch llama-server under systemd and deploy its flags safely. The options that say "
-    "where (--unit, --instance, --scope, --env-file, --state-dir, --base-url, the timeouts, "
-    "--json, -v) may come before the verb or after it, for a verb that takes them (diagnose, "
-    "bench and plan take only some: see their --help). `llama-launcher guide` lists the guides."
+    "where (--unit, --instance, --lane, --scope, --env-file, --state-dir, --base-url, the "
+    "timeouts, --json, -v) may come before the verb or after it, for a verb that takes them "
+    "(diagnose, bench and plan take only some: see their --help). `llama-launcher guide` "
+    "lists the guides."
 )
 
 

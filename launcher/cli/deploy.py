@@ -21,7 +21,9 @@ if TYPE_CHECKING:
 # -- helpers -----------------------------------------------------------------------------------
 
 
-def settings_from(ns: argparse.Namespace) -> ToolSettings:
+def settings_from(ns: argparse.Namespace, lane: bool = True) -> ToolSettings:
+    """The settings of the unit the options name: with ``--lane NAME`` (and ``lane``), the
+    lane's (its unit, env file and state folder beside the main unit's)."""
     from launcher import config
     from launcher.install import install
 
@@ -43,6 +45,8 @@ def settings_from(ns: argparse.Namespace) -> ToolSettings:
         bake=getattr(ns, "bake", None),
     )
     install.require_root(settings)
+    if lane and getattr(ns, "lane", None):
+        return install.lane_settings(settings, ns.lane)
     return settings
 
 
@@ -188,10 +192,20 @@ def _baking(ns: argparse.Namespace, d: Deployer) -> Deployer:
 def cmd_render(ns: argparse.Namespace) -> int:
     from launcher import config
 
-    deployed = deployer_for(ns, unit_needed=False).preview(config_from(ns))
+    d = deployer_for(ns, unit_needed=False)
+    deployed = d.preview(config_from(ns))
     text = config.render_env(deployed.config)
-    data = {"env": text, "argv": deployed.config.argv(), "notes": list(deployed.notes)}
-    for note in deployed.notes if not ns.json else ():
+    front = d.front_of(deployed.config)
+    data = {
+        "env": text,
+        "argv": deployed.config.argv(),
+        "notes": list(deployed.notes),
+        "front": front,
+    }
+    routing = (
+        [f"llama-launcher: routing: {front['routing']}"] if front and "routing" in front else []
+    )
+    for note in [*deployed.notes, *routing] if not ns.json else ():
         print(note, file=sys.stderr)  # stdout is the env file's bytes
     emit(data, ns.json, lambda: text.rstrip("\n"))
     return 0
@@ -329,21 +343,80 @@ def cmd_history(ns: argparse.Namespace) -> int:
 def cmd_install(ns: argparse.Namespace) -> int:
     from launcher.install import install
 
-    settings = settings_from(ns)
+    lane = _lane(ns)
+    settings = settings_from(ns, lane=False)
+    args: dict[str, Any] = {
+        "progress": None if ns.json else _progress(),
+        "force_memory": ns.force_memory,
+        "on_phase": ns.on_phase,
+        "force": ns.force,
+        "site": install.site_for(tuple(ns.read_only_path), ns.mdwe, ns.allow_nice),
+    }
+    if lane is not None:
+        cfg = None if lane.address is not None else config_from(ns)
+        done = install.install_lane(settings, cfg, lane, **args)
+        if isinstance(done, dict):
+            emit(done, ns.json, lambda: _lane_text(done))
+            return 0
+        return _finish(ns, done, install.lane_settings(settings, lane.name))
     result = install.install(
         settings,
         config_from(ns),
         template=bool(ns.instance),
-        progress=None if ns.json else _progress(),
-        force_memory=ns.force_memory,
-        on_phase=ns.on_phase,
-        force=ns.force,
-        site=install.site_for(tuple(ns.read_only_path), ns.mdwe, ns.allow_nice),
         front_kind=ns.front,
         second_instance=ns.second_instance,
         admission=_admission(ns),
+        **args,
     )
     return _finish(ns, result, settings)
+
+
+def _lane(ns: argparse.Namespace) -> Any:
+    """``--lane NAME`` and its routing (None: no lane); a lane option without it, or
+    beside another front option, is refused."""
+    from launcher.errors import ConfigInvalid
+    from launcher.install import install
+
+    given = {
+        "--lane-threshold": ns.lane_threshold,
+        "--lane-bytes-per-token": ns.lane_bytes_per_token,
+        "--lane-wait": ns.lane_wait,
+        "--lane-address": ns.lane_address,
+    }
+    if not ns.lane:
+        for flag, value in given.items():
+            if value is not None:
+                raise ConfigInvalid(f"{flag} {value} needs --lane NAME: add it, or drop {flag}")
+        return None
+    if ns.front != "none" or ns.second_instance or ns.admission or ns.instance:
+        raise ConfigInvalid(
+            "--lane installs the lane of a unit that has its front already: give --lane "
+            "with the lane's own flags, without --front, --second-instance, --admission or "
+            "--instance (name the main unit with --unit); nothing was changed"
+        )
+    defaults = install.LaneOptions(ns.lane)
+    return install.LaneOptions(
+        ns.lane,
+        ns.lane_threshold if ns.lane_threshold is not None else defaults.threshold,
+        ns.lane_bytes_per_token
+        if ns.lane_bytes_per_token is not None
+        else defaults.bytes_per_token,
+        ns.lane_wait if ns.lane_wait is not None else defaults.wait,
+        ns.lane_address,
+    )
+
+
+def _lane_text(done: dict[str, Any]) -> str:
+    front = done.get("front") or {}
+    lines = [f"the lane {done.get('lane')} is {done.get('address')}"]
+    if front.get("threshold_tokens"):
+        lines.append(
+            f"  the front sends it prompts over {front['threshold_tokens']} tokens (bodies "
+            f"over {front['threshold_bytes']} bytes)"
+        )
+    if front.get("applied"):
+        lines.append(f"  applied {front['applied']}")
+    return "\n".join(lines)
 
 
 def _admission(ns: argparse.Namespace) -> Any:
@@ -369,6 +442,9 @@ def _admission(ns: argparse.Namespace) -> Any:
 def cmd_uninstall(ns: argparse.Namespace) -> int:
     from launcher.install import install
 
-    data = install.uninstall(settings_from(ns), purge=ns.purge)
+    if ns.lane:
+        data = install.uninstall_lane(settings_from(ns, lane=False), ns.lane, purge=ns.purge)
+    else:
+        data = install.uninstall(settings_from(ns), purge=ns.purge)
     emit(data, ns.json, lambda: "\n".join(f"{k}: {v}" for k, v in data.items()))
     return 0

@@ -84,6 +84,8 @@ def _plan_lines(result: Result, verbose: bool) -> list[str]:
                 f"  address: clients use {front['public']} (the front); llama-server "
                 f"listens on {front['server']}"
             )
+            if front.get("routing"):
+                lines.append(f"  routing: {front['routing']}")
     s = result.startup
     if s and (verbose or not p or not _as_planned(s, p)):
         lines.append(

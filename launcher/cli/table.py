@@ -30,6 +30,12 @@ WHERE = options(
         help="the instance llama-server@NAME.service of the template unit (install "
         "--instance NAME makes it)",
     ),
+    arg(
+        "--lane",
+        metavar="NAME",
+        help="the long-prompt lane NAME of the unit, a unit of its own (install --lane NAME "
+        "makes it, uninstall --lane NAME removes it)",
+    ),
     arg("--scope", choices=["system", "user"], help="systemd manager to use"),
     arg("--env-file", type=Path, help="the live env file"),
     arg(
@@ -188,6 +194,36 @@ FRONT = options(
         metavar="SECONDS",
         help="with --admission: how long a request may wait (default 120); past it, 503",
     ),
+)
+#: The long-prompt lane's routing (launcher/deploy/restart/lane.py).
+LANE = options(
+    arg(
+        "--lane-threshold",
+        type=int,
+        metavar="TOKENS",
+        help="with --lane: a request whose prompt may be longer goes to the lane (default "
+        "4096); the front sees the body's bytes: over TOKENS x --lane-bytes-per-token",
+    ),
+    arg(
+        "--lane-bytes-per-token",
+        type=int,
+        metavar="N",
+        help="with --lane: the bytes of the body the front counts for one token (default 4, "
+        "English and code; lower for text whose tokens are shorter)",
+    ),
+    arg(
+        "--lane-wait",
+        type=float,
+        metavar="SECONDS",
+        help="with --lane: how long a lane request waits at the front for a lane that is "
+        "down, beyond a deploy's hold (default 120); past it, 503",
+    ),
+    arg(
+        "--lane-address",
+        metavar="HOST:PORT",
+        help="with --lane: the lane is this server on another host (no unit here)",
+    ),
+    title="the long-prompt lane (with --lane NAME)",
 )
 #: The options of the verbs that have their own only.
 PLAN = options(
@@ -354,7 +390,7 @@ EVERYDAY = (
         "install the unit, its sampler timer (and the front's units with --front), create "
         "the env and state folders, enable it and deploy through the gate." + FLAGS_NOTE,
         deploy.cmd_install,
-        (CONFIG, UNIT_DIR, INSTALL, SITE, FRONT, DRAIN, *SETTINGS, MEMORY),
+        (CONFIG, UNIT_DIR, INSTALL, SITE, FRONT, LANE, DRAIN, *SETTINGS, MEMORY),
         flags=True,
     ),
     Verb(

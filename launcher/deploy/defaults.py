@@ -11,6 +11,8 @@ module's check and diff modes print exactly the bytes and the argv the deploy wr
   user scope, the unit's ``StateDirectory=`` in system scope;
 - with ``metrics_endpoint`` (the default), a config that keeps ``/slots`` on gets
   ``--metrics``, the counters the live sampler reads (``launcher.config.endpoints``);
+- a long-prompt lane (``install --lane NAME``) keeps the private address its front routes
+  to (``on_lane``), and says so when the config named another;
 - with a front (``install --front haproxy``), the config's address is the one clients use:
   a config that names the front's public port, or no port, keeps the server on its private
   address (``on_front``), and says so in a note; the front's standby port (the second
@@ -29,11 +31,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from launcher import config
 from launcher.config import endpoints
 from launcher.deploy import keys, store
-from launcher.deploy.restart import handover
+from launcher.deploy.restart import handover, lane
 from launcher.deploy.restart.front import Front, FrontSpec
 from launcher.errors import ConfigInvalid, LauncherError
 from launcher.host import service, units
@@ -51,6 +54,8 @@ class Target:
     slot_folder: Path | None
     #: the unit's front (None: clients reach llama-server at the config's address)
     front: FrontSpec | None = None
+    #: the unit is a long-prompt lane: where the front that routes to it expects it
+    lane: lane.Record | None = None
 
 
 @dataclass(frozen=True)
@@ -70,13 +75,14 @@ def target(
 ) -> Target:
     """The unit of ``settings``; ``pending``: files install is about to write (None: remove)."""
     spec = Front(store_root, settings.unit_name, settings.scope).spec()
+    record = lane.Record.read(store_root)
     if settings.scope != "system":
-        return Target(None, store_root / "slots", spec)
+        return Target(None, store_root / "slots", spec, record)
     view = service.view(settings.resolved_unit_file(), settings.unit_name, pending)
     if view is not None:
-        return Target(view, Path(view.state_dirs[0]) if view.state_dirs else None, spec)
+        return Target(view, Path(view.state_dirs[0]) if view.state_dirs else None, spec, record)
     show = _state_directory(settings, systemd)
-    return Target(None, handover.slot_folder("system", store_root, show), spec)
+    return Target(None, handover.slot_folder("system", store_root, show), spec, record)
 
 
 def _state_directory(
@@ -107,6 +113,8 @@ def deployed_config(
 ) -> Deployed:
     """``cfg`` as the deploy writes it (``write`` False: a preview, which makes nothing)."""
     cfg, note = on_front(cfg, to.front)
+    if to.lane is not None:
+        cfg, note = on_lane(cfg, to.lane)
     cfg = keys.materialize(st, cfg, write)
     if settings.carry_slots:
         create = write and settings.scope != "system"  # systemd makes a StateDirectory=
@@ -146,13 +154,64 @@ def on_front(
     return cfg.model_copy(update={"host": private[0], "port": private[1]}), (note,)
 
 
+def on_lane(
+    cfg: config.ServerConfig, record: lane.Record
+) -> tuple[config.ServerConfig, tuple[str, ...]]:
+    """A lane listens where its front routes to (``install --lane`` chose the address): a
+    config that names another address keeps the lane's, and the note says so."""
+    where = (record.host, record.port)
+    if (cfg.host, cfg.port) == where:
+        return cfg, ()
+    note: tuple[str, ...] = ()
+    if {"host", "port"} & cfg.model_fields_set:
+        note = (
+            f"llama-launcher: the lane {record.name} listens on {_addr(*where)}, where the "
+            f"front of {record.main_unit} sends its long prompts; the config's "
+            f"{_addr(cfg.host, cfg.port)} is not used (install --lane {record.name} again to "
+            "move it)",
+        )
+    return cfg.model_copy(update={"host": where[0], "port": where[1]}), note
+
+
 def front_address(to: Target, cfg: config.ServerConfig) -> dict[str, str] | None:
-    """The plan's ``front``: where clients reach the server and where it listens."""
+    """The plan's ``front``: where clients reach the server and where it listens, and
+    with a long-prompt lane (of this unit, or this unit a lane) how the front routes."""
+    if to.lane is not None:
+        return _lane_address(to.lane, cfg)
     if to.front is None:
         return None
-    return {
+    out = {
         "public": _addr(to.front.public_host, to.front.public_port),
         "server": _addr(cfg.host, cfg.port),
+    }
+    spec = to.front
+    if spec.lane:
+        out["routing"] = (
+            f"POST bodies over {lane.threshold_bytes(spec)} bytes (prompts over "
+            f"{spec.lane_threshold} tokens at {spec.lane_bytes_per_token} bytes a token) go "
+            f"to the lane {spec.lane} at {_addr(spec.lane_host, spec.lane_port)}; the rest to "
+            "llama-server"
+        )
+    return out
+
+
+def _lane_address(record: lane.Record, cfg: config.ServerConfig) -> dict[str, str] | None:
+    """A lane's plan ``front``: the main unit's public address, and what it sends here."""
+    scope: Literal["system", "user"] = "system" if record.scope == "system" else "user"
+    try:
+        spec = Front(Path(record.main_state_dir), record.main_unit, scope).spec()
+    except LauncherError:
+        spec = None
+    if spec is None or spec.lane != record.name:
+        return None
+    return {
+        "public": _addr(spec.public_host, spec.public_port),
+        "server": _addr(cfg.host, cfg.port),
+        "routing": (
+            f"the front of {record.main_unit} sends this lane ({record.name}) the POST bodies "
+            f"over {lane.threshold_bytes(spec)} bytes (prompts over {spec.lane_threshold} "
+            "tokens)"
+        ),
     }
 
 

@@ -183,6 +183,10 @@ class Deployer:
         nothing made."""
         return defaults.deployed_config(self.settings, self.store, cfg, self._target(), False)
 
+    def front_of(self, cfg: config.ServerConfig) -> dict[str, str] | None:
+        """Where clients reach ``cfg`` and how the front routes (``render``, the plan)."""
+        return defaults.front_address(self._target(), cfg)
+
     def _target(self) -> defaults.Target:
         return defaults.target(self.settings, self.store.root, self.systemd, self.pending)
 
@@ -461,6 +465,7 @@ class Deployer:
                 self._phase,
                 bridge,
                 self.idle_standby,
+                fronthold.lane_front(self.store.root),
             )
             if bridge is not None or self.held_because is not None:
                 switched = self.handover.bridge is not None

@@ -7,6 +7,7 @@ import dataclasses
 import os
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ from launcher import config, waits
 from launcher.deploy import budgets, home, store
 from launcher.deploy.gate import Progress
 from launcher.deploy.outcome import Result
-from launcher.deploy.restart import front, frontunits, standby
+from launcher.deploy.restart import front, frontunits, lane, standby
 from launcher.deploy.transaction import Deployer
 from launcher.deploy.window import client_window_path
 from launcher.errors import ConfigInvalid, LauncherError
@@ -752,12 +753,20 @@ def _uninstall_front(settings: config.ToolSettings, systemd: Systemd) -> dict[st
     if not any(f.exists() for f in files):
         return {}
     _stop_units(systemd, units_files[2:])
+    kept: dict[str, Any] = {}
+    with contextlib.suppress(LauncherError):
+        spec = the_front.spec()
+        if spec is not None and spec.lane_unit:
+            kept["kept_lane"] = (
+                f"the lane {spec.lane} ({spec.lane_unit}) stays installed, with no front to "
+                f"route to it: uninstall --lane {spec.lane} removes it"
+            )
     for f in files:
         f.unlink(missing_ok=True)
     the_front.spec_path.unlink(missing_ok=True)
     the_front.hold_path.unlink(missing_ok=True)
     the_front.hold_lock_path.unlink(missing_ok=True)
-    return {"removed_front": [str(f) for f in files]}
+    return {"removed_front": [str(f) for f in files], **kept}
 
 
 def revert_paths(settings: config.ToolSettings, env_file: Path) -> tuple[str, ...]:
@@ -798,3 +807,213 @@ def install_sampler(
     unit_dir = settings.resolved_unit_dir()
     unit_dir.mkdir(parents=True, exist_ok=True)
     return timer.install(unit_dir, settings.unit_name, sampler, systemd, store.atomic_write)
+
+
+# -- the long-prompt lane (launcher/deploy/restart/lane.py) -----------------------------------
+
+
+@dataclass(frozen=True)
+class LaneOptions:
+    """``install --lane NAME``: the lane and how the front routes to it."""
+
+    name: str
+    #: tokens: a request whose prompt may be longer goes to the lane
+    threshold: int = 4096
+    bytes_per_token: int = 4
+    wait: float = 120.0
+    #: an address on another host (None: a unit of this host, on a private port)
+    address: str | None = None
+
+    def __post_init__(self) -> None:
+        lane.check_name(self.name)
+        if self.threshold < 1:
+            raise ConfigInvalid(
+                f"--lane-threshold {self.threshold} is no threshold; give the prompt tokens "
+                "over which a request goes to the lane, e.g. 4096"
+            )
+        if not 1 <= self.bytes_per_token <= 16:
+            raise ConfigInvalid(
+                f"--lane-bytes-per-token {self.bytes_per_token} is out of range; use 1 to 16 "
+                "(4 for English and code; 1 never sends a long prompt to the main server)"
+            )
+        if not 0 < self.wait <= 86400:
+            raise ConfigInvalid(
+                f"--lane-wait {self.wait:g} is no wait; use seconds over 0, e.g. 120"
+            )
+        if self.address is not None:
+            lane.parse_address(self.address)
+
+
+def lane_settings(main: config.ToolSettings, name: str) -> config.ToolSettings:
+    """The lane's own settings: its unit named after the main one, its env file and state
+    folder beside the main unit's."""
+    unit = lane.unit_name(main.unit_name, name)
+    stem = unit.removesuffix(".service")
+    return main.model_copy(
+        update={
+            "unit": unit,
+            "env_file": main.resolved_env_file().with_name(f"{stem}.env"),
+            "state_dir": home.state_dir(main).parent / stem,
+        }
+    )
+
+
+def _main_front(main: config.ToolSettings) -> tuple[front.Front, front.FrontSpec]:
+    the_front = front.Front(home.state_dir(main), main.unit_name, main.scope)
+    spec = the_front.spec()
+    if spec is None:
+        raise ConfigInvalid(
+            f"--lane: {main.unit_name} has no front to route long prompts from; install it "
+            "with --front haproxy first; nothing was changed"
+        )
+    return the_front, spec
+
+
+def install_lane(
+    main: config.ToolSettings,
+    cfg: config.ServerConfig | None,
+    options: LaneOptions,
+    **install_args: Any,
+) -> Result | dict[str, Any]:
+    """The lane: its unit installed and deployed through its own gate (``cfg``; none for an
+    address on another host), then the main unit's front routing to it. A threshold alone
+    that changed is told to the running HAProxy; a new lane restarts HAProxy softly (what
+    it serves finishes)."""
+    the_front, spec = _main_front(main)
+    if spec.lane and spec.lane != options.name:
+        raise ConfigInvalid(
+            f"--lane {options.name}: the front of {main.unit_name} routes to the lane "
+            f"{spec.lane} already; remove it first (uninstall --lane {spec.lane}); nothing "
+            "was changed"
+        )
+    own = lane_settings(main, options.name)
+    if options.address is not None:
+        if spec.lane_unit and spec.lane == options.name:
+            raise ConfigInvalid(
+                f"--lane-address: the lane {options.name} is the unit {spec.lane_unit} of this "
+                f"host; uninstall --lane {options.name} first; nothing was changed"
+            )
+        host, port = lane.parse_address(options.address)
+        result: Result | dict[str, Any] = {
+            "ok": True,
+            "lane": options.name,
+            "address": options.address,
+        }
+        slots = spec.lane_slots if spec.lane == options.name else 1
+        unit = ""
+    else:
+        if cfg is None:
+            raise ConfigInvalid(
+                "--lane needs the lane's config (llama-server flags or --config), or "
+                "--lane-address HOST:PORT for a lane on another host"
+            )
+        host = spec.private_host
+        same = spec.lane == options.name and spec.lane_unit and spec.lane_port
+        port = spec.lane_port if same else front.free_port(host)
+        cfg = cfg.model_copy(update={"host": host, "port": port})
+        result = install(own, cfg, front_kind="none", **install_args)
+        main_state = str(home.state_dir(main))
+        record = lane.Record(options.name, main.unit_name, main_state, main.scope, host, port)
+        record.write(home.state_dir(own))
+        slots = int((result.planned or {}).get("n_slots") or 1)
+        unit = own.unit_name
+    wired = dataclasses.replace(
+        spec,
+        lane=options.name,
+        lane_unit=unit,
+        lane_host=host,
+        lane_port=port,
+        lane_slots=slots,
+        lane_threshold=options.threshold,
+        lane_bytes_per_token=options.bytes_per_token,
+        lane_wait=options.wait,
+    )
+    routed = route(main, the_front, wired)
+    if isinstance(result, Result):
+        result.handover = {**(result.handover or {}), "routing": routed}
+    else:
+        result["front"] = routed
+    return result
+
+
+def route(
+    main: config.ToolSettings, the_front: front.Front, spec: front.FrontSpec
+) -> dict[str, Any]:
+    """The main unit's front as ``spec`` says (its lane added, changed or removed), under
+    the main unit's lock: a threshold alone that changed goes to the running HAProxy (no
+    restart); anything else is installed as ``install_front`` does."""
+    st = store.Store(home.state_dir(main), home.lock_path(main.scope, main.unit_name))
+    wait = budgets.lock_wait(main, waits.Waits.from_settings(main), budgets.last_load(st))
+    with st.lock(wait):
+        slots = _front_slots(st)
+        text = the_front.render(spec, slots)
+        the_front.validate(text, spec)
+        old = the_front.live_text() or ""
+        out: dict[str, Any] = {
+            "lane": spec.lane or None,
+            "threshold_tokens": spec.lane_threshold if spec.lane else None,
+            "threshold_bytes": lane.threshold_bytes(spec),
+            "changed": text != old or spec != the_front.spec(),
+        }
+        if not out["changed"]:
+            return out
+        if spec.lane and _threshold_only(old, text):
+            the_front.swap(text)
+            the_front.save_spec(spec)
+            try:
+                lane.announce(the_front, spec)
+                out["applied"] = "at run time (no restart of HAProxy)"
+            except LauncherError as e:
+                out["applied"] = f"on disk; the running HAProxy did not take it: {e}"
+            return out
+        if not spec.lane:
+            # long prompts go to the main server at once, before HAProxy restarts without
+            # the lane: what waits for the lane goes on there
+            with contextlib.suppress(LauncherError):
+                the_front.command("llama lane set 0")
+        unit_dir = main.resolved_unit_dir()
+        watcher = frontunits.release_service_text(the_front, *units.this_python(), home.where(main))
+        out.update(install_front(the_front, spec, slots, main.scope, unit_dir, watcher))
+        return out
+
+
+def _threshold_only(old: str, new: str) -> bool:
+    """Whether two front configs differ in the lane's threshold alone."""
+
+    def rest(text: str) -> list[str]:
+        return [line for line in text.splitlines() if "LLAMA_LANE_BYTES" not in line]
+
+    return old != new and rest(old) == rest(new)
+
+
+def _front_slots(st: store.Store) -> int:
+    """The main server's slots (the front's ``maxconn``), from its live generation's plan."""
+    meta = st.live_meta() or {}
+    return int((meta.get("planned") or {}).get("n_slots") or 1)
+
+
+def uninstall_lane(main: config.ToolSettings, name: str, purge: bool = False) -> dict[str, Any]:
+    """The lane out of the main unit's front (long prompts go to the main server again),
+    then its unit removed as ``uninstall`` removes one (``purge``: its generations too). A
+    lane whose front is gone already (the main unit uninstalled first) is removed alone."""
+    lane.check_name(name)
+    the_front = front.Front(home.state_dir(main), main.unit_name, main.scope)
+    spec = the_front.spec()
+    own = lane_settings(main, name)
+    installed = (own.resolved_unit_dir() / own.unit_name).exists()
+    done: dict[str, Any] = {}
+    if spec is not None and spec.lane == name:
+        plain = dataclasses.replace(
+            spec, lane="", lane_unit="", lane_host="", lane_port=0, lane_slots=1, lane_threshold=0
+        )
+        done["front"] = route(main, the_front, plain)
+    elif not installed:
+        routes = f"the lane {spec.lane}" if spec is not None and spec.lane else "no lane"
+        raise ConfigInvalid(
+            f"--lane {name}: {main.unit_name} has no lane {name} (its front routes to "
+            f"{routes}, and {own.unit_name} is not installed); nothing was changed"
+        )
+    if installed:
+        lane.Record.path(home.state_dir(own)).unlink(missing_ok=True)
+        done["lane"] = uninstall(own, purge)
+    return done

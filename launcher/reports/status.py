@@ -10,7 +10,7 @@ from launcher import config
 from launcher.config import argv_diff
 from launcher.config.memory import process_memory
 from launcher.deploy import home, store
-from launcher.deploy.restart import standby
+from launcher.deploy.restart import lane, standby
 from launcher.deploy.restart.front import Front, FrontError
 from launcher.errors import LauncherError, StoreError
 from launcher.host import envfile, launch
@@ -36,6 +36,7 @@ def status(settings: config.ToolSettings, systemd: Systemd | None = None) -> dic
         "live_generation": live.number if live else None,
         "pending_transaction": bool(st.txn()),
         **front_status(settings),
+        **lane_of(st.root),
     }
     if live is not None:
         data["live_file"] = live_file(settings.resolved_env_file(), live)
@@ -72,7 +73,59 @@ def front_status(settings: config.ToolSettings) -> dict[str, Any]:
         out["second_instance"] = second
     if (admitted := pressure.admission_status(the_front)) is not None:
         out["admission"] = admitted
+    with contextlib.suppress(FrontError):
+        if (routed := lane_status(the_front)) is not None:
+            out["lane"] = routed
     return {"front": out}
+
+
+def lane_status(the_front: Front) -> dict[str, Any] | None:
+    """The front's long-prompt lane: its name, unit or address, threshold, and what the
+    running HAProxy routed (None: no lane)."""
+    spec = the_front.spec()
+    if spec is None or not spec.lane:
+        return None
+    out: dict[str, Any] = {
+        "name": spec.lane,
+        "unit": spec.lane_unit or None,
+        "address": lane.address(spec.lane_host, spec.lane_port),
+        "slots": spec.lane_slots,
+        "threshold_tokens": spec.lane_threshold,
+        "threshold_bytes": lane.threshold_bytes(spec),
+    }
+    try:
+        ledger = lane.ledger(the_front)
+        out["routing"] = ledger.to_dict() if ledger is not None else None
+    except LauncherError as e:
+        out["routing"], out["note"] = None, str(e)
+    return out
+
+
+def lane_of(state_dir: Path) -> dict[str, Any]:
+    """A lane unit's ``lane_of``: the lane's name and the unit whose front routes to it."""
+    try:
+        record = lane.Record.read(state_dir)
+    except LauncherError as e:
+        return {"lane_of": {"note": str(e)}}
+    if record is None:
+        return {}
+    return {"lane_of": {"name": record.name, "main_unit": record.main_unit}}
+
+
+def _lane_line(g: dict[str, Any]) -> str:
+    where = g["unit"] or "on another host"
+    line = (
+        f"  lane: {g['name']} ({where}, {g['address']}): prompts over "
+        f"{g['threshold_tokens']} tokens (bodies over {g['threshold_bytes']} bytes)"
+    )
+    r = g.get("routing")
+    if r is None:
+        return line + (f"; routing unknown ({g['note']})" if g.get("note") else "")
+    state = "held" if r["held"] else ("up" if r["up"] else "DOWN: its requests wait")
+    return (
+        line + f"; {state}; routed {r['routed']} to it, {r['main']} to the main server, "
+        f"{r['waiting']} waiting, {r['refused_wait']} refused"
+    )
 
 
 def second_instance(settings: config.ToolSettings, the_front: Front) -> dict[str, Any] | None:
@@ -206,6 +259,12 @@ def status_text(d: dict[str, Any]) -> str:
             lines.append(_second_line(b))
         if (a := d["front"].get("admission")) is not None:
             lines.append(pressure.admission_line(a))
+        if (g := d["front"].get("lane")) is not None:
+            lines.append(_lane_line(g))
+    if (of := d.get("lane_of")) is not None and of.get("name"):
+        lines.append(
+            f"  the long-prompt lane {of['name']} of {of['main_unit']} (its front routes here)"
+        )
     if d.get("live_generation") is None:
         lines.append("  no generation deployed by llama-launcher yet")
         return "\n".join(lines)

@@ -111,17 +111,21 @@ PASSIVE_ENDS = ("/count_tokens", "/input_tokens")
 PASSIVE_BEGINNINGS = ("/slots",)
 
 DEFAULTS_LINES = """\
-    # admission: a client that leaves while its request waits is taken out of the queue
+    # a client that leaves while its request waits (for admission, or for the lane) is
+    # taken out of the wait
     option abortonclose
 """
-FRONTEND_LINES = f"""\
-    # admission against the shared KV pool (admission.lua; llama-launcher status shows it)
+#: the server's own tools (``PASSIVE_*``), which neither admission nor the lane takes
+PASSIVE_LINES = f"""\
     acl llama_passive path {" ".join(PASSIVE_PATHS)}
     acl llama_passive path_end {" ".join(PASSIVE_ENDS)}
     acl llama_passive path_beg {" ".join(PASSIVE_BEGINNINGS)}
+"""
+FRONTEND_LINES = f"""\
+    # admission against the shared KV pool (admission.lua; llama-launcher status shows it)
     filter lua.llama_release
-    http-request wait-for-body time 10s at-least {BUFSIZE} if METH_POST !llama_passive
-    http-request lua.llama_admit if METH_POST !llama_passive
+    http-request wait-for-body time 10s at-least {BUFSIZE} if METH_POST !llama_passive !llama_lane
+    http-request lua.llama_admit if METH_POST !llama_passive !llama_lane
 """
 
 

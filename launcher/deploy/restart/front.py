@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from launcher.deploy import store
-from launcher.deploy.restart import admission
+from launcher.deploy.restart import admission, lane
 from launcher.errors import CommandError, ConfigInvalid, LauncherError
 from launcher.host import proc
 from launcher.host.systemd import Systemd
@@ -121,8 +121,29 @@ class FrontSpec:
     #: pool or none planned yet; every request is admitted)
     pool_cells: int = 0
     slot_cells: int = 0
+    #: the long-prompt lane (``launcher.deploy.restart.lane``): its name ("": none), its
+    #: unit on this host ("": an address on another host), its server's address and slots
+    lane: str = ""
+    lane_unit: str = ""
+    lane_host: str = ""
+    lane_port: int = 0
+    lane_slots: int = 1
+    #: a request whose prompt may be longer than this many tokens goes to the lane: its body
+    #: over ``lane_threshold`` x ``lane_bytes_per_token`` bytes (the front sees no tokens)
+    lane_threshold: int = 0
+    lane_bytes_per_token: int = 4
+    #: seconds a lane request waits for a lane that is down (beyond a deploy's hold)
+    lane_wait: float = 120.0
 
     def __post_init__(self) -> None:
+        if self.lane and not (0 < self.lane_port < 65536 and self.lane_host):
+            raise ValueError(
+                f"lane {self.lane!r} has no address: {self.lane_host}:{self.lane_port}"
+            )
+        if self.lane and (self.lane_threshold < 1 or self.lane_bytes_per_token < 1):
+            raise ValueError("lane_threshold and lane_bytes_per_token are 1 or more")
+        if self.lane and not self.lane_wait > 0:
+            raise ValueError(f"lane_wait is {self.lane_wait}; it is over 0 seconds")
         if self.admission_queue < 1:
             raise ValueError(f"admission_queue is {self.admission_queue}; it is 1 or more")
         if not self.admission_wait > 0:
@@ -248,6 +269,11 @@ class Front:
         """Admission's Lua beside the config (``admission.lua``: HAProxy loads it at start)."""
         return self.dir / admission.LUA.name
 
+    @property
+    def lane_lua_path(self) -> Path:
+        """The lane's Lua beside the config (``lane.lua``)."""
+        return self.dir / lane.LUA.name
+
     def render(self, spec: FrontSpec, slots: int) -> str:
         """HAProxy's config: the public listener (the socket unit's fd), one server with
         ``maxconn`` = the server's slots (more requests wait in HAProxy's queue, not in
@@ -260,19 +286,23 @@ class Front:
             )
         admit = spec.admission
         server = address(spec.private_host, spec.port(spec.serving))
+        routes = admission.PASSIVE_LINES + lane.ACL_LINE if (admit or spec.lane) else ""
+        if spec.lane:
+            routes += lane.FRONTEND_LINES
         return f"""\
 # Rendered by llama-launcher: the front of {self.unit}. Deploys change it (validated with
 # haproxy -c, swapped atomically, the old one kept as .bak); edits are replaced.
 global
     stats socket {self.admin_socket} mode 600 level admin
     log stderr format short local0 notice
-{admission.global_lines(spec, server) if admit else ""}
+{admission.global_lines(spec, server) if admit else ""}\
+{lane.global_lines(spec, admit) if spec.lane else ""}
 defaults
     mode http
     log global
     # one request per connection: a held request is a new connection in the listen backlog
     option httpclose
-{admission.DEFAULTS_LINES if admit else ""}\
+{admission.DEFAULTS_LINES if admit or spec.lane else ""}\
     timeout connect 5s
     timeout client 1h
     timeout server 1h
@@ -281,11 +311,12 @@ defaults
 frontend {FRONTEND}
     # the public socket from {self.socket_unit}; paused during a deploy, never closed
     bind "${{LLAMA_FRONT_BIND}}"
-{admission.FRONTEND_LINES if admit else ""}\
+{routes}{admission.FRONTEND_LINES if admit else ""}\
+{lane.USE_LINE if spec.lane else ""}\
     default_backend {BACKEND}
 
 backend {BACKEND}
-{self._servers(spec, slots)}"""
+{self._servers(spec, slots)}{lane.backend_lines(spec) if spec.lane else ""}"""
 
     def _servers(self, spec: FrontSpec, slots: int) -> str:
         """The backend's server lines: the serving one, and a second instance's in ``maint``
@@ -314,6 +345,7 @@ backend {BACKEND}
                 env=proc.base_env(
                     LLAMA_FRONT_BIND=address(spec.public_host, spec.public_port),
                     LLAMA_FRONT_LUA=str(admission.LUA),
+                    LLAMA_FRONT_LANE_LUA=str(lane.LUA),
                 ),
                 timeout=30,
             )
@@ -333,6 +365,7 @@ backend {BACKEND}
         """Install the validated text atomically, keeping the old one as ``.bak``; admission's
         Lua beside it, as this version of the package has it."""
         admission.place(self.lua_path)
+        lane.place(self.lane_lua_path)
         store.swap_env(self.config_path, text, backup)
 
     def put_back(self, record: dict[str, Any]) -> bool:

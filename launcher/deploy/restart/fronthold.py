@@ -31,7 +31,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from launcher.deploy.restart import drain
+from launcher.deploy.restart import drain, lane
 from launcher.deploy.restart.front import BACKEND, SERVERS, Front, FrontError, FrontSpec
 from launcher.deploy.restart.standby import Standby
 from launcher.errors import LauncherError
@@ -95,14 +95,49 @@ def recover(
     restored server config (the record's old spec) and released if it is held; a second
     instance that bridged the killed deploy stopped once its requests finished; and the
     public port answering (``front_up``), or ``front_down`` saying it does not."""
+    out = _release_lane(state_dir)
     front = Front(state_dir, unit, scope)
-    out = _recover_front(front, txn, drain_timeout, restored)
+    out.update(_recover_front(front, txn, drain_timeout, restored))
     up = front_up(front)
     if "down" in up:
         out["front_down"] = up["down"]
     elif "revived" in up:
         out["front_revived"] = f"it did not answer ({up['revived']}); started again"
     return out
+
+
+def lane_front(state_dir: Path) -> Front | None:
+    """The front that routes to the lane whose state folder is ``state_dir`` (None: the
+    unit is no lane, or the main unit's front no longer names it)."""
+    try:
+        record = lane.Record.read(state_dir)
+        if record is None:
+            return None
+        front = Front(Path(record.main_state_dir), record.main_unit, _scope(record.scope))
+        spec = front.spec()
+    except LauncherError:
+        return None
+    return front if spec is not None and spec.lane == record.name else None
+
+
+def _scope(text: str) -> Scope:
+    return "system" if text == "system" else "user"
+
+
+def _release_lane(state_dir: Path) -> dict[str, Any]:
+    """A lane's recovery: what its killed deployer held at the front goes on now (the hold
+    would end at its deadline)."""
+    front = lane_front(state_dir)
+    if front is None:
+        return {}
+    try:
+        ledger = lane.ledger(front)
+        if ledger is None or not ledger.held:
+            return {}
+        lane.release(front)
+    except LauncherError as e:
+        return {"lane": f"could not release the lane's held requests: {e}"}
+    return {"lane": "released the lane's requests a killed deployer left held"}
 
 
 def _recover_front(

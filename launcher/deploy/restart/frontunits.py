@@ -7,7 +7,7 @@ serve, and why a socket unit holds the port, is ``launcher.deploy.restart.front`
 
 from __future__ import annotations
 
-from launcher.deploy.restart import admission
+from launcher.deploy.restart import admission, lane
 from launcher.deploy.restart.front import Front, FrontSpec, address
 from launcher.host import units
 
@@ -54,6 +54,7 @@ StartLimitIntervalSec=0
 Type=notify
 Environment=LLAMA_FRONT_BIND=fd@3
 Environment=LLAMA_FRONT_LUA={admission.lua_env(front)}
+Environment=LLAMA_FRONT_LANE_LUA={lane.lua_env(front)}
 ExecStart={spec.haproxy} -Ws -f {config}
 # SIGUSR1: a soft stop, requests in flight finish (SIGTERM would cut them)
 KillSignal=SIGUSR1
@@ -75,6 +76,7 @@ def _system_hardening(front: Front) -> str:
 DynamicUser=yes
 LoadCredential=haproxy.cfg:{front.config_path}
 LoadCredential={admission.LUA.name}:{front.lua_path}
+LoadCredential={lane.LUA.name}:{front.lane_lua_path}
 RuntimeDirectory={front.admin_socket.parent.name}
 RuntimeDirectoryMode=0700
 UMask=0077

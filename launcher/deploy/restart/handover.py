@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher import config
-from launcher.deploy.restart import drain, fronthold
+from launcher.deploy.restart import drain, fronthold, lane
 from launcher.deploy.restart.bridge import Bridge, Bridging, Carry, Endpoint
 from launcher.deploy.restart.front import Front, FrontDown, FrontError, FrontSpec, Hold
 from launcher.deploy.restart.standby import Standby
@@ -112,6 +112,10 @@ class Handover(Bridging):
     standby: Standby | None = None
     #: the carry into the server the front switches to, until that switch's top-up
     carry: Carry | None = None
+    #: a long-prompt lane's front (``lane.Record``): the lane alone is held there, the
+    #: main unit's clients pass
+    lane_front: Front | None = None
+    lane_held: bool = False
 
     # -- before the restart ----------------------------------------------------------------
 
@@ -125,6 +129,7 @@ class Handover(Bridging):
                 self.watch = drain.ExitWatch(running.main_pid)
             return
         try:
+            self._hold_lane(self.hold_seconds)
             self._hold()
             self._drain(drain_timeout, running, say)
             self._save(drain_timeout)
@@ -168,10 +173,25 @@ class Handover(Bridging):
             self.report["front"] = {"held": False, "note": str(e)}
             self.warnings.append(f"requests were not held during the restart: {e}")
 
+    def _hold_lane(self, seconds: float) -> None:
+        """A lane's restart: its new requests wait at the main unit's front (``lane.hold``,
+        released by ``release`` or at the hold's deadline, one deploy's budget)."""
+        if self.lane_front is None:
+            return
+        try:
+            lane.hold(self.lane_front, seconds)
+            self.lane_held = True
+            self.report["lane"] = {"held": True, "release_after": round(seconds, 1)}
+        except LauncherError as e:
+            self.report["lane"] = {"held": False, "note": str(e)}
+            self.warnings.append(f"the lane's requests were not held during the restart: {e}")
+
     def rehold(self, seconds: float) -> None:
         """Before a rollback's restart: the front held for the rollback's budget, again if
         a signal came after the release (every restart of a fronted unit holds), and what
         it let in finished first."""
+        if self.lane_front is not None:
+            self._hold_lane(seconds)
         if self.bridged is not None and self._rebridge(self._restored_spec()):
             return
         if self.bridged is not None and self.front is not None:
@@ -209,6 +229,10 @@ class Handover(Bridging):
             self.report["drain"] = {"skipped": "--no-drain: restarted at once"}
             return
         front = self.front if self.front is not None and self.held_at is not None else None
+        in_flight = fronthold.safe_count(front.in_flight) if front else None
+        lane_front = self.lane_front
+        if front is None and lane_front is not None and self.lane_held:
+            in_flight = fronthold.safe_count(lambda: lane.in_flight(lane_front))
 
         def progress(elapsed: float, line: str) -> None:
             if say:
@@ -218,7 +242,7 @@ class Handover(Bridging):
             got = drain.wait_idle(
                 client,
                 timeout,
-                front_in_flight=fronthold.safe_count(front.in_flight) if front else None,
+                front_in_flight=in_flight,
                 progress=progress,
             )
         self.report["drain"] = {**got.to_dict(), "message": got.describe()}
@@ -276,6 +300,7 @@ class Handover(Bridging):
             return self.finish()
         self._apply_front()  # raises GateFailure: the deploy rolls back
         self._restore(new, new_meta, "the new config", crash_fails=True)
+        self._lane_slots(planned_slots)
         self.release()
         self._mark("released")
         return self.finish()
@@ -294,6 +319,7 @@ class Handover(Bridging):
                     self._point(c.old_spec, c.old_slots)
             if ok and self.old is not None and self.old_meta is not None:
                 self._restore(self.old, self.old_meta, "the restored config")
+                self._lane_slots((self.old_meta.get("planned") or {}).get("n_slots"))
             else:
                 slotsave.discard(self.save_dir, self.saved)
         finally:
@@ -405,6 +431,7 @@ class Handover(Bridging):
     def release(self) -> None:
         """Let the held requests through (idempotent); say what HAProxy restarts let
         through unheld, and whether the watcher released the front first."""
+        self._release_lane()
         if self.front is None or self.held_at is None:
             return
         held = time.monotonic() - self.held_at
@@ -430,6 +457,32 @@ class Handover(Bridging):
             self.warnings.append(
                 f"the front did not release its held requests: {e}; its release watcher "
                 f"does by {self.front.release_service} (or run `llama-launcher recover`)"
+            )
+
+    def _lane_slots(self, slots: int | None) -> None:
+        """A lane whose slots changed: the front sends it that many requests at once (the
+        running HAProxy now; its config on disk with the main unit's next deploy)."""
+        if self.lane_front is None or not slots:
+            return
+        try:
+            lane.resize(self.lane_front, int(slots))
+            spec = self.lane_front.spec()
+            if spec is not None and spec.lane and spec.lane_slots != int(slots):
+                self.lane_front.save_spec(replace(spec, lane_slots=int(slots)))
+        except LauncherError as e:
+            self.warnings.append(f"the front still sends the lane its old number of requests: {e}")
+
+    def _release_lane(self) -> None:
+        if self.lane_front is None or not self.lane_held:
+            return
+        self.lane_held = False
+        try:
+            lane.release(self.lane_front)
+        except LauncherError as e:
+            self.report.setdefault("lane", {})["release_failed"] = str(e)
+            self.warnings.append(
+                f"the front did not release the lane's held requests: {e}; they go on at the "
+                "hold's deadline (one deploy's budget)"
             )
 
     def _report_restarts(self, front: dict[str, Any], hold: Hold) -> None:
@@ -527,6 +580,7 @@ def prepare(
     phase: Phase | None = None,
     bridge: Bridge | None = None,
     standby: Standby | None = None,
+    lane_front: Front | None = None,
 ) -> Handover:
     """The handover of one restart, begun: the front held (the release watcher releases it
     after ``hold_seconds`` if this process is gone or still holding), the server drained,
@@ -534,7 +588,7 @@ def prepare(
     serving instead."""
     front = change.front if change is not None else None
     h = Handover(old, old_meta, front, change=change, hold_seconds=hold_seconds, bridge=bridge)
-    h.standby = standby
+    h.standby, h.lane_front = standby, lane_front
     h.phase, h.drain_timeout = phase, drain_timeout
     h.before_restart(drain_timeout, running, say)
     return h

@@ -54,6 +54,25 @@ options:
     description: The C(llama-launcher) executable (a name is looked up in PATH).
     type: str
     default: llama-launcher
+  lane:
+    description:
+      - The name of the long-prompt lane that O(lane_address) sets (default V(lane)).
+    type: str
+  lane_address:
+    description:
+      - C(HOST:PORT) of a llama-server on another host that takes this unit's long prompts.
+        After the deploy, the unit's front (C(install --front haproxy)) routes every request
+        whose body is over O(lane_threshold) x O(lane_bytes_per_token) bytes there
+        (C(llama-launcher install --lane NAME --lane-address HOST:PORT)); changed when the
+        routing changed. A threshold alone that changed takes effect without a restart of
+        HAProxy. Left out, the task leaves the front's routing as it is.
+    type: str
+  lane_threshold:
+    description: Prompt tokens over which a request goes to the lane (default 4096).
+    type: int
+  lane_bytes_per_token:
+    description: Bytes of the body the front counts for one token (default 4).
+    type: int
   unit:
     description:
       - The systemd unit, e.g. C(llama-server@chat.service) for C(install --instance chat).
@@ -375,6 +394,15 @@ SETTINGS_SPEC: dict[str, dict[str, Any]] = {
     "lock_timeout": {"type": "float"},
 }
 
+#: The long-prompt lane on another host: ``install --lane NAME --lane-address ...`` after
+#: the deploy (the unit's front routes long prompts there).
+LANE_SPEC: dict[str, dict[str, Any]] = {
+    "lane": {"type": "str"},
+    "lane_address": {"type": "str"},
+    "lane_threshold": {"type": "int"},
+    "lane_bytes_per_token": {"type": "int"},
+}
+
 #: Exit status of llama-launcher -> what failed (launcher/cli/__init__.py).
 EXIT_MEANING = {
     1: "llama-launcher failed",
@@ -419,6 +447,7 @@ def argument_spec() -> dict[str, dict[str, Any]]:
         "bake": {"type": "str"},
         "unified_memory": {"type": "str", "choices": ["auto", "yes", "no"]},
     }
+    spec.update(LANE_SPEC)
     spec.update(SETTINGS_SPEC)
     spec.update(CONFIG_SPEC)
     return spec
@@ -631,6 +660,8 @@ def deploy(module: AnsibleModule, launcher: Launcher) -> None:
         if os.path.exists(path):
             os.unlink(path)
 
+    if rc == 0 and module.params["lane_address"]:
+        route_lane(module, launcher, ret)
     if ret.get("outcome") == "unchanged" and not ret.get("startup"):
         # an unchanged deploy reports only the plan; the live generation has the rest
         live = before_status or launcher.status()
@@ -646,6 +677,28 @@ def deploy(module: AnsibleModule, launcher: Launcher) -> None:
             "after": text(after_plan, after_argv),
         }
     finish(module, rc, ret)
+
+
+def route_lane(module: AnsibleModule, launcher: Launcher, ret: dict[str, Any]) -> None:
+    """The unit's front routes long prompts to ``lane_address`` (``install --lane NAME
+    --lane-address``): changed when the front's routing changed. Check mode says what it
+    would route and changes nothing."""
+    p = module.params
+    name = p["lane"] or "lane"
+    if module.check_mode:
+        ret["lane"] = {"lane": name, "address": p["lane_address"], "checked": True}
+        return
+    args = ["install", "--lane", name, "--lane-address", p["lane_address"]]
+    for key in ("lane_threshold", "lane_bytes_per_token"):
+        if p[key] is not None:
+            args += ["--" + key.replace("_", "-"), str(p[key])]
+    rc, data = launcher.json_verb(*args, *launcher.settings_args())
+    if rc != 0:
+        meaning = EXIT_MEANING.get(rc, f"llama-launcher exited with status {rc}")
+        module.fail_json(msg=f"the lane: {meaning}: {data.get('message', '')}", rc=rc, **ret)
+    front = data.get("front") or {}
+    ret["lane"] = {"lane": name, "address": p["lane_address"], **front}
+    ret["changed"] = ret["changed"] or bool(front.get("changed"))
 
 
 def rollback(module: AnsibleModule, launcher: Launcher) -> None:
