@@ -109,9 +109,12 @@ class Bed:
         ).stdout
         return {"files": files, "unit_files": sorted(units.split("\n"))}
 
-    def chat(self, port: int, key: str | None = None) -> tuple[int, dict[str, Any]]:
-        """A real chat completion from inside the bed's network (HTTP status, body)."""
-        p = self.run(str(VENV_BIN / "python"), "-c", _CHAT, str(port), key or "")
+    def chat(
+        self, port: int, key: str | None = None, content: str = "hi"
+    ) -> tuple[int, dict[str, Any]]:
+        """A real chat completion of ``content`` from inside the bed's network (HTTP
+        status, body)."""
+        p = self.run(str(VENV_BIN / "python"), "-c", _CHAT, str(port), key or "", content)
         code, _, body = p.stdout.partition("\n")
         try:
             data = json.loads(body)
@@ -160,8 +163,8 @@ print(json.dumps(out, sort_keys=True))
 # A chat completion with the standard library, run inside the bed (its own network).
 _CHAT = """
 import json, sys, urllib.error, urllib.request
-port, key = sys.argv[1], sys.argv[2]
-body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+port, key, content = sys.argv[1], sys.argv[2], sys.argv[3]
+body = {"messages": [{"role": "user", "content": content}], "max_tokens": 4}
 req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions",
     json.dumps(body).encode(), {"Content-Type": "application/json"})
 if key:

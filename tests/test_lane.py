@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -284,6 +285,7 @@ def test_a_lane_without_a_front_is_refused(host: Host) -> None:
         (["--lane", "long", "--lane-threshold", "0"], "--lane-threshold 0 is no threshold"),
         (["--lane", "long", "--lane-address", "nowhere"], "--lane-address 'nowhere' is no"),
         (["--lane", "long", "--front", "haproxy"], "without --front"),
+        (["--lane", "long", "--lane-slots", "2"], "--lane-slots 2 is for a lane on another"),
     ],
 )
 def test_bad_lane_options_are_refused_naming_the_value(
@@ -394,3 +396,60 @@ def test_check_and_render_show_the_fronts_routing(laned: Host) -> None:
     assert rc == 0, out
     assert f"the front of {laned.unit} sends this lane (long)" in out["front"]["routing"]
     assert "routing:" in laned.cli("--lane", "long", "set", "--check", "-t", "1").stdout
+
+
+def test_a_lane_whose_first_deploy_fails_is_not_routed_to(host: Host, tmp_path: Path) -> None:
+    from test_deploy import BAD_TEMPLATE
+
+    installed(host, *MAIN, "--front", "haproxy")
+    template = tmp_path / "bad.jinja"
+    template.write_text(BAD_TEMPLATE)
+    try:
+        rc, out = install_lane(host, "--chat-template-file", str(template))
+        assert (rc, out["outcome"]) == (3, "rolled_back"), out
+        spec = front_of(host).spec()
+        assert spec is not None and spec.lane == ""
+        assert served_by(host, LONG) == "main"
+    finally:
+        host.cli("uninstall", "--lane", "long")
+        host.cli("uninstall")
+
+
+def test_a_client_that_leaves_while_it_waits_for_the_lane_is_no_longer_counted(
+    laned: Host,
+) -> None:
+    laned.sandbox.systemctl("stop", lane.unit_name(laned.unit, "long"))
+    until(lambda: not ledger(laned).up, 30)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            laned.url + "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": LONG}], "max_tokens": 2},
+            timeout=2,
+        )
+    until(lambda: ledger(laned).waiting == 0, 10)
+
+
+def test_removing_a_lane_sends_the_requests_waiting_for_it_to_the_main_server(
+    laned: Host,
+) -> None:
+    laned.sandbox.systemctl("stop", lane.unit_name(laned.unit, "long"))
+    until(lambda: not ledger(laned).up, 30)
+    waiting = ServedBy(laned, LONG)
+    until(lambda: ledger(laned).waiting == 1, 30)
+    rc, out = laned.cli_json("uninstall", "--lane", "long")
+    waiting.join(120)
+    assert rc == 0, out
+    assert waiting.model == "main"
+
+
+def test_a_lane_on_another_host_takes_as_many_requests_as_it_is_given(host: Host) -> None:
+    installed(host, *MAIN, "--front", "haproxy")
+    try:
+        rc, out = host.cli_json(
+            "install", "--lane", "far", "--lane-address", "10.0.0.9:8081", "--lane-slots", "4"
+        )
+        assert rc == 0, out
+        assert "server lane 10.0.0.9:8081 maxconn 4" in (front_of(host).live_text() or "")
+    finally:
+        host.cli("uninstall", "--lane", "far")
+        host.cli("uninstall")

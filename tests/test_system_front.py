@@ -183,3 +183,36 @@ def test_the_hardened_front_admits_against_the_pool(
     rc, status = system.cli_json("status")
     seen = status["front"]["admission"]
     assert (rc, seen["state"], seen["pool"], seen["counted"]) == (0, "on", 4096, 1), seen
+
+
+def test_the_hardened_front_routes_long_prompts_to_a_lane(
+    system: System, fronted: dict[str, Any]
+) -> None:
+    """``install --lane``: the lane is a hardened unit of its own (a user of its own), its
+    Lua reaches HAProxy as a credential, a long prompt is served by the lane and a short one
+    by the main server; ``uninstall --lane`` takes it out again."""
+    lane_unit = "llama-server-lane-long.service"
+    rc, out = system.cli_json(
+        "install", "--lane", "long", "--lane-threshold", "600", "--lane-bytes-per-token", "1",
+        "-m", system.model, "-c", "4096", "-np", "1", "-a", "lane",
+    )  # fmt: skip
+    journal = system.bed.run("journalctl", "-u", FRONT, "-n", "40", "--no-pager").stdout
+    try:
+        assert (rc, out.get("outcome")) == (0, "deployed"), (out, journal)
+        assert 61184 <= system.uid_of(system.main_pid(lane_unit)) <= 65519
+        long = " ".join(f"line {i} of a log" for i in range(60))
+        code, body = system.bed.chat(PORT, content=long)
+        assert (code, body.get("model")) == (200, "lane"), body
+        code, body = system.bed.chat(PORT)
+        assert code == 200 and body.get("model") != "lane", body
+        rc, status = system.cli_json("status")
+        seen = status["front"]["lane"]
+        assert (seen["unit"], seen["routing"]["routed"], seen["routing"]["up"]) == (
+            lane_unit,
+            1,
+            True,
+        ), seen
+    finally:
+        rc, out = system.cli_json("uninstall", "--lane", "long")
+    assert rc == 0, out
+    assert system.bed.chat(PORT)[0] == 200

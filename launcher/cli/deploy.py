@@ -382,6 +382,7 @@ def _lane(ns: argparse.Namespace) -> Any:
         "--lane-bytes-per-token": ns.lane_bytes_per_token,
         "--lane-wait": ns.lane_wait,
         "--lane-address": ns.lane_address,
+        "--lane-slots": ns.lane_slots,
     }
     if not ns.lane:
         for flag, value in given.items():
@@ -403,6 +404,7 @@ def _lane(ns: argparse.Namespace) -> Any:
         else defaults.bytes_per_token,
         ns.lane_wait if ns.lane_wait is not None else defaults.wait,
         ns.lane_address,
+        ns.lane_slots,
     )
 
 

@@ -223,6 +223,13 @@ LANE = options(
         metavar="HOST:PORT",
         help="with --lane: the lane is this server on another host (no unit here)",
     ),
+    arg(
+        "--lane-slots",
+        type=int,
+        metavar="N",
+        help="with --lane-address: the requests the front sends it at once, its -np "
+        "(default 1; a lane of this host takes its own -np)",
+    ),
     title="the long-prompt lane (with --lane NAME)",
 )
 #: The options of the verbs that have their own only.

@@ -823,6 +823,9 @@ class LaneOptions:
     wait: float = 120.0
     #: an address on another host (None: a unit of this host, on a private port)
     address: str | None = None
+    #: requests the front sends a lane on another host at once (a lane of this host: its
+    #: own -np)
+    slots: int | None = None
 
     def __post_init__(self) -> None:
         lane.check_name(self.name)
@@ -842,6 +845,17 @@ class LaneOptions:
             )
         if self.address is not None:
             lane.parse_address(self.address)
+        if self.slots is not None and self.address is None:
+            raise ConfigInvalid(
+                f"--lane-slots {self.slots} is for a lane on another host (with "
+                "--lane-address); a lane of this host takes as many as its -np; nothing was "
+                "changed"
+            )
+        if self.slots is not None and not 1 <= self.slots <= 4096:
+            raise ConfigInvalid(
+                f"--lane-slots {self.slots} is out of range; give the lane server's slots "
+                "(its -np), e.g. 4"
+            )
 
 
 def lane_settings(main: config.ToolSettings, name: str) -> config.ToolSettings:
@@ -878,7 +892,8 @@ def install_lane(
     """The lane: its unit installed and deployed through its own gate (``cfg``; none for an
     address on another host), then the main unit's front routing to it. A threshold alone
     that changed is told to the running HAProxy; a new lane restarts HAProxy softly (what
-    it serves finishes)."""
+    it serves finishes). A lane whose deploy failed is not routed to (a lane routed before
+    stays as it was: its old config serves again)."""
     the_front, spec = _main_front(main)
     if spec.lane and spec.lane != options.name:
         raise ConfigInvalid(
@@ -899,8 +914,7 @@ def install_lane(
             "lane": options.name,
             "address": options.address,
         }
-        slots = spec.lane_slots if spec.lane == options.name else 1
-        unit = ""
+        slots, unit = options.slots or 1, ""
     else:
         if cfg is None:
             raise ConfigInvalid(
@@ -909,26 +923,31 @@ def install_lane(
             )
         host = spec.private_host
         same = spec.lane == options.name and spec.lane_unit and spec.lane_port
-        port = spec.lane_port if same else front.free_port(host)
+        port = spec.lane_port if same else _free_port(host, spec)
         cfg = cfg.model_copy(update={"host": host, "port": port})
         result = install(own, cfg, front_kind="none", **install_args)
+        if not result.ok:
+            return result
         main_state = str(home.state_dir(main))
         record = lane.Record(options.name, main.unit_name, main_state, main.scope, host, port)
         record.write(home.state_dir(own))
         slots = int((result.planned or {}).get("n_slots") or 1)
         unit = own.unit_name
-    wired = dataclasses.replace(
-        spec,
-        lane=options.name,
-        lane_unit=unit,
-        lane_host=host,
-        lane_port=port,
-        lane_slots=slots,
-        lane_threshold=options.threshold,
-        lane_bytes_per_token=options.bytes_per_token,
-        lane_wait=options.wait,
-    )
-    routed = route(main, the_front, wired)
+
+    def wire(now: front.FrontSpec) -> front.FrontSpec:
+        return dataclasses.replace(
+            now,
+            lane=options.name,
+            lane_unit=unit,
+            lane_host=host,
+            lane_port=port,
+            lane_slots=slots,
+            lane_threshold=options.threshold,
+            lane_bytes_per_token=options.bytes_per_token,
+            lane_wait=options.wait,
+        )
+
+    routed = route(main, the_front, wire)
     if isinstance(result, Result):
         result.handover = {**(result.handover or {}), "routing": routed}
     else:
@@ -936,15 +955,35 @@ def install_lane(
     return result
 
 
+def _free_port(host: str, spec: front.FrontSpec) -> int:
+    """A free port for the lane, none of the front's own (the second instance's standby
+    port is free while it does not run)."""
+    taken = {spec.public_port, spec.private_port, spec.standby_port}
+    for _ in range(100):
+        port = front.free_port(host)
+        if port not in taken:
+            return port
+    raise ConfigInvalid(f"no free port for the lane on {host}; nothing was changed")
+
+
 def route(
-    main: config.ToolSettings, the_front: front.Front, spec: front.FrontSpec
+    main: config.ToolSettings,
+    the_front: front.Front,
+    change: Callable[[front.FrontSpec], front.FrontSpec],
 ) -> dict[str, Any]:
-    """The main unit's front as ``spec`` says (its lane added, changed or removed), under
-    the main unit's lock: a threshold alone that changed goes to the running HAProxy (no
-    restart); anything else is installed as ``install_front`` does."""
+    """The main unit's front with ``change`` made to its spec (its lane added, changed or
+    removed), read and written under the main unit's lock (a deploy of it changes the same
+    spec): a threshold alone that changed goes to the running HAProxy (no restart);
+    anything else is installed as ``install_front`` does."""
     st = store.Store(home.state_dir(main), home.lock_path(main.scope, main.unit_name))
     wait = budgets.lock_wait(main, waits.Waits.from_settings(main), budgets.last_load(st))
     with st.lock(wait):
+        now = the_front.spec()
+        if now is None:
+            raise ConfigInvalid(
+                f"{main.unit_name} lost its front meanwhile (uninstalled?); nothing was routed"
+            )
+        spec = change(now)
         slots = _front_slots(st)
         text = the_front.render(spec, slots)
         the_front.validate(text, spec)
@@ -953,7 +992,7 @@ def route(
             "lane": spec.lane or None,
             "threshold_tokens": spec.lane_threshold if spec.lane else None,
             "threshold_bytes": lane.threshold_bytes(spec),
-            "changed": text != old or spec != the_front.spec(),
+            "changed": text != old or spec != now,
         }
         if not out["changed"]:
             return out
@@ -966,11 +1005,6 @@ def route(
             except LauncherError as e:
                 out["applied"] = f"on disk; the running HAProxy did not take it: {e}"
             return out
-        if not spec.lane:
-            # long prompts go to the main server at once, before HAProxy restarts without
-            # the lane: what waits for the lane goes on there
-            with contextlib.suppress(LauncherError):
-                the_front.command("llama lane set 0")
         unit_dir = main.resolved_unit_dir()
         watcher = frontunits.release_service_text(the_front, *units.this_python(), home.where(main))
         out.update(install_front(the_front, spec, slots, main.scope, unit_dir, watcher))
@@ -993,9 +1027,11 @@ def _front_slots(st: store.Store) -> int:
 
 
 def uninstall_lane(main: config.ToolSettings, name: str, purge: bool = False) -> dict[str, Any]:
-    """The lane out of the main unit's front (long prompts go to the main server again),
-    then its unit removed as ``uninstall`` removes one (``purge``: its generations too). A
-    lane whose front is gone already (the main unit uninstalled first) is removed alone."""
+    """The lane out of the main unit's front, then its unit removed as ``uninstall`` removes
+    one (``purge``: its generations too). First the running HAProxy sends every request to
+    the main server (those waiting for the lane too), and what the lane serves finishes (at
+    most ``drain_timeout``); then HAProxy restarts softly without the lane. A lane whose
+    front is gone already (the main unit uninstalled first) is removed alone."""
     lane.check_name(name)
     the_front = front.Front(home.state_dir(main), main.unit_name, main.scope)
     spec = the_front.spec()
@@ -1003,9 +1039,14 @@ def uninstall_lane(main: config.ToolSettings, name: str, purge: bool = False) ->
     installed = (own.resolved_unit_dir() / own.unit_name).exists()
     done: dict[str, Any] = {}
     if spec is not None and spec.lane == name:
-        plain = dataclasses.replace(
-            spec, lane="", lane_unit="", lane_host="", lane_port=0, lane_slots=1, lane_threshold=0
-        )
+        done["drain"] = _unroute(the_front, main.drain_timeout)
+
+        def plain(now: front.FrontSpec) -> front.FrontSpec:
+            return dataclasses.replace(
+                now, lane="", lane_unit="", lane_host="", lane_port=0, lane_slots=1,
+                lane_threshold=0,
+            )  # fmt: skip
+
         done["front"] = route(main, the_front, plain)
     elif not installed:
         routes = f"the lane {spec.lane}" if spec is not None and spec.lane else "no lane"
@@ -1017,3 +1058,22 @@ def uninstall_lane(main: config.ToolSettings, name: str, purge: bool = False) ->
         lane.Record.path(home.state_dir(own)).unlink(missing_ok=True)
         done["lane"] = uninstall(own, purge)
     return done
+
+
+def _unroute(the_front: front.Front, timeout: float) -> str:
+    """The running HAProxy sends no request to the lane from now on (``llama lane set 0``;
+    those waiting for it go to the main server), and what it sent there finishes."""
+    from launcher.deploy.restart import drain
+
+    try:
+        the_front.command("llama lane set 0")
+    except LauncherError as e:
+        return f"not drained: {e}"
+
+    def in_flight() -> int:
+        try:
+            return lane.in_flight(the_front)
+        except LauncherError:
+            return 0  # HAProxy down: nothing in flight through it
+
+    return drain.wait_idle(None, timeout, front_in_flight=in_flight).describe()

@@ -466,11 +466,34 @@ class Handover(Bridging):
             return
         try:
             lane.resize(self.lane_front, int(slots))
-            spec = self.lane_front.spec()
-            if spec is not None and spec.lane and spec.lane_slots != int(slots):
-                self.lane_front.save_spec(replace(spec, lane_slots=int(slots)))
+            self._save_lane_slots(int(slots))
         except LauncherError as e:
             self.warnings.append(f"the front still sends the lane its old number of requests: {e}")
+
+    def _save_lane_slots(self, slots: int) -> None:
+        """The lane's slots in the main unit's front spec, under the main unit's lock (its
+        deploys write the same spec), when it is free now; else the main unit's next
+        install writes them, and the running HAProxy has them already."""
+        from launcher.deploy import store
+        from launcher.deploy.home import lock_path
+
+        assert self.lane_front is not None
+        spec = self.lane_front.spec()
+        if spec is None or not spec.lane or spec.lane_slots == slots:
+            return
+        main = store.Store(
+            self.lane_front.dir.parent, lock_path(self.lane_front.scope, self.lane_front.unit)
+        )
+        try:
+            with main.lock(0):
+                spec = self.lane_front.spec()
+                if spec is not None and spec.lane:
+                    self.lane_front.save_spec(replace(spec, lane_slots=slots))
+        except LauncherError:
+            self.report.setdefault("lane", {})["slots"] = (
+                f"the front sends the lane {slots} at once; its spec says so after the "
+                "main unit's deploy in progress"
+            )
 
     def _release_lane(self) -> None:
         if self.lane_front is None or not self.lane_held:

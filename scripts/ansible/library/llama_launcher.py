@@ -73,6 +73,9 @@ options:
   lane_bytes_per_token:
     description: Bytes of the body the front counts for one token (default 4).
     type: int
+  lane_slots:
+    description: Requests the front sends the lane at once, its C(-np) (default 1).
+    type: int
   unit:
     description:
       - The systemd unit, e.g. C(llama-server@chat.service) for C(install --instance chat).
@@ -401,6 +404,7 @@ LANE_SPEC: dict[str, dict[str, Any]] = {
     "lane_address": {"type": "str"},
     "lane_threshold": {"type": "int"},
     "lane_bytes_per_token": {"type": "int"},
+    "lane_slots": {"type": "int"},
 }
 
 #: Exit status of llama-launcher -> what failed (launcher/cli/__init__.py).
@@ -689,7 +693,7 @@ def route_lane(module: AnsibleModule, launcher: Launcher, ret: dict[str, Any]) -
         ret["lane"] = {"lane": name, "address": p["lane_address"], "checked": True}
         return
     args = ["install", "--lane", name, "--lane-address", p["lane_address"]]
-    for key in ("lane_threshold", "lane_bytes_per_token"):
+    for key in ("lane_threshold", "lane_bytes_per_token", "lane_slots"):
         if p[key] is not None:
             args += ["--" + key.replace("_", "-"), str(p[key])]
     rc, data = launcher.json_verb(*args, *launcher.settings_args())
