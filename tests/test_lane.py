@@ -453,3 +453,14 @@ def test_a_lane_on_another_host_takes_as_many_requests_as_it_is_given(host: Host
     finally:
         host.cli("uninstall", "--lane", "far")
         host.cli("uninstall")
+
+
+def test_the_lane_of_an_instance_is_a_unit_named_after_it() -> None:
+    from launcher import cli
+    from launcher.cli.deploy import settings_from
+
+    args = ["status", "--instance", "chat", "--lane", "long", "--scope", "user"]
+    ns = cli.build_parser().parse_args(args)
+    lane_of = settings_from(ns)
+    assert lane_of.unit_name == "llama-server-chat-lane-long.service"
+    assert lane_of.resolved_env_file().name == "llama-server-chat-lane-long.env"

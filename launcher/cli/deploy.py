@@ -389,11 +389,11 @@ def _lane(ns: argparse.Namespace) -> Any:
             if value is not None:
                 raise ConfigInvalid(f"{flag} {value} needs --lane NAME: add it, or drop {flag}")
         return None
-    if ns.front != "none" or ns.second_instance or ns.admission or ns.instance:
+    if ns.front != "none" or ns.second_instance or ns.admission:
         raise ConfigInvalid(
             "--lane installs the lane of a unit that has its front already: give --lane "
-            "with the lane's own flags, without --front, --second-instance, --admission or "
-            "--instance (name the main unit with --unit); nothing was changed"
+            "with the lane's own flags, without --front, --second-instance or --admission "
+            "(--unit or --instance names the main unit); nothing was changed"
         )
     defaults = install.LaneOptions(ns.lane)
     return install.LaneOptions(
