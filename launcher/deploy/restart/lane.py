@@ -2,17 +2,17 @@
 llama-server, so the chat agents on the main one do not wait while they are read.
 
 Why: llama-server reads a prompt in the same batches as the other slots' tokens, so every
-agent's next token waits while a 8,000-token log is read (seed 004, "Practical sizing": send
+agent's next token waits while an 8,000-token log is read (seed 004, "Practical sizing": send
 very long, one-off prompts to a second, smaller server). A second server helps where it
 has compute of its own (a GPU box, another host); two servers sharing two CPU cores only
 split them (the benchmarks guide has the figures).
 
 - **The lane is a unit of its own** (``NAME-lane-LANE.service``, its env file and state
   folder beside the main unit's): its own typed config, generations, gate, rollback, bake,
-  sampler and metrics; every verb takes it with ``--lane LANE`` (or ``--unit``). It listens
-  on a private address only the front uses (``Record``, ``STATE/lane.json``: a deploy keeps
-  it there). Or the lane is an address on another host (``--lane-address``), with no unit
-  here.
+  sampler and metrics; every verb that names a unit takes it with ``--lane LANE``
+  (``diagnose`` and ``bench`` with ``--unit``). It listens on a private address only the
+  front uses (``Record``, ``STATE/lane.json``: a deploy keeps it there). Or the lane is an
+  address on another host (``--lane-address``), with no unit here.
 - **The front routes by size.** The front sees a request's body, not its tokens: a POST
   whose ``Content-Length`` is over ``lane_threshold`` x ``lane_bytes_per_token`` bytes goes to
   the lane (a token of English or code is about 4 bytes in the common vocabularies; a JSON
