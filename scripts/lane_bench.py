@@ -25,7 +25,6 @@ each long prompt's TTFT and end. ``BENCH_SECONDS`` a phase (120), ``BENCH_SHAPE`
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import subprocess
@@ -46,6 +45,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 import realserver  # noqa: E402
 import repro  # noqa: E402
 import tinymodel  # noqa: E402
+from admission_bench import cli, percentile  # noqa: E402
 
 from launcher.bench import chat  # noqa: E402
 from launcher.server import binary  # noqa: E402
@@ -107,27 +107,6 @@ class Load:
                     self.longs.append((sent, r.ttft_s, ended - sent, failure))
                     self.windows.append((sent, ended))
                 self.stop.wait(max(0.0, LONG_EVERY - (ended - sent)))
-
-
-def cli(env: dict[str, str], *args: str) -> tuple[int, dict[str, Any]]:
-    p = subprocess.run(
-        [sys.executable, "-m", "launcher", *args, "--json"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    try:
-        return p.returncode, json.loads(p.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        return p.returncode, {"message": f"rc={p.returncode}: {p.stdout[-2000:]}{p.stderr[-2000:]}"}
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[max(math.ceil(q * len(ordered)) - 1, 0)]
 
 
 def s(v: float | None) -> str:

@@ -74,6 +74,12 @@ def served_by(host: Host, content: str, max_tokens: int = 2) -> str:
     return str(r.json()["model"])
 
 
+def stop_lane(host: Host) -> None:
+    """The lane's unit stopped, and the front's health check seeing it down."""
+    host.sandbox.systemctl("stop", lane.unit_name(host.unit, "long"))
+    until(lambda: not ledger(host).up, 30)
+
+
 def ledger(host: Host) -> lane.Ledger:
     found = lane.ledger(front_of(host))
     assert found is not None, "the front loads no lane"
@@ -346,8 +352,7 @@ def test_a_body_sent_in_chunks_goes_to_the_main_server(laned: Host) -> None:
 def test_a_lane_down_past_its_wait_is_answered_503_with_retry_after(laned: Host) -> None:
     rc, out = install_lane(laned, "--lane-wait", "2")
     assert rc == 0, out
-    laned.sandbox.systemctl("stop", lane.unit_name(laned.unit, "long"))
-    until(lambda: not ledger(laned).up, 30)
+    stop_lane(laned)
     r = httpx.post(
         laned.url + "/v1/chat/completions",
         json={"messages": [{"role": "user", "content": LONG}], "max_tokens": 2},
@@ -418,8 +423,7 @@ def test_a_lane_whose_first_deploy_fails_is_not_routed_to(host: Host, tmp_path: 
 def test_a_client_that_leaves_while_it_waits_for_the_lane_is_no_longer_counted(
     laned: Host,
 ) -> None:
-    laned.sandbox.systemctl("stop", lane.unit_name(laned.unit, "long"))
-    until(lambda: not ledger(laned).up, 30)
+    stop_lane(laned)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(
             laned.url + "/v1/chat/completions",
@@ -432,8 +436,7 @@ def test_a_client_that_leaves_while_it_waits_for_the_lane_is_no_longer_counted(
 def test_removing_a_lane_sends_the_requests_waiting_for_it_to_the_main_server(
     laned: Host,
 ) -> None:
-    laned.sandbox.systemctl("stop", lane.unit_name(laned.unit, "long"))
-    until(lambda: not ledger(laned).up, 30)
+    stop_lane(laned)
     waiting = ServedBy(laned, LONG)
     until(lambda: ledger(laned).waiting == 1, 30)
     rc, out = laned.cli_json("uninstall", "--lane", "long")

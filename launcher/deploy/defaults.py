@@ -31,7 +31,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 from launcher import config
 from launcher.config import endpoints
@@ -197,9 +196,8 @@ def front_address(to: Target, cfg: config.ServerConfig) -> dict[str, str] | None
 
 def _lane_address(record: lane.Record, cfg: config.ServerConfig) -> dict[str, str] | None:
     """A lane's plan ``front``: the main unit's public address, and what it sends here."""
-    scope: Literal["system", "user"] = "system" if record.scope == "system" else "user"
     try:
-        spec = Front(Path(record.main_state_dir), record.main_unit, scope).spec()
+        spec = Front(Path(record.main_state_dir), record.main_unit, record.systemd_scope).spec()
     except LauncherError:
         spec = None
     if spec is None or spec.lane != record.name:

@@ -1063,17 +1063,12 @@ def uninstall_lane(main: config.ToolSettings, name: str, purge: bool = False) ->
 def _unroute(the_front: front.Front, timeout: float) -> str:
     """The running HAProxy sends no request to the lane from now on (``llama lane set 0``;
     those waiting for it go to the main server), and what it sent there finishes."""
-    from launcher.deploy.restart import drain
+    from launcher.deploy.restart import drain, fronthold
 
     try:
         the_front.command("llama lane set 0")
     except LauncherError as e:
         return f"not drained: {e}"
 
-    def in_flight() -> int:
-        try:
-            return lane.in_flight(the_front)
-        except LauncherError:
-            return 0  # HAProxy down: nothing in flight through it
-
+    in_flight = fronthold.safe_count(lambda: lane.in_flight(the_front))
     return drain.wait_idle(None, timeout, front_in_flight=in_flight).describe()

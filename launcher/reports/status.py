@@ -11,7 +11,7 @@ from launcher.config import argv_diff
 from launcher.config.memory import process_memory
 from launcher.deploy import home, store
 from launcher.deploy.restart import lane, standby
-from launcher.deploy.restart.front import Front, FrontError
+from launcher.deploy.restart.front import Front, FrontError, address
 from launcher.errors import LauncherError, StoreError
 from launcher.host import envfile, launch
 from launcher.host.systemd import Systemd
@@ -88,7 +88,7 @@ def lane_status(the_front: Front) -> dict[str, Any] | None:
     out: dict[str, Any] = {
         "name": spec.lane,
         "unit": spec.lane_unit or None,
-        "address": lane.address(spec.lane_host, spec.lane_port),
+        "address": address(spec.lane_host, spec.lane_port),
         "slots": spec.lane_slots,
         "threshold_tokens": spec.lane_threshold,
         "threshold_bytes": lane.threshold_bytes(spec),

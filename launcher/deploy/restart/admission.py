@@ -152,9 +152,10 @@ def global_lines(spec: FrontSpec, server: str) -> str:
 """
 
 
-def place(path: Path) -> None:
-    """This package's Lua at ``path`` (the credential a system-scope HAProxy is handed)."""
-    text = LUA.read_bytes()
+def place(path: Path, source: Path = LUA) -> None:
+    """This package's Lua ``source`` (admission's, or the lane's) at ``path`` (the credential
+    a system-scope HAProxy is handed)."""
+    text = source.read_bytes()
     with contextlib.suppress(OSError):
         if path.read_bytes() == text:
             return
@@ -235,11 +236,7 @@ class Ledger:
 
     @classmethod
     def parse(cls, text: str) -> Ledger:
-        values: dict[str, str] = {}
-        for line in text.splitlines():
-            key, _, value = line.strip().partition(" ")
-            if key:
-                values[key] = value.strip()
+        values = fields(text)
         try:
             return cls(
                 **{
@@ -278,6 +275,17 @@ class Ledger:
             ) from None
 
 
+def fields(text: str) -> dict[str, str]:
+    """The ``key value`` lines the front's Lua answers on the runtime API (``llama
+    admission``, ``llama lane``), by key."""
+    values: dict[str, str] = {}
+    for line in text.splitlines():
+        key, _, value = line.strip().partition(" ")
+        if key:
+            values[key] = value.strip()
+    return values
+
+
 def ledger(front: Front) -> Ledger | None:
     """The running HAProxy's ledger; None when its config loads no admission."""
     text = front.command("llama admission")
@@ -286,9 +294,10 @@ def ledger(front: Front) -> Ledger | None:
     return Ledger.parse(text)
 
 
-def lua_env(front: Front) -> str:
-    """Where the front's service finds the Lua (its ``LLAMA_FRONT_LUA``): the copy beside
-    the config, or in system scope the credential PID 1 hands it."""
+def lua_env(front: Front, source: Path = LUA, copy: Path | None = None) -> str:
+    """Where the front's service finds the Lua ``source`` (admission's ``LLAMA_FRONT_LUA``,
+    the lane's ``LLAMA_FRONT_LANE_LUA``): its ``copy`` beside the config (default
+    ``front.lua_path``), or in system scope the credential PID 1 hands it."""
     if front.scope == "system":
-        return "%d/" + LUA.name
-    return os.fspath(front.lua_path)
+        return "%d/" + source.name
+    return os.fspath(copy or front.lua_path)

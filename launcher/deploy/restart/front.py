@@ -316,7 +316,7 @@ frontend {FRONTEND}
     default_backend {BACKEND}
 
 backend {BACKEND}
-{self._servers(spec, slots)}{lane.backend_lines(spec) if spec.lane else ""}"""
+{self._servers(spec, slots)}{self._lane_backend(spec)}"""
 
     def _servers(self, spec: FrontSpec, slots: int) -> str:
         """The backend's server lines: the serving one, and a second instance's in ``maint``
@@ -327,6 +327,12 @@ backend {BACKEND}
             f"maxconn {max(slots, 1)}{' disabled' if side != spec.serving else ''}\n"
             for side in sides
         )
+
+    def _lane_backend(self, spec: FrontSpec) -> str:
+        """The long-prompt lane's backend ("" without a lane)."""
+        if not spec.lane:
+            return ""
+        return lane.backend_lines(spec, address(spec.lane_host, spec.lane_port))
 
     def validate(self, text: str, spec: FrontSpec) -> None:
         """``haproxy -c`` on the text, the public address in place of the socket unit's fd
@@ -365,7 +371,7 @@ backend {BACKEND}
         """Install the validated text atomically, keeping the old one as ``.bak``; admission's
         Lua beside it, as this version of the package has it."""
         admission.place(self.lua_path)
-        lane.place(self.lane_lua_path)
+        admission.place(self.lane_lua_path, lane.LUA)
         store.swap_env(self.config_path, text, backup)
 
     def put_back(self, record: dict[str, Any]) -> bool:

@@ -113,15 +113,11 @@ def lane_front(state_dir: Path) -> Front | None:
         record = lane.Record.read(state_dir)
         if record is None:
             return None
-        front = Front(Path(record.main_state_dir), record.main_unit, _scope(record.scope))
+        front = Front(Path(record.main_state_dir), record.main_unit, record.systemd_scope)
         spec = front.spec()
     except LauncherError:
         return None
     return front if spec is not None and spec.lane == record.name else None
-
-
-def _scope(text: str) -> Scope:
-    return "system" if text == "system" else "user"
 
 
 def _release_lane(state_dir: Path) -> dict[str, Any]:

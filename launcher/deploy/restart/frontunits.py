@@ -54,7 +54,7 @@ StartLimitIntervalSec=0
 Type=notify
 Environment=LLAMA_FRONT_BIND=fd@3
 Environment=LLAMA_FRONT_LUA={admission.lua_env(front)}
-Environment=LLAMA_FRONT_LANE_LUA={lane.lua_env(front)}
+Environment=LLAMA_FRONT_LANE_LUA={admission.lua_env(front, lane.LUA, front.lane_lua_path)}
 ExecStart={spec.haproxy} -Ws -f {config}
 # SIGUSR1: a soft stop, requests in flight finish (SIGTERM would cut them)
 KillSignal=SIGUSR1

@@ -37,12 +37,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
+from launcher.deploy.restart import admission
 from launcher.errors import ConfigInvalid, LauncherError
 
 #: the Lua HAProxy loads (copied beside the front's config)
@@ -57,12 +57,6 @@ _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,30}$")
 
 class Front(Protocol):
     """What the lane needs of ``launcher.deploy.restart.front.Front`` (which imports this)."""
-
-    @property
-    def scope(self) -> str: ...
-
-    @property
-    def lane_lua_path(self) -> Path: ...
 
     def command(self, line: str, timeout: float = 5.0) -> str: ...
 
@@ -127,10 +121,6 @@ def threshold_bytes(spec: FrontSpec) -> int:
     return spec.lane_threshold * spec.lane_bytes_per_token if spec.lane else 0
 
 
-def address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
 def parse_address(text: str) -> tuple[str, int]:
     """``HOST:PORT`` (an IPv6 host in brackets) of ``--lane-address``."""
     host, sep, port = text.rpartition(":")
@@ -166,10 +156,10 @@ ACL_LINE = f"    acl {ACL} var(txn.llama_lane) -m bool\n"
 USE_LINE = f"    use_backend {BACKEND} if {ACL}\n"
 
 
-def backend_lines(spec: FrontSpec) -> str:
-    """The lane's backend: its server checked (``GET /health``, 200 once the model is
-    loaded) every 500 ms, so that a lane that is down or loading holds its requests at the
-    front; ``maxconn`` = its slots."""
+def backend_lines(spec: FrontSpec, server: str) -> str:
+    """The lane's backend, its server at ``server`` (``HOST:PORT``): checked (``GET
+    /health``, 200 once the model is loaded) every 500 ms, so that a lane that is down or
+    loading holds its requests at the front; ``maxconn`` = its slots."""
     where = spec.lane_unit or "another host"
     return f"""
 backend {BACKEND}
@@ -178,28 +168,9 @@ backend {BACKEND}
     http-check expect status 200
     # a request sent as the lane went down is tried again (every second) while it restarts
     retries 10
-    server {SERVER} {address(spec.lane_host, spec.lane_port)} maxconn {max(spec.lane_slots, 1)} \
+    server {SERVER} {server} maxconn {max(spec.lane_slots, 1)} \
 check inter 500ms fall 1 rise 1
 """
-
-
-def place(path: Path) -> None:
-    """This package's lane Lua at ``path``."""
-    text = LUA.read_bytes()
-    with contextlib.suppress(OSError):
-        if path.read_bytes() == text:
-            return
-    from launcher.deploy import store
-
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    store.atomic_write(path, text, 0o644)
-
-
-def lua_env(front: Front) -> str:
-    """Where the front's service finds the lane's Lua (``LLAMA_FRONT_LANE_LUA``)."""
-    if front.scope == "system":
-        return "%d/" + LUA.name
-    return os.fspath(front.lane_lua_path)
 
 
 # -- the running front -----------------------------------------------------------------------
@@ -228,10 +199,7 @@ def release(front: Front) -> None:
 def resize(front: Front, slots: int) -> None:
     """The lane's server takes ``slots`` requests at once (``maxconn``; more wait in the
     front's queue)."""
-    line = f"set maxconn server {BACKEND}/{SERVER} {max(slots, 1)}"
-    answer = front.command(line).strip()
-    if answer:
-        raise LaneError(f"the front answered {answer[:200]!r} to {line!r}")
+    _ask(front, f"set maxconn server {BACKEND}/{SERVER} {max(slots, 1)}", "")
 
 
 def in_flight(front: Front) -> int:
@@ -264,11 +232,7 @@ class Ledger:
 
     @classmethod
     def parse(cls, text: str) -> Ledger:
-        v: dict[str, str] = {}
-        for line in text.splitlines():
-            key, _, value = line.strip().partition(" ")
-            if key:
-                v[key] = value.strip()
+        v = admission.fields(text)
         try:
             ints = ("routed", "main", "waited", "waiting", "refused_wait")
             return cls(
@@ -304,6 +268,10 @@ class Record:
     scope: str
     host: str
     port: int
+
+    @property
+    def systemd_scope(self) -> Literal["system", "user"]:
+        return "system" if self.scope == "system" else "user"
 
     @staticmethod
     def path(state_dir: Path) -> Path:
