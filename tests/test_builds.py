@@ -288,3 +288,24 @@ def test_admission_counts_with_the_builds_own_endpoints_and_loses_nothing(
         stop(server.proc)
     assert load.failures == []
     assert (ledger.counted, ledger.bounded, ledger.pool_read) == (32, 0, True)
+
+
+def test_the_lane_routes_and_holds_with_the_builds_own_health_check(build_host: Host) -> None:
+    """The long-prompt lane on each build: the front's health check reads the build's own
+    /health, a long prompt is served by the lane and a short one by the main server, and a
+    deploy of the lane holds its clients."""
+    from test_handover import installed
+    from test_lane import LONG, MAIN, install_lane, served_by
+
+    installed(build_host, *MAIN, "--front", "haproxy")
+    try:
+        rc, out = install_lane(build_host)
+        assert (rc, out["outcome"]) == (0, "deployed"), out
+        assert served_by(build_host, LONG) == "lane"
+        assert served_by(build_host, "hi") == "main"
+        rc, out = build_host.cli_json("--lane", "long", "set", "-c", "8192")
+        assert (rc, out["outcome"], out["handover"]["lane"]["held"]) == (0, "deployed", True)
+        assert served_by(build_host, LONG) == "lane"
+    finally:
+        build_host.cli("uninstall", "--lane", "long")
+        build_host.cli("uninstall")

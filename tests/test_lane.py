@@ -467,3 +467,29 @@ def test_the_lane_of_an_instance_is_a_unit_named_after_it() -> None:
     lane_of = settings_from(ns)
     assert lane_of.unit_name == "llama-server-chat-lane-long.service"
     assert lane_of.resolved_env_file().name == "llama-server-chat-lane-long.env"
+
+
+def test_a_lane_deployer_killed_at_its_restart_is_recovered_and_its_hold_released(
+    laned: Host,
+) -> None:
+    """kill -9 of a lane's deploy at its restart leaves the lane held at the front (until
+    the hold's deadline); the next command on the lane recovers the transaction and lets
+    the lane's requests through."""
+    import subprocess
+    import sys
+
+    faults = str(Path(__file__).with_name("faults.py"))
+    p = subprocess.run(
+        [sys.executable, faults, "restart:kill", "--lane", "long", "set", "-c", "8192", "--json"],
+        env=laned.env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert p.returncode == -9, p.stdout + p.stderr
+    assert ledger(laned).held
+    rc, out = laned.cli_json("--lane", "long", "recover")
+    assert rc == 0, out
+    assert out["recovered"]["lane"] == "released the lane's requests a killed deployer left held"
+    assert not ledger(laned).held
+    assert served_by(laned, LONG) == "lane"
