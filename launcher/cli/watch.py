@@ -71,9 +71,10 @@ def _through_bake(target: Any, systemd: Any, as_json: bool) -> int:
         code = _report(sample.sample(target, systemd), as_json)
         notify.ready()  # the sampler's service (Type=notify): one sample done
         return code
-    worst = [0]
+    worst, sampled = [0], [False]
 
     def once(peak: Any, revert: Any) -> Outcome:
+        sampled[0] = True
         out = sample.sample(target, systemd, peak=peak, revert=revert)
         worst[0] = max(worst[0], _report(out, as_json))
         notify.ready()  # after the first sample; systemd ignores the ones after
@@ -84,6 +85,11 @@ def _through_bake(target: Any, systemd: Any, as_json: bool) -> int:
     final = carry.on_unit(target, systemd, st, found[0], once)
     if final is not None and final.verdict is not None and final.verdict.signal == carry.UNJUDGED:
         _warn(bake.say(final))  # no sample said it: the carry ended it
+    if not sampled[0]:
+        # the bake ended before the carry began (another sampler's verdict): one sample
+        # still, so that every run reports one (--json: one object, never none)
+        worst[0] = _report(sample.sample(target, systemd), as_json)
+        notify.ready()
     return worst[0]
 
 
