@@ -359,10 +359,10 @@ def _module() -> Any:
 
 
 def test_module_options_are_the_launcher_config_and_settings() -> None:
-    from launcher.config import ServerConfig, ToolSettings
+    from launcher.config import ServerConfig, ToolSettings, VllmConfig
 
     m = _module()
-    assert set(m.CONFIG_SPEC) == set(ServerConfig.model_fields)
+    assert set(m.CONFIG_SPEC) == set(ServerConfig.model_fields) | set(VllmConfig.model_fields)
     assert set(m.SETTINGS_SPEC) <= set(ToolSettings.model_fields)
     assert m.argument_spec()["api_key"]["no_log"] is True
 
@@ -490,6 +490,25 @@ def test_module_force_memory_passes_the_memory_guard(host: Host) -> None:
     forced = _adhoc(host, {**huge, "force_memory": True, "unified_memory": "no"}, "--check")
     assert forced.returncode == 0, forced.stdout + forced.stderr
     assert '"outcome": "checked"' in forced.stdout
+
+
+def test_module_checks_a_vllm_config_in_vllms_own_spellings(host: Host) -> None:
+    import realvllm
+
+    vllm = {
+        "llama_server": None,
+        "backend": "vllm",
+        "vllm_python": realvllm.vllm_python(),
+        "model": str(realvllm.tiny_model()),
+        "max_model_len": 2048,
+        "max_num_seqs": 2,
+        "kv_cache_memory_bytes": "128M",
+    }
+    p = _adhoc(host, vllm, "--check", "--diff")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert '"outcome": "checked"' in p.stdout and "+--max-num-seqs 2" in p.stdout, p.stdout
+    refused = _adhoc(host, {**vllm, "kv_cache_memory_bytes": "512K"}, "--check")
+    assert refused.returncode != 0 and "less than one sequence" in refused.stdout
 
 
 def test_module_routes_long_prompts_to_a_lane_address(host: Host) -> None:

@@ -255,3 +255,42 @@ def test_the_baseline_records_pool_failures_with_the_busy_slots_of_their_minute(
     assert (
         base is not None and base.had("context_exceeded", 3) and not base.had("context_exceeded", 4)
     )
+
+
+# -- vLLM: it queues what its pool cannot hold ------------------------------------------------
+
+
+def queued(waiting: int, **counts: float) -> Seen:
+    return Seen(T0 + 200, {"preemptions": 0, **counts}, busy=2, waiting=waiting)
+
+
+def test_a_vllm_that_preempts_where_the_baseline_never_queued_is_a_bad_sample() -> None:
+    base = Baseline(1, waited_by_busy={2: 0, 4: 0})
+    bad = verdict.soft_signals(POLICY, base, queued(3, preemptions=5), BUSY_WINDOW, 200)
+    assert bad == [
+        "preempting: 5 sequence(s) preempted and 3 request(s) waiting at 2 busy; "
+        "generation 1 never queued at that load"
+    ]
+
+
+def test_a_vllm_queueing_where_the_baseline_queued_too_is_no_bad_sample() -> None:
+    base = Baseline(1, waited_by_busy={1: 2, 4: 0})
+    assert verdict.soft_signals(POLICY, base, queued(3, preemptions=5), BUSY_WINDOW, 200) == []
+
+
+def test_a_baseline_never_sampled_at_that_load_judges_no_queue() -> None:
+    base = Baseline(1, waited_by_busy={1: 0})
+    assert verdict.soft_signals(POLICY, base, queued(3), BUSY_WINDOW, 200) is None
+
+
+def test_llama_servers_deferred_requests_are_not_judged_as_a_queue() -> None:
+    base = Baseline(1, waited_by_busy={2: 0, 4: 0})
+    s = Seen(T0 + 200, {}, busy=2, waiting=3)  # no preemption counter: not vLLM
+    assert verdict.soft_signals(POLICY, base, s, BUSY_WINDOW, 200) is None
+
+
+def test_the_baseline_keeps_the_most_a_minute_queued_by_its_load() -> None:
+    rec = record.Record(1)
+    for t, busy, deferred in ((T0, 2, 0), (T0 + 60, 2, 3), (T0 + 120, 4, 1)):
+        rec.add(record.Delta(t, record.Now(up=True, busy=busy, deferred=deferred), {"requests": 1}))
+    assert verdict.baseline_of(rec).waited_by_busy == {2: 3, 4: 1}

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from launcher.cli.results import emit, human
 
 if TYPE_CHECKING:
-    from launcher.config import ServerConfig, ToolSettings
+    from launcher.config import AnyConfig, ToolSettings
     from launcher.deploy.outcome import Result
     from launcher.deploy.transaction import Deployer
 
@@ -62,8 +62,9 @@ def instance_unit(instance: str, unit: str | None = None) -> str:
     return name
 
 
-def config_from(ns: argparse.Namespace, base: dict[str, Any] | None = None) -> ServerConfig:
-    """The desired config: --config TOML, then llama-server flags on top."""
+def config_from(ns: argparse.Namespace, base: dict[str, Any] | None = None) -> AnyConfig:
+    """The desired config: --config TOML, then the server's flags on top (vLLM's for a
+    unit of ``--backend vllm``, or one recorded so)."""
     import tomllib
 
     from launcher import config
@@ -77,6 +78,11 @@ def config_from(ns: argparse.Namespace, base: dict[str, Any] | None = None) -> S
             raise ConfigInvalid(f"cannot read --config {ns.config}: {e.strerror}") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigInvalid(f"--config {ns.config} is not valid TOML: {e}") from None
+    backend = getattr(ns, "backend", None) or data.pop("backend", None) or _recorded_backend(ns)
+    if backend == "vllm":
+        return _vllm_config(ns, data)
+    if getattr(ns, "vllm_python", None):
+        raise ConfigInvalid("--vllm-python is for a vLLM unit: add --backend vllm, or drop it")
     if ns.llama_server_bin:
         data["llama_server"] = ns.llama_server_bin
     if getattr(ns, "allow_overcommit", False):
@@ -85,6 +91,50 @@ def config_from(ns: argparse.Namespace, base: dict[str, Any] | None = None) -> S
     if "model" not in data and not any(f in ("-m", "--model") for f in ns.flags):
         raise ConfigInvalid('no model: give -m /path/to/model.gguf or model = "..." in --config')
     return config.from_flags(ns.flags, data)
+
+
+def _recorded_backend(ns: argparse.Namespace) -> str | None:
+    """The backend the unit's live generation runs (None: none deployed, or unreadable)."""
+    from launcher.deploy import home, store
+    from launcher.errors import LauncherError
+
+    try:
+        st = store.Store(home.state_dir(settings_from(ns)), None)
+        live = st.live_meta() or {}
+    except (LauncherError, OSError, ValueError):
+        return None
+    backend = (live.get("config") or {}).get("backend")
+    return str(backend) if backend else None
+
+
+def _vllm_config(ns: argparse.Namespace, data: dict[str, Any]) -> AnyConfig:
+    import os
+
+    from launcher import config
+    from launcher.errors import ConfigInvalid
+
+    if ns.llama_server_bin:
+        raise ConfigInvalid(
+            "--llama-server is for a llama-server unit; a vLLM unit takes --vllm-python"
+        )
+    data["backend"] = "vllm"
+    python = getattr(ns, "vllm_python", None) or os.environ.get("LLAMA_LAUNCHER_VLLM_PYTHON")
+    if python:
+        data["vllm_python"] = str(python)
+    if "vllm_python" not in data:
+        raise ConfigInvalid(
+            "no vLLM: give --vllm-python /path/to/vllm-venv/bin/python (the venv vLLM is "
+            "installed in; scripts/setup --vllm makes one) or vllm_python in --config"
+        )
+    if getattr(ns, "allow_overcommit", False):
+        data["allow_overcommit"] = True
+    first = ns.flags[0] if ns.flags else ""
+    if "model" not in data and (not first or first.startswith("-")) and "--model" not in ns.flags:
+        raise ConfigInvalid(
+            "no model: give the model folder first (install --backend vllm /srv/models/NAME "
+            '...) or model = "..." in --config'
+        )
+    return config.onto(ns.flags, data)
 
 
 def _default_server() -> str:
@@ -236,7 +286,7 @@ def cmd_set(ns: argparse.Namespace) -> int:
     origin = "set " + envfile.join_words(flags)
 
     def run() -> Result:
-        return d.change(lambda live: config.from_flags(flags, live), origin, ns.check)
+        return d.change(lambda live: config.onto(flags, live), origin, ns.check)
 
     return _finish(ns, _baked(ns, d, run), d.settings)
 
@@ -248,8 +298,8 @@ def cmd_unset(ns: argparse.Namespace) -> int:
         raise ConfigInvalid("unset needs flag names, e.g. llama-launcher unset -ctk -ctv")
     from launcher import config
 
-    def edit(live: dict[str, Any]) -> ServerConfig:
-        return config.build(config.remove_flags(live, ns.flags))
+    def edit(live: dict[str, Any]) -> AnyConfig:
+        return config.without(live, ns.flags)
 
     origin = "unset " + " ".join(ns.flags)
     d = _baking(ns, deployer_for(ns))
@@ -354,6 +404,15 @@ def cmd_install(ns: argparse.Namespace) -> int:
     }
     if lane is not None:
         cfg = None if lane.address is not None else config_from(ns)
+        from launcher.config import VllmConfig
+
+        if isinstance(cfg, VllmConfig):
+            from launcher.errors import ConfigInvalid
+
+            raise ConfigInvalid(
+                "--lane installs a llama-server lane; a vLLM lane is not supported (vLLM "
+                "schedules long prompts itself: --enable-chunked-prefill); nothing was changed"
+            )
         done = install.install_lane(settings, cfg, lane, **args)
         if isinstance(done, dict):
             emit(done, ns.json, lambda: _lane_text(done))

@@ -82,6 +82,17 @@ CONFIG = options(
     arg("--config", type=Path, help="a TOML file with the whole desired config"),
     arg("--llama-server", dest="llama_server_bin", type=Path, help="the llama-server binary"),
     arg(
+        "--backend",
+        choices=("llama-server", "vllm"),
+        help="the server the unit runs (install records it; default: the recorded one, else "
+        "llama-server); vllm takes vLLM's flags: MODEL_FOLDER --max-num-seqs N ...",
+    ),
+    arg(
+        "--vllm-python",
+        type=Path,
+        help="the python of the venv vLLM is installed in (default: $LLAMA_LAUNCHER_VLLM_PYTHON)",
+    ),
+    arg(
         "--allow-overcommit",
         action="store_true",
         help="accept a shared KV pool whose slots can exhaust it",
@@ -385,7 +396,10 @@ PRESTART = options(
     arg("--lock", help="the unit's deploy lock (default: STATE_DIR/lock)"),
     arg("--stage-key", help="stage the env file's API key file here, for LoadCredential="),
 )
-FLAGS_NOTE = " LLAMA-SERVER FLAGS follow, in llama-server's own spellings (-c, -np, -ctk...)."
+FLAGS_NOTE = (
+    " LLAMA-SERVER FLAGS follow, in llama-server's own spellings (-c, -np, -ctk...); a vLLM "
+    "unit's are vLLM's, its model folder first (--backend vllm)."
+)
 
 # -- the verbs ---------------------------------------------------------------------------------
 

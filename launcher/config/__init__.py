@@ -6,7 +6,9 @@ settings (``launcher.config.settings``: ``ToolSettings``) are re-exported here, 
 write ``config.ServerConfig``, ``config.from_flags``, ``config.load_settings``. The rest of
 the folder: the validation chain (``validate``), the KV memory estimate and guard
 (``memory``, ``offload``), whether a second instance fits beside the running one
-(``beside``), and the endpoints a config keeps on (``endpoints``).
+(``beside``), and the endpoints a config keeps on (``endpoints``). A unit installed with
+``--backend vllm`` has a ``VllmConfig`` (``launcher.config.vllm``); ``of``, ``onto`` and
+``without`` read, change and unset either.
 """
 
 from launcher.config.argv import (
@@ -17,9 +19,12 @@ from launcher.config.argv import (
     env_values,
     from_flags,
     merge_extra,
+    of,
+    onto,
     parse_flags,
     remove_flags,
     render_env,
+    without,
 )
 from launcher.config.server import (
     FLAG_BY_FIELD,
@@ -37,6 +42,10 @@ from launcher.config.server import (
     overcommit_warning,
 )
 from launcher.config.settings import MAX_BAKE, ToolSettings, duration, load_settings
+from launcher.config.vllm import VllmConfig
+
+#: a unit's typed config, whichever server it runs
+AnyConfig = ServerConfig | VllmConfig
 
 __all__ = [
     "FLAGS",
@@ -45,12 +54,14 @@ __all__ = [
     "MAX_BAKE",
     "OWNED",
     "SPELLING",
+    "AnyConfig",
     "CacheType",
     "Flag",
     "LoadMode",
     "OnOffAuto",
     "ServerConfig",
     "ToolSettings",
+    "VllmConfig",
     "admission_note",
     "argv_diff",
     "argv_lines",
@@ -61,9 +72,12 @@ __all__ = [
     "from_flags",
     "load_settings",
     "merge_extra",
+    "of",
+    "onto",
     "overcommit_message",
     "overcommit_warning",
     "parse_flags",
     "remove_flags",
     "render_env",
+    "without",
 ]

@@ -16,7 +16,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from launcher.config import vllm
 from launcher.config.server import FLAGS, SPELLING, ServerConfig, config_error, example, group_flags
+from launcher.config.vllm import VllmConfig
 from launcher.errors import ConfigInvalid
 from launcher.host import envfile
 from launcher.server import binary
@@ -112,6 +114,28 @@ def from_flags(tokens: Sequence[str], base: dict[str, Any] | None = None) -> Ser
     return build(data)
 
 
+def of(data: dict[str, Any]) -> ServerConfig | VllmConfig:
+    """The typed config of a unit's recorded config, whichever its backend (``backend``:
+    ``vllm`` for a vLLM unit, none for llama-server)."""
+    if data.get("backend") == "vllm":
+        return vllm.build(data)
+    return build(data)
+
+
+def onto(tokens: Sequence[str], base: dict[str, Any]) -> ServerConfig | VllmConfig:
+    """``from_flags`` for either backend: a vLLM unit's live config takes vLLM's flags."""
+    if base.get("backend") == "vllm":
+        return vllm.from_flags(tokens, base)
+    return from_flags(tokens, base)
+
+
+def without(data: dict[str, Any], names: Sequence[str]) -> ServerConfig | VllmConfig:
+    """``unset`` for either backend."""
+    if data.get("backend") == "vllm":
+        return vllm.build(vllm.remove_flags(data, names))
+    return build(remove_flags(data, names))
+
+
 def merge_extra(current: tuple[str, ...], new: Sequence[str]) -> tuple[str, ...]:
     """Add ``new`` extra flags to ``current``, replacing a flag's previous occurrence."""
     groups = group_flags(list(current))
@@ -164,8 +188,10 @@ def argv_diff(old: list[str], new: list[str]) -> list[str]:
     return [d for d in diff if not d.startswith("@@")]
 
 
-def env_values(cfg: ServerConfig, key_file: str | None = None) -> dict[str, str]:
+def env_values(cfg: ServerConfig | VllmConfig, key_file: str | None = None) -> dict[str, str]:
     """The env file's variables for ``cfg``, in file order."""
+    if isinstance(cfg, VllmConfig):
+        return cfg.env_values(key_file)
     values = {
         "LLAMA_SERVER": str(cfg.llama_server),
         "EXTRA_ARGS": envfile.join_words(cfg.server_args()),
@@ -184,7 +210,7 @@ HEADER = (
 )
 
 
-def render_env(cfg: ServerConfig, key_file: str | None = None) -> str:
+def render_env(cfg: ServerConfig | VllmConfig, key_file: str | None = None) -> str:
     """The env file text for ``cfg``: pure and deterministic."""
     try:
         return envfile.render_assignments(env_values(cfg, key_file), HEADER)

@@ -80,15 +80,18 @@ class Beside:
         return {"fits": self.fits, "why": self.why, "sides": [s.to_dict() for s in self.sides]}
 
 
-def shares_weights(cfg: config.ServerConfig, running: Running) -> bool:
-    """Whether the new instance maps the file the running one maps (its page cache, shared)."""
+def shares_weights(cfg: config.AnyConfig, running: Running) -> bool:
+    """Whether the new instance maps the file the running one maps (its page cache, shared):
+    a vLLM engine reads its weights into its own memory (never shared)."""
+    if isinstance(cfg, config.VllmConfig):
+        return False
     same = running.model is not None and Path(running.model) == Path(cfg.model)
     return same and cfg.load_mode in SHARED_MODES
 
 
 def fit(
     need: memory.Need,
-    cfg: config.ServerConfig,
+    cfg: config.AnyConfig,
     running: Running,
     host_free: int,
     headroom_mib: int = HEADROOM_MIB,

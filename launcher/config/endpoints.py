@@ -16,9 +16,11 @@ from __future__ import annotations
 from launcher import config
 
 
-def with_metrics(cfg: config.ServerConfig, enabled: bool = True) -> config.ServerConfig:
+def with_metrics(cfg: config.AnyConfig, enabled: bool = True) -> config.AnyConfig:
     """``cfg`` with ``--metrics`` where it is safe (see the module docstring); a deploy and
     its previews (``render``, ``check``) apply it the same way."""
+    if isinstance(cfg, config.VllmConfig):
+        return cfg  # vLLM serves /metrics always
     if not enabled or cfg.metrics or cfg.slots is False:
         return cfg
     return cfg.model_copy(update={"metrics": True})

@@ -41,9 +41,10 @@ from typing import TYPE_CHECKING, Any
 
 from launcher import config
 from launcher.config import memory
+from launcher.config import vllm as vllm_config
 from launcher.errors import CommandError, ConfigInvalid, ValidationFailed
 from launcher.host import launch, ports, proc, service, units
-from launcher.server import binary, devices, filefacts, kvbytes, kvlayout
+from launcher.server import binary, devices, filefacts, kvbytes, kvlayout, vllm
 
 if TYPE_CHECKING:
     from launcher.host.systemd import UnitState
@@ -105,27 +106,46 @@ def files_of(cfg: config.ServerConfig) -> list[tuple[str, Path]]:
 class Validated:
     """A config that passed every step, with what the steps learned."""
 
-    config: config.ServerConfig
+    config: config.AnyConfig
     env_text: str
     values: dict[str, str]
     argv: list[str]
     plan: kvlayout.PoolPlan
     model: dict[str, Any]
-    server: binary.BinaryInfo
+    server: binary.BinaryInfo | vllm.VllmInfo
     memory: memory.Need
     steps: tuple[str, ...] = field(default=STEPS)
     #: the unit's front admits against the shared pool (``launcher.deploy.restart.admission``)
     admitted: bool = False
+    #: what the checks say of a config that passes them (vLLM's pool: ``vllm.pool_plan``)
+    notes: tuple[str, ...] = ()
 
     @property
     def warnings(self) -> list[str]:
         """What a deploy of it says: a pool over-committed on purpose (allow_overcommit), or
         one the front admits against."""
+        if isinstance(self.config, config.VllmConfig):
+            return list(self.notes)
         if self.plan.overcommitted and self.admitted:
             return [config.admission_note(self.plan)]
         if self.plan.overcommitted and self.config.allow_overcommit:
             return [config.overcommit_warning(self.plan)]
         return []
+
+    def describe(self) -> str:
+        """The plan in a sentence: the startup line's figures, or vLLM's."""
+        if not isinstance(self.config, config.VllmConfig):
+            return self.plan.describe(self.admitted)
+        p = self.plan
+        text = (
+            f"vLLM {p.n_slots} sequences x {p.n_ctx_slot} tokens, one KV pool of {p.n_ctx} tokens"
+        )
+        if p.overcommitted:
+            return text + (
+                f": when all are long vLLM preempts and queues (none fails); "
+                f"{p.guaranteed_window} tokens each while all {p.n_slots} run"
+            )
+        return text + ": every sequence fits at once"
 
     def meta(self) -> dict[str, Any]:
         """What the generation store keeps about it (the config with its secrets masked)."""
@@ -135,7 +155,7 @@ class Validated:
             "argv": self.argv,
             "config": self.config.masked(),
             "model": self.model,
-            "llama_server": {
+            ("vllm" if isinstance(self.server, vllm.VllmInfo) else "llama_server"): {
                 "path": self.server.path,
                 "version": self.server.version,
                 "fingerprint": self.server.fingerprint,
@@ -391,6 +411,18 @@ def validate_file(
     path: Path, cfg: config.ServerConfig, values: dict[str, str], expected_argv: list[str]
 ) -> binary.BinaryInfo:
     """Steps 1-5 on an env file already written at ``path``."""
+    info: binary.BinaryInfo = check_file(
+        path, values, expected_argv, lambda: binary.inspect(str(cfg.llama_server))
+    )
+    check_flags(info, expected_argv[1:])
+    return info
+
+
+def check_file(
+    path: Path, values: dict[str, str], expected_argv: list[str], server: Callable[[], Any]
+) -> Any:
+    """Steps 1-4 on an env file already written at ``path``, with ``server()`` (what the
+    installed server is: its ``--help``) asked beside them; its answer."""
     argv = _step_lint(path)
     if argv != expected_argv:
         raise ValidationFailed(
@@ -406,10 +438,9 @@ def validate_file(
             workers.submit(_step_subshell, path, values),
             workers.submit(_step_argv, path, expected_argv),
         ]
-        info = binary.inspect(str(cfg.llama_server))
+        info = server()
         for step in steps:
             step.result()
-    check_flags(info, expected_argv[1:])
     return info
 
 
@@ -420,7 +451,7 @@ Releasable = int | Mapping[str, int] | Callable[[], int | Mapping[str, int]]
 
 
 def validate(
-    cfg: config.ServerConfig,
+    cfg: config.AnyConfig,
     key_file: str | None = None,
     workdir: Path | None = None,
     releasable: Releasable = 0,
@@ -443,6 +474,8 @@ def validate(
     ``admitted``: the unit's front admits requests against the shared pool, so a pool that
     promises more than it holds passes step ``pool`` (no request is killed by another's).
     """
+    if isinstance(cfg, config.VllmConfig):
+        return validate_vllm(cfg, key_file, workdir, releasable, force_memory, available, svc)
     text = config.render_env(cfg, key_file)
     values = config.env_values(cfg, key_file)
     expected = cfg.argv(key_file)
@@ -466,7 +499,7 @@ def validate(
 
 
 def check_port(
-    cfg: config.ServerConfig,
+    cfg: config.AnyConfig,
     running: UnitState | None,
     unit: str | None = None,
     proc_dir: Path = Path("/proc"),
@@ -507,7 +540,7 @@ def check_port(
 
 
 def beside_state(
-    cfg: config.ServerConfig,
+    cfg: config.AnyConfig,
     read_state: Callable[[], UnitState],
     check: bool,
     force_memory: bool = False,
@@ -628,3 +661,130 @@ def with_fit_params(
     }
     disagree = memory.fit_disagreements(need, lines)
     return replace(need, fit_params=figures, deferred=(*need.deferred, *disagree))
+
+
+# -- a vLLM unit -------------------------------------------------------------------------------
+
+#: the checks of a vLLM config, in order (``port`` follows where the unit's state is read)
+VLLM_STEPS = ("lint", "bash -n", "subshell", "argv", "vllm", "flags", "model", "pool", "memory")
+#: files one of which is a tokenizer vLLM loads from a model folder
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+#: what vLLM's engine takes beside its KV cache and the weights (torch, the workers)
+VLLM_OVERHEAD = 2 * 2**30
+
+
+def validate_vllm(
+    cfg: config.VllmConfig,
+    key_file: str | None = None,
+    workdir: Path | None = None,
+    releasable: Releasable = 0,
+    force_memory: bool = False,
+    available: int | None = None,
+    svc: service.ServiceView | None = None,
+) -> Validated:
+    """The chain for a vLLM config: the file steps as for llama-server, then the installed
+    vLLM and its flags (``--help=all``), the model folder (a config and a tokenizer), the
+    KV budget (explicit, and room for one whole sequence) and the memory guard."""
+    text = config.render_env(cfg, key_file)
+    values = config.env_values(cfg, key_file)
+    expected = cfg.argv(key_file)
+    with tempfile.TemporaryDirectory(prefix="llama-launcher-", dir=workdir) as tmp:
+        path = Path(tmp) / "candidate.env"
+        path.write_text(text)
+        os.chmod(path, 0o600)
+        info = check_file(
+            path, values, expected, lambda: vllm.inspect(str(cfg.vllm_python), launch.VLLM_SHIM)
+        )
+    unknown = vllm.unknown_flags(info, list(cfg.extra_args))
+    if unknown:
+        raise ValidationFailed(
+            "flags",
+            f"{unknown[0]} is not a flag of vllm serve ({info.name} at {info.path}); see "
+            f"`vllm serve --help=all`",
+        )
+    shape, model = vllm_model(cfg)
+    if svc is not None:
+        service.check(svc, [("vLLM python", cfg.vllm_python), ("model folder", cfg.model)])
+    said = cfg.budget_said()
+    if said:
+        raise ValidationFailed("pool", said)
+    try:
+        plan, notes = vllm_config.pool_plan(cfg, shape)
+    except ConfigInvalid as e:
+        raise ValidationFailed("pool", str(e)) from None
+    kv = cfg.kv_cache_memory_bytes
+    weights = int(model.get("weights_bytes") or 0)
+    need = memory.Need(
+        kv=kv,
+        weights=weights + VLLM_OVERHEAD,
+        cache_ram=0,
+        estimate={"kv_tokens": plan.n_ctx, "bytes_per_token": shape.bytes_per_token(cfg)},
+        unsupported=None if kv else "vLLM sizes its KV cache by --gpu-memory-utilization",
+    )
+    memory.guard(
+        need, releasable() if callable(releasable) else releasable, force_memory, available
+    )
+    return Validated(
+        cfg, text, values, expected, plan, model, info, need, steps=VLLM_STEPS, notes=tuple(notes)
+    )
+
+
+def served_vllm(
+    cfg: config.VllmConfig,
+    text: str,
+    values: dict[str, str],
+    argv: list[str],
+    need: memory.Need,
+) -> Validated:
+    """A rollback's checks of a vLLM generation that served: vLLM is still installed and
+    knows its flags, the model folder is still whole; the pool as planned then."""
+    info = vllm.inspect(str(cfg.vllm_python), launch.VLLM_SHIM)
+    unknown = vllm.unknown_flags(info, list(cfg.extra_args))
+    if unknown:
+        raise ValidationFailed("flags", f"{unknown[0]} is no longer a flag of {info.name}")
+    shape, model = vllm_model(cfg)
+    try:
+        plan, notes = vllm_config.pool_plan(cfg, shape)
+    except ConfigInvalid as e:
+        raise ValidationFailed("pool", str(e)) from None
+    return Validated(
+        cfg, text, values, argv, plan, model, info, need, steps=VLLM_STEPS, notes=tuple(notes)
+    )
+
+
+def vllm_model(cfg: config.VllmConfig) -> tuple[vllm_config.ModelShape, dict[str, Any]]:
+    """Step ``model`` of a vLLM config: a folder with a config.json and a tokenizer (one
+    given with ``--tokenizer`` counts); its shape, and what the generation records of it."""
+    folder = cfg.model
+    if not folder.is_dir():
+        raise ValidationFailed(
+            "model",
+            f"the model folder {folder} "
+            + ("is a file" if folder.exists() else "does not exist")
+            + "; vLLM serves a Hugging Face model folder (config.json, the weights and a "
+            "tokenizer): give its absolute path",
+        )
+    try:
+        shape = vllm_config.ModelShape.read(folder)
+    except ConfigInvalid as e:
+        raise ValidationFailed("model", str(e)) from None
+    own_tokenizer = any(w == "--tokenizer" or w.startswith("--tokenizer=") for w in cfg.extra_args)
+    if not own_tokenizer and not any((folder / n).is_file() for n in TOKENIZER_FILES):
+        raise ValidationFailed(
+            "model",
+            f"the model folder {folder} has no tokenizer ({', '.join(TOKENIZER_FILES)}): vLLM "
+            "would exit at startup; copy the model's tokenizer files into it, or pass "
+            "--tokenizer FOLDER",
+        )
+    weights = sum(p.stat().st_size for p in folder.glob("*.safetensors")) or sum(
+        p.stat().st_size for p in folder.glob("*.bin")
+    )
+    model = {
+        "path": str(folder),
+        "n_ctx_train": shape.max_position,
+        "layers": shape.layers,
+        "kv_heads": shape.kv_heads,
+        "head_dim": shape.head_dim,
+        "weights_bytes": weights,
+    }
+    return shape, model

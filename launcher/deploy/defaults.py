@@ -62,7 +62,7 @@ class Deployed:
     """A config as the deploy writes it, and what the deploy's defaults changed in it that
     a person would not expect (the server kept on its private address)."""
 
-    config: config.ServerConfig
+    config: config.AnyConfig
     notes: tuple[str, ...] = ()
 
 
@@ -106,7 +106,7 @@ def _state_directory(
 def deployed_config(
     settings: config.ToolSettings,
     st: store.Store,
-    cfg: config.ServerConfig,
+    cfg: config.AnyConfig,
     to: Target,
     write: bool,
 ) -> Deployed:
@@ -122,8 +122,8 @@ def deployed_config(
 
 
 def on_front(
-    cfg: config.ServerConfig, spec: FrontSpec | None
-) -> tuple[config.ServerConfig, tuple[str, ...]]:
+    cfg: config.AnyConfig, spec: FrontSpec | None
+) -> tuple[config.AnyConfig, tuple[str, ...]]:
     """With a front, the config's port is the one clients use. The front's socket unit
     holds its public port, so a config that names it (an Ansible task writes the port its
     clients use), or names no port (the default 8080 may be the public one), keeps the
@@ -153,9 +153,7 @@ def on_front(
     return cfg.model_copy(update={"host": private[0], "port": private[1]}), (note,)
 
 
-def on_lane(
-    cfg: config.ServerConfig, record: lane.Record
-) -> tuple[config.ServerConfig, tuple[str, ...]]:
+def on_lane(cfg: config.AnyConfig, record: lane.Record) -> tuple[config.AnyConfig, tuple[str, ...]]:
     """A lane listens where its front routes to (``install --lane`` chose the address): a
     config that names another address keeps the lane's, and the note says so."""
     where = (record.host, record.port)
@@ -172,7 +170,7 @@ def on_lane(
     return cfg.model_copy(update={"host": where[0], "port": where[1]}), note
 
 
-def front_address(to: Target, cfg: config.ServerConfig) -> dict[str, str] | None:
+def front_address(to: Target, cfg: config.AnyConfig) -> dict[str, str] | None:
     """The plan's ``front``: where clients reach the server and where it listens, and
     with a long-prompt lane (of this unit, or this unit a lane) how the front routes."""
     if to.lane is not None:
@@ -194,7 +192,7 @@ def front_address(to: Target, cfg: config.ServerConfig) -> dict[str, str] | None
     return out
 
 
-def _lane_address(record: lane.Record, cfg: config.ServerConfig) -> dict[str, str] | None:
+def _lane_address(record: lane.Record, cfg: config.AnyConfig) -> dict[str, str] | None:
     """A lane's plan ``front``: the main unit's public address, and what it sends here."""
     try:
         spec = Front(Path(record.main_state_dir), record.main_unit, record.systemd_scope).spec()
@@ -217,9 +215,11 @@ def _addr(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def make_slot_folder(settings: config.ToolSettings, to: Target, cfg: config.ServerConfig) -> None:
+def make_slot_folder(settings: config.ToolSettings, to: Target, cfg: config.AnyConfig) -> None:
     """A rollback's config carried in the deploy's own slot folder gets it back if it was
     removed (user scope: the deploy makes it; systemd makes a ``StateDirectory=``)."""
     folder = to.slot_folder
+    if isinstance(cfg, config.VllmConfig):
+        return  # vLLM saves no slots
     if settings.scope != "system" and folder is not None and cfg.slot_save_path == folder:
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)

@@ -5,6 +5,11 @@
     loop) -> the startup line equals the plan -> /health 200 from that process -> /props
     agrees -> a real completion -> the process is still up
 
+A vLLM unit (``launcher.server.vllm``: the argv runs ``vllm serve``) is gated the same way
+on its own lines: ``non-default args`` equal to the plan, ``KV cache size: N tokens,
+Maximum concurrency for W tokens`` equal to the planned pool and window, ``Application
+startup complete.``; it has no /props, and the completion names its served model.
+
 The probe goes to the address of the argv being gated (unless the setting ``base_url`` names
 another; a deploy behind a front never passes one: ``Deployer``), and a /health 200 counts
 only when the process systemd started has the socket listening there (``_serves``): a verdict
@@ -31,12 +36,13 @@ from urllib.parse import urlsplit
 import tenacity
 
 from launcher import waits
+from launcher.config import vllm as vllm_config
 from launcher.deploy import budgets
 from launcher.deploy.restart import drain
 from launcher.errors import GateFailure, LauncherError, ProbeError
 from launcher.host import envfile, ports
 from launcher.host.systemd import Follower, Systemd, UnitState
-from launcher.server import binary, kvlayout, serverlog
+from launcher.server import binary, kvlayout, serverlog, vllm
 from launcher.server.httpclient import url_from_argv
 
 if TYPE_CHECKING:
@@ -88,7 +94,7 @@ class GateResult:
 
 @dataclass
 class _Ready:
-    scan: serverlog.StartupScan
+    scan: serverlog.StartupScan | vllm.StartupScan
     log: list[str]
     before: UnitState
     pid: int
@@ -112,6 +118,8 @@ class Gate:
         self.progress = progress
         self.warnings: list[str] = []
         self.binary = "llama-server"
+        #: the argv being gated runs vLLM (``__call__``)
+        self.vllm = False
         self.budget = budgets.for_deploy(policy, None)  # this restart's (``__call__``)
 
     def url_for(self, argv: list[str]) -> str:
@@ -134,6 +142,8 @@ class Gate:
         watch on the replaced process (the handover's), else the gate starts one."""
         t0 = time.monotonic()
         self.binary = argv[0] if argv else "llama-server"  # its build names an unread startup
+        self.vllm = vllm.is_vllm_argv(argv)
+        self.argv = argv
         self.budget = budget or budgets.for_deploy(self.waits, None)
         timings: dict[str, float] = {}
         # imported here, after the restart: httpx's import runs while the server loads
@@ -154,9 +164,9 @@ class Gate:
         dead = _dead(state, ready.before, True)
         if not dead and not _alive(ready.pid):
             state = self.systemd.state()
-            dead = _dead(state, ready.before, True) or f"llama-server (pid {ready.pid}) exited"
+            dead = _dead(state, ready.before, True) or f"{self.name} (pid {ready.pid}) exited"
         if dead:
-            raise _exited(dead, log + self.tail(20))
+            raise self.exited(dead, log + self.tail(20))
         return GateResult(
             startup,
             {
@@ -175,6 +185,72 @@ class Gate:
             budgets.Load.from_timings(timings, self.budget.stop_for(before, self.waits.stop_grace)),
         )
 
+    @property
+    def name(self) -> str:
+        """The server being gated, in words."""
+        return "vLLM" if self.vllm else "llama-server"
+
+    def scanner(self) -> serverlog.StartupScan | vllm.StartupScan:
+        """A fresh reader of the startup lines of the server being gated."""
+        return vllm.StartupScan() if self.vllm else serverlog.StartupScan()
+
+    def classify(self, lines: list[str]) -> tuple[str, str] | None:
+        return vllm.classify(lines) if self.vllm else serverlog.classify(lines)
+
+    def exited(self, reason: str, log: list[str]) -> GateFailure:
+        hit = self.classify(log)
+        kind, sentence = hit if hit else ("exited", "")
+        return GateFailure(
+            "startup", kind, reason + (f": {sentence}" if sentence else ""), log[-30:]
+        )
+
+    def _check_vllm(
+        self,
+        probe: Probe,
+        plan: kvlayout.PoolPlan | None,
+        cursor: str | None,
+        ready: _Ready,
+    ) -> tuple[dict[str, Any], list[str], dict[str, Any], Completion, UnitState]:
+        """vLLM's startup lines against the plan, and a real completion of its served
+        model (it has no /props: what /props says of llama-server, the lines say)."""
+        with ThreadPoolExecutor(2) as workers:
+            read = workers.submit(self._startup_line, ready, cursor)
+            shown = workers.submit(self.systemd.state)
+            asked: Completion | BaseException
+            try:
+                asked = probe.chat(self.waits.probe, model=vllm.served_name(self.argv))
+            except ProbeError as e:
+                asked = e
+            scan, log = read.result()
+            state = shown.result()
+        startup = scan.startup
+        if startup is None or not isinstance(startup, vllm.Startup):
+            raise GateFailure(
+                "startup",
+                "startup_unread",
+                "vLLM serves, but its startup lines (non-default args, KV cache size, "
+                "Application startup complete.) were not found in the journal",
+                log[-30:],
+            )
+        startup_d = {
+            "n_slots": startup.n_slots if startup.n_slots is not None else (plan and plan.n_slots),
+            "n_ctx_slot": startup.n_ctx_slot,
+            "kv_unified": True,
+            "pool_cells": startup.pool_cells,
+            "config_file": None,
+            "max_concurrency": startup.concurrency,
+            "non_default_args": {k: repr(v) for k, v in startup.non_default.items()},
+        }
+        if plan is not None:
+            _compare_vllm(plan, startup, self.argv, log)
+        if isinstance(asked, BaseException):
+            raise asked
+        props = {
+            "total_slots": startup_d["n_slots"],
+            "default_generation_settings": {"n_ctx": startup.n_ctx_slot},
+        }
+        return startup_d, log, props, asked, state
+
     def _check(
         self,
         probe: Probe,
@@ -187,6 +263,8 @@ class Gate:
         The startup line (a journal read) and the unit's state (a systemctl) are read beside
         /props and the chat: each costs a process start. Failures are reported in the order
         of the checks: startup line, plan, /props, completion."""
+        if self.vllm:
+            return self._check_vllm(probe, plan, cursor, ready)
         with ThreadPoolExecutor(2) as workers:
             read = workers.submit(self._startup_line, ready, cursor)
             shown = workers.submit(self.systemd.state)
@@ -200,7 +278,9 @@ class Gate:
             ready.scan, log = read.result()
             state = shown.result()
         startup = ready.scan.startup
+        assert not isinstance(startup, vllm.Startup)
         if startup is None:
+            assert isinstance(ready.scan, serverlog.StartupScan)
             # a build whose startup line this launcher cannot read: /props says the rest
             if isinstance(asked, BaseException):
                 raise asked
@@ -255,7 +335,7 @@ class Gate:
 
     def _startup_line(
         self, ready: _Ready, cursor: str | None
-    ) -> tuple[serverlog.StartupScan, list[str]]:
+    ) -> tuple[serverlog.StartupScan | vllm.StartupScan, list[str]]:
         """The startup line, once the server is healthy. It is in the journal file already
         while the follower may be a poll behind it (journalctl -f, the fallback, 250 ms),
         so read the file."""
@@ -263,9 +343,9 @@ class Gate:
             return ready.scan, ready.log
         old_pid = ready.before.main_pid
 
-        def read() -> tuple[serverlog.StartupScan, list[str]]:
+        def read() -> tuple[serverlog.StartupScan | vllm.StartupScan, list[str]]:
             log, _ = self.systemd.messages(cursor, skip_pid=old_pid)
-            return serverlog.StartupScan().feed_all(log), log
+            return self.scanner().feed_all(log), log
 
         # not found: a form this launcher does not know, and the gate reads /props instead
         return waits.journal_catchup(self.waits, lambda r: r[0].startup is not None)(read)
@@ -275,10 +355,10 @@ class Gate:
         died (``waits.last_words``; the lines followed so far when it never does): read even
         when the followed lines name a cause, as a later line can name a more specific one
         (a draft model fails with the main model's lines first)."""
-        lines: list[str] = waits.last_words(self.waits, lambda r: bool(serverlog.classify(r)))(
+        lines: list[str] = waits.last_words(self.waits, lambda r: bool(self.classify(r)))(
             lambda: self.systemd.messages(cursor, skip_pid=old_pid)[0]
         )
-        return lines if serverlog.classify(lines) or not followed else followed
+        return lines if self.classify(lines) or not followed else followed
 
     def tail(self, n: int = 30) -> list[str]:
         try:
@@ -327,7 +407,7 @@ class _Watch:
 
     def restart_from(self, before: UnitState) -> None:
         self.before = before
-        self.scan = serverlog.StartupScan()
+        self.scan = self.gate.scanner()
         self.log: list[str] = []
         self.started = False
         self.pid = 0  # the new process, once systemd shows it
@@ -383,7 +463,7 @@ class _Watch:
             self.gate.say(
                 "stopping",
                 now - self.t0,
-                f"waiting for the old llama-server (pid {self.old_pid}) to exit "
+                f"waiting for the old server (pid {self.old_pid}) to exit "
                 f"(at most {self.stop_budget:g}s)",
             )
             return None
@@ -436,7 +516,7 @@ class _Watch:
             raise self._died(dead)
 
     def _died(self, reason: str) -> GateFailure:
-        return _exited(reason, self.gate.last_words(self.cursor, self.log, self.old_pid))
+        return self.gate.exited(reason, self.gate.last_words(self.cursor, self.log, self.old_pid))
 
     def expired(self) -> bool:
         now = time.monotonic()
@@ -451,7 +531,7 @@ class _Watch:
             raise GateFailure(
                 "stop",
                 "timeout",
-                f"the old llama-server (pid {self.old_pid}) did not exit within "
+                f"the old server (pid {self.old_pid}) did not exit within "
                 f"{self.stop_budget:g}s of the restart (the unit's TimeoutStopSec and "
                 f"{self.w.stop_grace:g}s); read `systemctl status {self.gate.systemd.unit}`",
                 self.log[-30:],
@@ -473,11 +553,35 @@ class _Watch:
         )
 
 
-def _exited(reason: str, log: list[str]) -> GateFailure:
-    hit = serverlog.classify(log)
-    kind, sentence = hit if hit else ("exited", "")
-    msg = reason + (f": {sentence}" if sentence else "")
-    return GateFailure("startup", kind, msg, log[-30:])
+def _compare_vllm(
+    plan: kvlayout.PoolPlan, startup: vllm.Startup, argv: list[str], log: list[str]
+) -> None:
+    """vLLM's lines against the plan: every flag in ``non-default args`` that the argv
+    sets has the argv's value; the KV line's window is the planned one, and its pool the
+    planned tokens where the budget is explicit (``plan.n_ctx``)."""
+    bad: list[str] = []
+    nd = startup.non_default
+    seqs = nd.get("max_num_seqs")
+    if seqs is not None and seqs != plan.n_slots:
+        bad.append(f"max_num_seqs = {seqs} (planned {plan.n_slots})")
+    if startup.n_ctx_slot != plan.n_ctx_slot:
+        bad.append(f"the window = {startup.n_ctx_slot} tokens (planned {plan.n_ctx_slot})")
+    explicit = any(w == "--kv-cache-memory-bytes" for w in argv)
+    dtype = argv[argv.index("--kv-cache-dtype") + 1] if "--kv-cache-dtype" in argv else "auto"
+    if explicit and dtype in vllm_config.EXACT_WIDTH and startup.pool_cells != plan.n_ctx:
+        bad.append(f"the KV cache = {startup.pool_cells} tokens (planned {plan.n_ctx})")
+    for flag, key in (("--kv-cache-dtype", "kv_cache_dtype"), ("--dtype", "dtype")):
+        if flag in argv and key in nd:
+            want = argv[argv.index(flag) + 1]
+            if str(nd[key]) != want:
+                bad.append(f"{key} = {nd[key]} (planned {want})")
+    if bad:
+        raise GateFailure(
+            "startup",
+            "gate_mismatch",
+            "vLLM's startup lines differ from the plan: " + ", ".join(bad),
+            log[-30:],
+        )
 
 
 def _compare(plan: kvlayout.PoolPlan, startup: dict[str, Any], log: list[str]) -> None:

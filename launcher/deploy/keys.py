@@ -33,7 +33,7 @@ def read_api_key(path: Path | None) -> str | None:
     return None
 
 
-def materialize(st: store.Store, cfg: config.ServerConfig, write: bool) -> config.ServerConfig:
+def materialize(st: store.Store, cfg: config.AnyConfig, write: bool) -> config.AnyConfig:
     """``cfg`` with its ``api_key`` turned into ``api_key_file`` (written when ``write``).
 
     A preview (``write`` False) names the file the deploy will write. It makes nothing, but

@@ -65,7 +65,7 @@ from launcher.errors import (
 )
 from launcher.host import envfile, launch, service
 from launcher.host.systemd import Systemd, UnitState
-from launcher.server import slotsave
+from launcher.server import slotsave, vllm
 
 if TYPE_CHECKING:
     from launcher.deploy.outcome import Result
@@ -133,9 +133,14 @@ def on_error(signals: Signals, rollback: Callable[[BaseException], NoReturn]) ->
 STEPS = ("lint", "bash -n", "llama-server", "flags", "model", "files", "service")
 
 
-def config_of_argv(argv: list[str], key_file: str | None = None) -> config.ServerConfig:
+def config_of_argv(argv: list[str], key_file: str | None = None) -> config.AnyConfig:
     """The typed config an env file's argv means; ``ConfigInvalid`` when it has none (no
     ``-m``, a relative path, ...)."""
+    if vllm.is_vllm_argv(argv):
+        base: dict[str, Any] = {"backend": "vllm", "vllm_python": argv[0]}
+        if key_file:
+            base["api_key_file"] = key_file
+        return config.onto(argv[3:], base)
     words, i = [], 1
     while i < len(argv):
         if argv[i] in ("--log-colors", "--api-key-file"):  # the launcher adds these itself
@@ -143,7 +148,7 @@ def config_of_argv(argv: list[str], key_file: str | None = None) -> config.Serve
             continue
         words.append(argv[i])
         i += 1
-    base: dict[str, Any] = {"llama_server": argv[0]}
+    base = {"llama_server": argv[0]}
     if key_file:
         base["api_key_file"] = key_file
     return config.from_flags(words, base)
@@ -197,6 +202,8 @@ def candidate(
         argv = validate.check_bytes(path)
     values = envfile.parse(text, str(gen.path / "env"))
     cfg = _config(gen, argv, values.get("API_KEY_FILE"))
+    if isinstance(cfg, config.VllmConfig):
+        return validate.served_vllm(cfg, text, values, argv, _need(gen.meta.get("kv_estimate")))
     model = dict(gen.meta.get("model") or {"path": str(cfg.model)})
     plan = cfg.pool_plan(model.get("n_ctx_train"))
     info = validate.check_served(cfg, argv, svc, made)
@@ -204,12 +211,12 @@ def candidate(
     return validate.Validated(cfg, text, values, argv, plan, model, info, need, steps=STEPS)
 
 
-def _config(gen: store.Generation, argv: list[str], key_file: str | None) -> config.ServerConfig:
+def _config(gen: store.Generation, argv: list[str], key_file: str | None) -> config.AnyConfig:
     """The stored typed config; read from the bytes for an adopted hand edit (stored
     without one before the adoption read it)."""
     data = gen.meta.get("config") or {}
     try:
-        return config.build(dict(data)) if data else config_of_argv(argv, key_file)
+        return config.of(dict(data)) if data else config_of_argv(argv, key_file)
     except ConfigInvalid as e:
         raise ConfigInvalid(
             f"generation {gen.number}'s env file ({gen.path / 'env'}) has no config the gate "

@@ -123,15 +123,13 @@ class Deployer:
                 "through the gate), or name the unit you installed with --unit"
             )
 
-    def deploy(
-        self, cfg: config.ServerConfig, check: bool = False, origin: str = "deploy"
-    ) -> Result:
+    def deploy(self, cfg: config.AnyConfig, check: bool = False, origin: str = "deploy") -> Result:
         """Deploy a whole desired config (``check``: validate and diff only)."""
         with self._locked(check) as recovered:
             return self._then(self._deploy(cfg, check, origin, recovered), check)
 
     def change(
-        self, edit: Callable[[dict[str, Any]], config.ServerConfig], origin: str, check: bool
+        self, edit: Callable[[dict[str, Any]], config.AnyConfig], origin: str, check: bool
     ) -> Result:
         """Deploy ``edit`` of the live config (``set``, ``unset``), read under the lock."""
         with self._locked(check) as recovered:
@@ -178,12 +176,12 @@ class Deployer:
                 self.store.back_out(live)
             return result
 
-    def preview(self, cfg: config.ServerConfig) -> defaults.Deployed:
+    def preview(self, cfg: config.AnyConfig) -> defaults.Deployed:
         """``cfg`` as a deploy would write it (``render``): the deploy's defaults added,
         nothing made."""
         return defaults.deployed_config(self.settings, self.store, cfg, self._target(), False)
 
-    def front_of(self, cfg: config.ServerConfig) -> dict[str, str] | None:
+    def front_of(self, cfg: config.AnyConfig) -> dict[str, str] | None:
         """Where clients reach ``cfg`` and how the front routes (``render``, the plan)."""
         return defaults.front_address(self._target(), cfg)
 
@@ -247,7 +245,7 @@ class Deployer:
 
     def _deploy(
         self,
-        cfg: config.ServerConfig,
+        cfg: config.AnyConfig,
         check: bool,
         origin: str,
         recovered: dict[str, Any] | None = None,
@@ -409,13 +407,12 @@ class Deployer:
             result.startup, result.probe = gate.startup, gate.probe
             result.warnings = [*result.warnings, *gate.warnings]
             result.memory["after"] = memory.process_memory(gate.state)
-            result.memory["devices"] = memory.measured(gate.log, checked.memory.devices)
+            if not isinstance(checked.config, config.VllmConfig):
+                result.memory["devices"] = memory.measured(gate.log, checked.memory.devices)
             result.client_window = window.publish(self.settings, self._window(checked, gen.number))
             result.timings["total"] = round(time.monotonic() - t0, 3)
             self.store.commit(gen, memory=result.memory, timings=result.timings, **gate.record())
-        result.message = (
-            f"generation {gen.number} is serving: {checked.plan.describe(checked.admitted)}"
-        )
+        result.message = f"generation {gen.number} is serving: {checked.describe()}"
         if self.signals.pending is not None:
             result.message += " (a signal arrived after the gate passed; the deploy stands)"
         return result.say_front_down()

@@ -47,8 +47,16 @@ def window_data(unit: str, checked: Validated, number: int | None) -> dict[str, 
         "n_ctx_slot": plan.n_ctx_slot,
         "pool_cells": plan.n_ctx,
         "kv_unified": plan.kv_unified,
-        "cache_type_k": str(checked.config.cache_type_k or "f16"),
-        "cache_type_v": str(checked.config.cache_type_v or "f16"),
+        **_cache_types(checked.config),
+    }
+
+
+def _cache_types(cfg: config.AnyConfig) -> dict[str, str]:
+    if isinstance(cfg, config.VllmConfig):
+        return {"kv_cache_dtype": str(cfg.kv_cache_dtype or "auto")}
+    return {
+        "cache_type_k": str(cfg.cache_type_k or "f16"),
+        "cache_type_v": str(cfg.cache_type_v or "f16"),
     }
 
 

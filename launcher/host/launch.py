@@ -1,10 +1,13 @@
-"""The unit's ExecStart: read the env file without executing it, then exec llama-server.
+"""The unit's ExecStart: read the env file without executing it, then exec the server.
 
 ``llama-launcher exec --env-file PATH`` parses the file with the strict parser of
 ``launcher.host.envfile``, builds llama-server's argv and replaces itself with llama-server
 (``os.execve``), so systemd supervises llama-server directly: signals and exit statuses pass
-through unchanged. A configuration error of the launcher's own exits with ``EX_CONFIG`` (78),
-which the units list in ``RestartPreventExitStatus=``.
+through unchanged. An env file with ``VLLM_PYTHON`` instead of ``LLAMA_SERVER`` runs vLLM:
+``VLLM_PYTHON launcher/host/vllm_main.py serve EXTRA_ARGS`` (``vllm_argv``), its key handed
+over in ``VLLM_API_KEY``, never on its command line. A configuration error of the
+launcher's own exits with ``EX_CONFIG`` (78), which the units list in
+``RestartPreventExitStatus=``.
 
 This is on the path of every server start. It imports the standard library and
 ``launcher.host.envfile`` only - no pydantic, httpx or the rest of the tool.
@@ -16,13 +19,16 @@ import errno
 import os
 import sys
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from launcher.host import envfile
 
 #: The keys an env file may hold. Anything else is refused: a stray ``LLAMA_ARG_*`` line
 #: would silently change llama-server behind the typed config's back.
-KEYS = ("LLAMA_SERVER", "EXTRA_ARGS", "API_KEY_FILE")
+KEYS = ("LLAMA_SERVER", "VLLM_PYTHON", "EXTRA_ARGS", "API_KEY_FILE")
 REQUIRED = ("LLAMA_SERVER", "EXTRA_ARGS")
+#: the shim vLLM's python runs (``launcher.host.vllm_main``), beside this file
+VLLM_SHIM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_main.py")
 #: Environment variables llama-server reads as flags; removed so only the argv counts.
 _SCRUBBED_PREFIXES = ("LLAMA_ARG_",)
 _SCRUBBED = ("LLAMA_API_KEY", "PYTHONPATH")  # PYTHONPATH: the unit's, for the launcher only
@@ -67,7 +73,9 @@ def argv_from_values(
             f"llama-server){reads}; an env file for llama-launcher holds only "
             f"{', '.join(KEYS)} (llama-server flags go into EXTRA_ARGS)"
         )
-    missing = [k for k in REQUIRED if not values.get(k)]
+    vllm = "VLLM_PYTHON" in values and "LLAMA_SERVER" not in values
+    required = ("VLLM_PYTHON", "EXTRA_ARGS") if vllm else REQUIRED
+    missing = [k for k in required if not values.get(k)]
     if missing:
         key = missing[0]
         state = "is empty" if key in values else "is missing (no line sets it)"
@@ -84,6 +92,8 @@ def argv_from_values(
         words = envfile.split_words(values["EXTRA_ARGS"])
     except ValueError as e:
         raise LaunchError(f"{where('EXTRA_ARGS')}: {e}") from None
+    if vllm:
+        return _vllm_from(values, words, where)
     for word in words:
         if word in ("--api-key",) or word.startswith("--api-key="):
             raise LaunchError(
@@ -97,6 +107,32 @@ def argv_from_values(
     if values.get("API_KEY_FILE"):
         argv += ["--api-key-file", values["API_KEY_FILE"]]
     return argv
+
+
+def vllm_argv(python: str, words: Sequence[str]) -> list[str]:
+    """What a vLLM env file launches: its python runs ``vllm serve`` through the shim."""
+    return [python, VLLM_SHIM, "serve", *words]
+
+
+def _vllm_from(values: Mapping[str, str], words: list[str], where: Any) -> list[str]:
+    if "LLAMA_SERVER" in values:
+        raise LaunchError(
+            f"{where('VLLM_PYTHON')}: the env file sets both LLAMA_SERVER and VLLM_PYTHON; "
+            "one unit runs one server: keep the one of its backend"
+        )
+    for word in words:
+        if word == "--api-key" or word.startswith("--api-key="):
+            raise LaunchError(
+                f"{where('EXTRA_ARGS')}: EXTRA_ARGS carries --api-key: bash would put the key "
+                "on vLLM's command line, where any user can read it with ps; put the key in "
+                "a file and set API_KEY_FILE instead"
+            )
+    if not words or words[0].startswith("-"):
+        raise LaunchError(
+            f"{where('EXTRA_ARGS')}: EXTRA_ARGS of a vLLM unit starts with the model folder "
+            '(vllm serve MODEL ...), e.g. EXTRA_ARGS="/srv/models/my-model --port 8000"'
+        )
+    return vllm_argv(values["VLLM_PYTHON"], words)
 
 
 #: Credential names of the system-scope unit (``LoadCredential=``; launcher.host.units).
@@ -114,7 +150,13 @@ def _credential(name: str) -> str | None:
 
 
 def read_argv(path: str) -> list[str]:
-    """Read and parse the env file at ``path`` into llama-server's argv.
+    """Read and parse the env file at ``path`` into llama-server's argv."""
+    return read_launch(path)[0]
+
+
+def read_launch(path: str) -> tuple[list[str], dict[str, str]]:
+    """Read and parse the env file at ``path``: the server's argv, and what its environment
+    adds (vLLM's key, ``VLLM_API_KEY``, read from ``API_KEY_FILE``).
 
     Under the hardened unit the service's own user cannot read the env file or the key:
     PID 1 hands them over as credentials, read here in their place (messages still name
@@ -135,18 +177,46 @@ def read_argv(path: str) -> list[str]:
         raise LaunchError(str(e)) from None
     argv = argv_from_values(values, path, _key_lines(text))
     key = _credential(KEY_CREDENTIAL)
-    if values.get("API_KEY_FILE") and key and os.path.getsize(key):
+    staged = bool(values.get("API_KEY_FILE") and key and os.path.getsize(key))
+    if "VLLM_PYTHON" in values:
+        env = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+        if values.get("API_KEY_FILE"):
+            env["VLLM_API_KEY"] = _first_key(key if staged and key else values["API_KEY_FILE"])
+        return argv, env
+    if staged and key:
         argv[-1] = key  # the staged copy of API_KEY_FILE (launcher.install.prestart)
-    return argv
+    return argv, {}
 
 
-def server_environ(environ: Mapping[str, str]) -> dict[str, str]:
-    """The environment llama-server gets: ours, less the variables it would read as flags."""
-    return {
+def _first_key(path: str) -> str:
+    """The first key in a key file (llama-server's --api-key-file takes one a line)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    return line.strip()
+    except OSError as e:
+        raise LaunchError(f"cannot read the API key file {path}: {e.strerror}") from None
+    raise LaunchError(f"the API key file {path} holds no key; write one on its first line")
+
+
+def server_environ(
+    environ: Mapping[str, str], added: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The environment the server gets: ours, less the variables llama-server would read as
+    flags, plus ``added`` (vLLM's: ``read_launch``). An empty ``VLLM_CPU_KVCACHE_SPACE``
+    is dropped: vLLM's CPU worker dies on it (``int('')``)."""
+    env = {
         k: v
         for k, v in environ.items()
         if k not in _SCRUBBED and not k.startswith(_SCRUBBED_PREFIXES)
     }
+    if added:
+        if not env.get("VLLM_CPU_KVCACHE_SPACE", "x").strip():
+            del env["VLLM_CPU_KVCACHE_SPACE"]
+        for k, v in added.items():
+            env[k] = v if k == "VLLM_API_KEY" else env.get(k, v)
+    return env
 
 
 #: execve errors that a restart cannot cure: the config names a wrong file
@@ -199,7 +269,7 @@ def main(args: Sequence[str]) -> int:
     """Entry point of ``llama-launcher exec``; returns an exit status or does not return."""
     try:
         env_file, print_argv, port = _parse_args(args)
-        argv = read_argv(env_file)
+        argv, added = read_launch(env_file)
         if port is not None:
             argv = with_port(argv, port)
         if print_argv:
@@ -208,7 +278,7 @@ def main(args: Sequence[str]) -> int:
             print(json.dumps(argv))
             return 0
         try:
-            os.execve(argv[0], argv, server_environ(os.environ))
+            os.execve(argv[0], argv, server_environ(os.environ, added))
         except OSError as e:
             if e.errno not in _PERMANENT:
                 # ETXTBSY (the binary is being replaced), ENOMEM, EAGAIN, EIO: may clear
@@ -219,9 +289,10 @@ def main(args: Sequence[str]) -> int:
                     file=sys.stderr,
                 )
                 return 1
+            key = "VLLM_PYTHON" if added else "LLAMA_SERVER"
+            what = "the python of vLLM's venv" if added else "the llama-server binary"
             raise LaunchError(
-                f"cannot execute LLAMA_SERVER={argv[0]!r}: {e.strerror}; "
-                "set LLAMA_SERVER to the llama-server binary"
+                f"cannot execute {key}={argv[0]!r}: {e.strerror}; set {key} to {what}"
             ) from None
     except LaunchError as e:
         print(f"llama-launcher: config error: {e}", file=sys.stderr, flush=True)

@@ -76,8 +76,8 @@ _TEMPLATE = (
     _HEADER
     + """
 [Unit]
-Description=llama.cpp llama-server{what}, launched by llama-launcher
-Documentation=https://github.com/ggml-org/llama.cpp/tree/master/tools/server
+Description={server}{what}, launched by llama-launcher
+Documentation={docs}
 {after}# A bad config must never loop: at most 5 starts in 5 minutes (manual restarts count too;
 # `llama-launcher rollback` runs `systemctl reset-failed` first).
 StartLimitIntervalSec=300
@@ -94,10 +94,7 @@ RestartSec=2
 # 78 (EX_CONFIG): the launcher refused the env file; restarting cannot fix that.
 RestartPreventExitStatus=78
 TimeoutStartSec=30
-# llama-server does not drain: a busy one cuts its streams at SIGTERM, then lingers (~30 s
-# measured, b11434) with nothing left to finish; idle it exits in ~20 ms. A deploy saves the
-# slots before its restart, so the SIGKILL at 10 s loses nothing and serves again sooner.
-TimeoutStopSec=10
+{stop}
 KillMode=mixed
 SyslogIdentifier={ident}
 {hardening}{install}"""
@@ -286,6 +283,32 @@ def key_stage_path(state_dir: str) -> str:
     return f"{state_dir}/api-key"
 
 
+_LLAMA_STOP = """\
+# llama-server does not drain: a busy one cuts its streams at SIGTERM, then lingers (~30 s
+# measured, b11434) with nothing left to finish; idle it exits in ~20 ms. A deploy saves the
+# slots before its restart, so the SIGKILL at 10 s loses nothing and serves again sooner.
+TimeoutStopSec=10"""
+
+#: a vLLM unit's TimeoutStopSec: vLLM drains for its --shutdown-timeout (at most
+#: ``launcher.config.vllm.MAX_SHUTDOWN``), then tears its engine down (seconds)
+VLLM_STOP_SECONDS = 60
+_VLLM_STOP = f"""\
+# vLLM drains what is in flight for its --shutdown-timeout, then stops its engine (7-10 s
+# with 10, measured on a CPU); a stop that hangs on an open connection (its default abort
+# mode, seen 2 times in 5) is ended here with SIGKILL, and the deploy says so.
+TimeoutStopSec={VLLM_STOP_SECONDS}"""
+
+#: what a unit's server is: its Description= and Documentation=
+_SERVERS = {
+    "llama-server": (
+        "llama.cpp llama-server",
+        "https://github.com/ggml-org/llama.cpp/tree/master/tools/server",
+        _LLAMA_STOP,
+    ),
+    "vllm": ("vLLM server", "https://docs.vllm.ai/en/latest/cli/serve/", _VLLM_STOP),
+}
+
+
 def render(
     python: str = DEFAULT_PYTHON,
     package_dir: str = DEFAULT_PACKAGE_DIR,
@@ -294,15 +317,20 @@ def render(
     template: bool = False,
     state_dir: str | None = None,
     site: Site | None = None,
+    server: Literal["llama-server", "vllm"] = "llama-server",
 ) -> str:
     """The unit file text. ``template`` renders ``llama-server@.service`` (one env file per
     instance, ``%i``); ``state_dir`` is the unit's generation store (default: the system
-    scope's ``/var/lib/llama-launcher/<unit>``)."""
+    scope's ``/var/lib/llama-launcher/<unit>``); ``server``: what the env file runs."""
+    name, docs, stop = _SERVERS[server]
     unit = "llama-server@%i" if template else "llama-server"
     state = state_dir or f"/var/lib/llama-launcher/{unit}"
     system = scope == "system"
     key_stage = key_stage_path(state)
     return _TEMPLATE.format(
+        server=name,
+        docs=docs,
+        stop=stop,
         what=" instance %i" if template else "",
         after=("After=network-online.target\nWants=network-online.target\n" if system else ""),
         python=python,

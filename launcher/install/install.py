@@ -9,7 +9,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from launcher import config, waits
 from launcher.deploy import budgets, home, store
@@ -109,7 +109,11 @@ def require_linger(settings: config.ToolSettings) -> None:
 
 
 def _unit_text(
-    settings: config.ToolSettings, env_file: Path, template: bool, site: units.Site | None
+    settings: config.ToolSettings,
+    env_file: Path,
+    template: bool,
+    site: units.Site | None,
+    server: Literal["llama-server", "vllm"] = "llama-server",
 ) -> tuple[Path, str]:
     unit_dir = settings.resolved_unit_dir()
     state_dir = home.state_dir(settings)
@@ -128,9 +132,16 @@ def _unit_text(
             template=True,
             state_dir=_template_state_dir(settings),
             site=site,
+            server=server,
         )
     return unit_dir / settings.unit_name, units.render(
-        python, package_dir, str(env_file), settings.scope, state_dir=str(state_dir), site=site
+        python,
+        package_dir,
+        str(env_file),
+        settings.scope,
+        state_dir=str(state_dir),
+        site=site,
+        server=server,
     )
 
 
@@ -212,7 +223,7 @@ FRONTS = ("none", "haproxy")
 
 def install(
     settings: config.ToolSettings,
-    cfg: config.ServerConfig,
+    cfg: config.AnyConfig,
     template: bool = False,
     progress: Progress | None = None,
     systemd: Systemd | None = None,
@@ -253,7 +264,10 @@ def install(
     if template:
         _check_template(settings, env_file, settings.resolved_unit_dir())
     site = site or site_for()
-    unit_file, pending = _pending_units(settings, env_file, template, site, force)
+    server: Literal["llama-server", "vllm"] = (
+        "vllm" if isinstance(cfg, config.VllmConfig) else "llama-server"
+    )
+    unit_file, pending = _pending_units(settings, env_file, template, site, force, server)
     systemd = systemd or Systemd(settings.unit_name, settings.scope)
     deployer = Deployer(settings, systemd, progress, force_memory, on_phase)
     # the whole validation chain on the unit as it will be, before anything is written: a
@@ -288,7 +302,7 @@ def install(
 
 def _refuse_early(
     settings: config.ToolSettings,
-    cfg: config.ServerConfig,
+    cfg: config.AnyConfig,
     template: bool,
     front_kind: str,
     second_instance: bool,
@@ -314,11 +328,16 @@ def _refuse_early(
 
 
 def _pending_units(
-    settings: config.ToolSettings, env_file: Path, template: bool, site: units.Site, force: bool
+    settings: config.ToolSettings,
+    env_file: Path,
+    template: bool,
+    site: units.Site,
+    force: bool,
+    server: Literal["llama-server", "vllm"] = "llama-server",
 ) -> tuple[Path, dict[Path, str | None]]:
     """The unit file and the files install will write (an instance's drop-in beside it);
     a hand-edited one is refused here, unless ``force``, before any folder is made."""
-    unit_file, text = _unit_text(settings, env_file, template, site)
+    unit_file, text = _unit_text(settings, env_file, template, site, server)
     pending: dict[Path, str | None] = {unit_file: text}
     if template and settings.scope == "system":
         dropin, dropin_text = _instance_dropin(settings, unit_file, text, site)
@@ -427,7 +446,7 @@ def install_standby(
 
 
 def require_same_public(
-    the_front: front.Front, old: front.FrontSpec | None, cfg: config.ServerConfig
+    the_front: front.Front, old: front.FrontSpec | None, cfg: config.AnyConfig
 ) -> None:
     """A front already installed keeps its public address: its socket unit holds the old
     one, and ``systemctl start`` of an active socket binds nothing new. Another address is
@@ -462,7 +481,7 @@ class Admission:
 
 
 def _front_spec(
-    cfg: config.ServerConfig,
+    cfg: config.AnyConfig,
     old: front.FrontSpec | None,
     second: bool = False,
     admission: Admission | None = None,

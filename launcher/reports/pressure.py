@@ -20,7 +20,7 @@ from launcher.errors import LauncherError, StoreError
 from launcher.host.systemd import Systemd
 from launcher.server import metrics
 from launcher.watch import record, sampler
-from launcher.watch.reads import pressure_of, read_server
+from launcher.watch.reads import is_vllm, pressure_of, read_server
 
 if TYPE_CHECKING:  # a sample prints its pool with pool_lines, without the typed config
     from launcher import config
@@ -57,6 +57,14 @@ def snapshot(
             "last_sample": sampler.last_run(target),
         }
     )
+    if is_vllm(live) and reads.metrics is not None:
+        g, c = reads.metrics.gauges, reads.metrics.counters
+        data["vllm"] = {
+            "running": g.get("requests_processing"),
+            "waiting": g.get("requests_deferred"),
+            "kv_usage": g.get("kv_cache_usage"),
+            "preemptions": c.get("preemptions_total"),
+        }
     the_front = Front(target.state_dir, target.unit, systemd.scope)
     if (admitted := admission_status(the_front)) is not None:
         data["admission"] = admitted
@@ -143,6 +151,10 @@ def admission_line(a: dict[str, Any]) -> str:
 # -- text ------------------------------------------------------------------------------------
 
 
+def _n(x: float | None) -> str:
+    return "?" if x is None else f"{x:,.0f}"
+
+
 def _pct(x: float | None) -> str:
     return "?" if x is None else f"{100 * x:.1f} %"
 
@@ -175,6 +187,12 @@ def status_lines(d: dict[str, Any] | None) -> list[str]:
     if not d or d.get("generation") is None:
         return []
     lines = [f"  {x}" for x in pool_lines(d["pool"])] if d.get("pool") else []
+    if v := d.get("vllm"):
+        lines.append(
+            f"  vLLM now: {_n(v['running'])} running, {_n(v['waiting'])} waiting (preempted "
+            f"ones wait), KV cache {_pct(v['kv_usage'])} used, {_n(v['preemptions'])} "
+            "preemptions since it started"
+        )
     lines += [f"  could not read {k}: {v}" for k, v in (d.get("unread") or {}).items()]
     hour = d.get("last_hour") or {}
     if hour.get("samples"):

@@ -85,10 +85,51 @@ def parse(text: str) -> dict[str, float]:
     return values
 
 
+#: vLLM's names for the same figures (``launcher.server.vllm``): counters, then gauges
+VLLM_COUNTERS = {
+    "prompt_tokens_total": "vllm:prompt_tokens_total",
+    "prompt_seconds_total": "vllm:request_prefill_time_seconds_sum",
+    "tokens_predicted_total": "vllm:generation_tokens_total",
+    "tokens_predicted_seconds_total": "vllm:request_decode_time_seconds_sum",
+    "preemptions_total": "vllm:num_preemptions_total",
+}
+VLLM_GAUGES = {
+    "requests_processing": "vllm:num_requests_running",
+    "requests_deferred": "vllm:num_requests_waiting",
+    "kv_cache_usage": "vllm:kv_cache_usage_perc",
+}
+
+
+def from_vllm(text: str) -> Metrics:
+    """vLLM's ``/metrics`` as llama-server's: tokens and the engine's own prefill and decode
+    seconds as the counters, requests running and waiting (preempted ones wait) as the
+    gauges; the process's start (``process_start_time_seconds``) as its identity."""
+    from launcher.server import vllm
+
+    seen = vllm.metrics(text)
+    missing = [v for v in list(VLLM_COUNTERS.values())[:4] if v not in seen]
+    if missing:
+        raise Unreadable(
+            "metrics", f"/metrics has no {', '.join(missing)}: a vLLM this reader does not know"
+        )
+    start = next(
+        (ln.split()[1] for ln in text.splitlines() if ln.startswith("process_start_time_seconds ")),
+        None,
+    )
+    return Metrics(
+        counters={k: seen[v] for k, v in VLLM_COUNTERS.items() if v in seen},
+        gauges={k: seen[v] for k, v in VLLM_GAUGES.items() if v in seen},
+        process_start=start,
+    )
+
+
 def from_response(resp: httpx.Response) -> Metrics:
-    """``Metrics`` from an answer of ``GET /metrics``; ``Unreadable`` naming why not."""
+    """``Metrics`` from an answer of ``GET /metrics`` (llama-server's, or vLLM's:
+    ``from_vllm``); ``Unreadable`` naming why not."""
     if resp.status_code != 200:
         raise Unreadable("metrics", _refusal(resp), resp.status_code)
+    if "\nvllm:" in resp.text and PREFIX not in resp.text:
+        return from_vllm(resp.text)
     values = parse(resp.text)
     missing = [c for c in COUNTERS[:4] if c not in values]
     if missing:

@@ -92,8 +92,9 @@ class Probe:
             raise ProbeError(f"/props returned {type(data).__name__}, not an object")
         return data
 
-    def chat(self, timeout: float, max_tokens: int = 4) -> Completion:
-        """A real, greedy chat completion; it must come back with ``usage``.
+    def chat(self, timeout: float, max_tokens: int = 4, model: str | None = None) -> Completion:
+        """A real, greedy chat completion; it must come back with ``usage``. ``model``: the
+        name to ask for (vLLM serves only its ``--served-model-name``).
 
         Retried briefly (``waits.probe_post``) on a dropped connection or a 503: a server
         that just turned healthy may refuse the first request while it settles. A real error
@@ -106,6 +107,8 @@ class Probe:
             "seed": 0,
             "stream": False,
         }
+        if model is not None:
+            body["model"] = model
         start = time.monotonic()
         try:
             r = waits.probe_post(self.waits, httpx.TransportError)(

@@ -222,7 +222,10 @@ def plan(settings: ToolSettings, st: store.Store, generation: int, previous: int
             if rec.totals.get("samples"):
                 baseline = verdict.baseline_of(rec)
     policy = Policy.from_settings(settings)
-    if _overcommitted(gen) is not True or old_overcommitted is not False:
+    # vLLM preempts a sequence the pool cannot hold (it waits, none fails): its pool is
+    # judged by its waiting queue and preemptions, not watched for an overflow
+    vllm = (gen.meta.get("config") or {}).get("backend") == "vllm"
+    if vllm or _overcommitted(gen) is not True or old_overcommitted is not False:
         policy = dataclasses.replace(policy, pool_limit=0.0, pool_poll=0.0)
     return Bake(
         generation=generation,
@@ -380,12 +383,14 @@ def seen_of(
     peak: slots.Pressure | None = None,
     wedged: str | None = None,
     stuck: bool = False,
+    waiting: int | None = None,
 ) -> verdict.Seen:
     """One sample as the judge reads it; ``pool``: the sample's own look at the slots,
     ``peak``: the fullest look at them since the sample before (``launcher.watch.carry``'s
     looks); ``wedged``: why the wedge rules' count was reached (``launcher.watch.wedge``: a
     hard signal); ``stuck``: the sample was a wedged one, whose unread sources the wedge rules
-    count, not the bake's unread limit (which would end the bake inconclusive first)."""
+    count, not the bake's unread limit (which would end the bake inconclusive first);
+    ``waiting``: the requests the server queues (llama-server's deferred, vLLM's waiting)."""
     looks = [p for p in (pool, peak) if p is not None and p.need is not None]
     fullest = max(looks, key=lambda p: p.need or 0.0) if looks else None
     now_boot = boot_id()
@@ -406,6 +411,7 @@ def seen_of(
         pool_need=fullest.need if fullest else None,
         pool_line=fullest.describe() if fullest else None,
         wedged=wedged,
+        waiting=waiting,
     )
 
 

@@ -78,7 +78,7 @@ def read_server(
             key = None
             reads.unread["key"] = str(e)
         with _client(target, gen, key, transport) as client:
-            _read_http(reads, client)
+            _read_http(reads, client, is_vllm(gen))
         if reads.slots and any(s.tokens is None for s in reads.slots):
             reads.unread["slots"] = (
                 f"this build's /slots has no {slots.TOKENS_FIELD} (it came with "
@@ -92,13 +92,21 @@ def read_server(
     return reads
 
 
-def _read_http(reads: Reads, client: httpx.Client) -> None:
+def is_vllm(gen: store.Generation) -> bool:
+    """Whether the generation runs vLLM (``install --backend vllm``)."""
+    return (gen.meta.get("config") or {}).get("backend") == "vllm"
+
+
+def _read_http(reads: Reads, client: httpx.Client, vllm: bool = False) -> None:
     reads.health = probe.health(client, HEALTH_TIMEOUT)
     status, detail = reads.health
     if status is None:
         why = f"skipped: /health did not answer within {HEALTH_TIMEOUT:g}s ({detail})"
-        reads.unread.update({"slots": why, "metrics": why})
-        reads.silent.update({"slots", "metrics"})
+        reads.unread.update({"metrics": why} if vllm else {"slots": why, "metrics": why})
+        reads.silent.update({"metrics"} if vllm else {"slots", "metrics"})
+        return
+    if vllm:  # no /slots: its running and waiting requests and its KV use are /metrics'
+        reads.metrics = _try(reads, "metrics", lambda: metrics.read(client))
         return
     reads.slots = _try(reads, "slots", lambda: slots.read(client))
     if "slots" in reads.silent:
@@ -125,7 +133,8 @@ def look(
 ) -> slots.Pressure:
     """The slots alone, now (``GET /slots``: no journal, no unit, no record): the bake's
     looks at an over-committed pool between its samples (``launcher.watch.carry.carry``).
-    Raises ``LauncherError`` when they cannot be read."""
+    Raises ``LauncherError`` when they cannot be read (a vLLM has none: its pool is not
+    watched, ``bake.plan``)."""
     key = keys.key_of_env(gen.env_text, str(gen.path / "env"))
     with _client(target, gen, key, transport, LOOK_TIMEOUT) as client:
         return slots.Pressure(slots.read(client), (gen.meta.get("planned") or {}).get("pool_cells"))

@@ -160,7 +160,8 @@ class Record:
         row = self._row(delta.t)
         row[COL["samples"]] = (row[COL["samples"]] or 0) + 1
         for name, value in delta.counts.items():
-            row[COL[name]] = (row[COL[name]] or 0) + value
+            if name in COL:  # a count no column holds (vLLM's preemptions): its total only
+                row[COL[name]] = (row[COL[name]] or 0) + value
             self.totals[name] = self.totals.get(name, 0) + value
         self.totals["samples"] = self.totals.get("samples", 0) + 1
         n = delta.now

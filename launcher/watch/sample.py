@@ -37,9 +37,9 @@ from launcher.deploy import store
 from launcher.errors import StoreError
 from launcher.host import journalread
 from launcher.host.systemd import Systemd, UnitState
-from launcher.server import metrics, serverlog, slots
+from launcher.server import metrics, serverlog, slots, vllm
 from launcher.watch import bake, record, textfile, verdict, wedge
-from launcher.watch.reads import Reads, pressure_of, process_of, read_all
+from launcher.watch.reads import Reads, is_vllm, pressure_of, process_of, read_all
 from launcher.watch.sampler import (
     Outcome,
     State,
@@ -178,7 +178,17 @@ def _judge(
 
     def seen(b: bake.Bake) -> verdict.Seen:
         return bake.seen_of(
-            b, delta.t, delta.counts, busy, reads.unit, reads.unread, pressure, peak, wedged, stuck
+            b,
+            delta.t,
+            delta.counts,
+            busy,
+            reads.unit,
+            reads.unread,
+            pressure,
+            peak,
+            wedged,
+            stuck,
+            delta.now.deferred,
         )
 
     try:
@@ -267,6 +277,11 @@ def _close_previous(
 def _tally(lines: list[journalread.Line]) -> dict[str, float]:
     counts: dict[str, float] = dict.fromkeys(serverlog.TALLY_KEYS, 0)
     for line in lines:
+        answered = vllm.access(line.text)
+        if answered is not None:  # vLLM's access log: one line a request, with its status
+            for name in answered:
+                counts[name] += 1
+            continue
         key = serverlog.tally(line.text)
         if key is None:
             continue
@@ -298,14 +313,26 @@ def _delta(
     if reads.journal.lost and not reads.journal.cursor:
         state.cursor = None
     pressure = pressure_of(gen, reads)
-    seen = record.Now(
-        up=reads.slots is not None,
-        pool=_permille(pressure.use if pressure else None),
-        slot_fill=_permille(pressure.max_fill if pressure else None),
-        busy=pressure.busy_slots if pressure else None,
-        deferred=_int((reads.metrics.gauges if reads.metrics else {}).get("requests_deferred")),
-        memory=reads.memory.growth if reads.memory else None,
-    )
+    gauges = reads.metrics.gauges if reads.metrics else {}
+    if is_vllm(gen):
+        # vLLM: its KV use, requests running and waiting (preempted ones wait) from /metrics
+        seen = record.Now(
+            up=reads.metrics is not None,
+            pool=_permille(gauges.get("kv_cache_usage")),
+            slot_fill=None,
+            busy=_int(gauges.get("requests_processing")),
+            deferred=_int(gauges.get("requests_deferred")),
+            memory=reads.memory.growth if reads.memory else None,
+        )
+    else:
+        seen = record.Now(
+            up=reads.slots is not None,
+            pool=_permille(pressure.use if pressure else None),
+            slot_fill=_permille(pressure.max_fill if pressure else None),
+            busy=pressure.busy_slots if pressure else None,
+            deferred=_int(gauges.get("requests_deferred")),
+            memory=reads.memory.growth if reads.memory else None,
+        )
     out.counts = {k: v for k, v in counts.items() if v}
     return record.Delta(now, seen, counts, _failures(lines, rec, state)), pressure
 
@@ -345,6 +372,8 @@ def _counter_deltas(reads: Reads, state: State, out: Outcome) -> dict[str, float
         "decode_tokens": "tokens_predicted_total",
         "decode_seconds": "tokens_predicted_seconds_total",
     }
+    if "preemptions_total" in cur:  # vLLM's sequences put back to wait
+        names["preemptions"] = "preemptions_total"
     if any(cur.get(c, 0) < prev.get(c, 0) for c in names.values()):
         prev = {}  # counters went back: a process this reader took for the same one
     deltas = {k: cur.get(c, 0) - prev.get(c, 0) for k, c in names.items()}
@@ -399,9 +428,15 @@ def _failures(
     sample before it saw it."""
     events: dict[tuple[int, str], dict[str, Any]] = {}
     for line in lines:
-        if serverlog.tally(line.text) != "failures":
+        answered = vllm.access(line.text)
+        if answered is not None:
+            if "failures" not in answered:
+                continue
+            kind = answered[-1]
+        elif serverlog.tally(line.text) != "failures":
             continue
-        kind = serverlog.failure_kind(line.text)
+        else:
+            kind = serverlog.failure_kind(line.text)
         event = events.setdefault(
             (int(line.time), kind),
             {

@@ -111,6 +111,15 @@ class Baseline:
     #: kind -> busy slots of a minute -> failures of that kind in such minutes
     failures: dict[str, dict[int, int]] = field(default_factory=dict)
     completions: int = 0
+    #: busy slots of a minute -> the most requests it queued in such minutes
+    waited_by_busy: dict[int, int] = field(default_factory=dict)
+
+    def waited_at(self, busy: int | None) -> bool | None:
+        """Whether the baseline queued requests at ``busy`` slots or fewer; None when it was
+        never sampled at that load or more (nothing to compare)."""
+        if busy is None or not any(b >= busy for b in self.waited_by_busy):
+            return None
+        return any(n for b, n in self.waited_by_busy.items() if b <= busy)
 
     def decode_at(self, busy: int | None) -> float | None:
         """The median decode tok/s at ``busy`` slots, else at one slot more or fewer."""
@@ -142,6 +151,7 @@ class Baseline:
                 for k, v in data.get("failures", {}).items()
             },
             completions=int(data.get("completions") or 0),
+            waited_by_busy={int(b): int(n) for b, n in data.get("waited_by_busy", {}).items()},
         )
 
 
@@ -151,8 +161,12 @@ def baseline_of(rec: record.Record) -> Baseline:
     rows = rec.rows()
     rates: dict[int, list[float]] = {}
     failures: dict[str, dict[int, int]] = {}
+    waited: dict[int, int] = {}
     for row in rows:
         busy = int(row[record.COL["busy_peak"]] or 0)
+        deferred = row[record.COL["deferred_peak"]]
+        if deferred is not None:
+            waited[busy] = max(waited.get(busy, 0), int(deferred))
         seconds = row[record.COL["decode_seconds"]] or 0
         tokens = row[record.COL["decode_tokens"]] or 0
         if seconds > 0 and tokens >= MIN_DECODE_TOKENS:
@@ -169,6 +183,7 @@ def baseline_of(rec: record.Record) -> Baseline:
         memory_slope=summary.memory_slope,
         failures=failures,
         completions=summary.completions,
+        waited_by_busy=waited,
     )
 
 
@@ -199,6 +214,8 @@ class Seen:
     #: the server lived but did not answer ``wedged_samples`` samples in a row: why
     #: (``launcher.watch.wedge``)
     wedged: str | None = None
+    #: the requests the server queues now (llama-server's deferred, vLLM's waiting)
+    waiting: int | None = None
 
 
 @dataclass(frozen=True)
@@ -383,7 +400,11 @@ def hard_failure(
                 if baseline is None
                 else f"generation {baseline.generation} had none at {seen.busy} busy slots or more"
             )
-            what = "'Context size has been exceeded'" if kind == POOL_FAILURES[0] else "decode"
+            what = (
+                "'Context size has been exceeded'"
+                if kind == POOL_FAILURES[0]
+                else "a decode failure or a server error (vLLM: a 5xx, or a 4xx but 400)"
+            )
             return _hard(
                 kind,
                 f"{n} request(s) failed with {what} since the last sample; {against}",
@@ -437,6 +458,19 @@ def soft_signals(
                 f"decode_speed: {rate:.1f} tok/s at {seen.busy} busy slot(s), under "
                 f"{policy.decode_ratio:g}x generation {baseline.generation}'s {base:.1f}"
             )
+    preempted = int(seen.counts.get("preemptions", 0))
+    if preempted or (seen.waiting and "preemptions" in seen.counts):
+        # vLLM queues what its pool cannot hold, none fails: worse when the previous config
+        # never queued at this load
+        before = baseline.waited_at(seen.busy)
+        if before is not None:
+            measured = True
+            if not before:
+                bad.append(
+                    f"preempting: {preempted} sequence(s) preempted and {seen.waiting or 0} "
+                    f"request(s) waiting at {seen.busy} busy; generation "
+                    f"{baseline.generation} never queued at that load"
+                )
     slope = record.slope(list(window.memory))
     if slope is not None:
         measured = True

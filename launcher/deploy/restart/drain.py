@@ -1,5 +1,8 @@
 """Wait until llama-server has nothing in flight before it is restarted.
 
+A vLLM server has no /slots: its ``/metrics`` (requests running and waiting) says when it is
+idle (``busy_vllm``), and its own ``--shutdown-timeout`` drains what comes after.
+
 llama-server does not drain on SIGTERM (b11434, measured: every stream in flight is cut at
 once, and the process then lingers ~30 s until systemd's ``TimeoutStopSec`` ends it with
 SIGKILL; idle, it exits in ~20 ms). So a restart waits until ``GET /slots`` shows no slot
@@ -103,6 +106,26 @@ def busy_slots(client: httpx.Client, timeout: float = 10.0) -> list[Busy]:
         raise DrainUnavailable(f"GET /slots is not a list of slots: {r.text[:200]}") from e
 
 
+def busy_vllm(client: httpx.Client, timeout: float = 10.0) -> list[Busy]:
+    """vLLM's requests running or waiting (``GET /metrics``: it has no /slots), one ``Busy``
+    each; ``DrainUnavailable`` when /metrics cannot say."""
+    import httpx
+
+    from launcher.server import vllm
+
+    try:
+        r = client.get("/metrics", timeout=timeout)
+    except httpx.HTTPError as e:
+        raise DrainUnavailable(f"GET /metrics failed: {type(e).__name__}: {e}") from e
+    if r.status_code != 200:
+        raise DrainUnavailable(f"GET /metrics returned {r.status_code}: {r.text[:200]}")
+    seen = vllm.metrics(r.text)
+    if "vllm:num_requests_running" not in seen:
+        raise DrainUnavailable("GET /metrics has no vllm:num_requests_running")
+    n = int(seen["vllm:num_requests_running"] + seen.get("vllm:num_requests_waiting", 0))
+    return [Busy(i, None, None, None) for i in range(n)]
+
+
 def _busy(slot: dict[str, Any]) -> Busy:
     nxt = slot.get("next_token")
     first = nxt[0] if isinstance(nxt, list) and nxt else nxt if isinstance(nxt, dict) else {}
@@ -121,12 +144,21 @@ def wait_idle(
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
     progress: Callable[[float, str], None] | None = None,
+    busy: Callable[[httpx.Client], list[Busy]] | None = None,
 ) -> DrainReport:
     """Wait until no slot is processing (and the front, if any, has nothing in flight), at
     most ``timeout`` seconds. Never raises for the server's sake: the report says why it did
     not wait (``skipped``) or what the timeout cut. Without a ``client`` only the front is
-    waited for (a held front: nothing new comes in, what is in flight finishes)."""
-    what = "no slot processing (GET /slots)" if client is not None else ""
+    waited for (a held front: nothing new comes in, what is in flight finishes). ``busy``:
+    how the server says what it is doing (default ``busy_slots``; vLLM: ``busy_vllm``)."""
+    asked = busy or busy_slots
+    what = ""
+    if client is not None:
+        what = (
+            "no request running or waiting (vLLM's GET /metrics)"
+            if asked is busy_vllm
+            else "no slot processing (GET /slots)"
+        )
     if front_in_flight is not None:
         what += " and " * bool(what) + "no request in flight or queued at the front"
     report = DrainReport(what)
@@ -136,7 +168,7 @@ def wait_idle(
     def step() -> DrainReport | None:
         nonlocal first
         try:
-            busy = busy_slots(client) if client is not None else []
+            busy = asked(client) if client is not None else []
         except DrainUnavailable as e:
             report.skipped = str(e)
             report.seconds = round(clock() - t0, 3)
@@ -214,12 +246,27 @@ def _running(pid: int) -> bool:
     return state not in (b"Z", b"X", b"")
 
 
-def linger_warning(watch: dict[str, Any]) -> str | None:
-    """A line for the result when the old process did not exit at once."""
-    if not watch.get("lingered"):
-        return None
+#: a vLLM's stop that takes this long was ended by SIGKILL (its unit's TimeoutStopSec, 60 s,
+#: ``launcher.host.units.VLLM_STOP_SECONDS``, less a margin for systemd's own steps)
+VLLM_KILLED_AFTER = 58.0
+
+
+def linger_warning(watch: dict[str, Any], vllm: bool = False) -> str | None:
+    """A line for the result when the old process did not exit at once. vLLM takes seconds
+    to stop (its drain, its engine's teardown): said only when the unit's TimeoutStopSec
+    ended it with SIGKILL, a stop that hung."""
     after = watch.get("exited_after")
     took = f"{after:.1f}s" if after is not None else "longer than the gate"
+    if vllm:
+        if after is not None and after < VLLM_KILLED_AFTER:
+            return None
+        return (
+            f"the old vLLM (pid {watch['old_pid']}) took {took} to exit after SIGTERM: it hung "
+            "(on an open connection, or a drain longer than its --shutdown-timeout) and "
+            "systemd ended it with SIGKILL at TimeoutStopSec"
+        )
+    if not watch.get("lingered"):
+        return None
     return (
         f"the old llama-server (pid {watch['old_pid']}) took {took} to exit after SIGTERM "
         "(llama-server does not drain; systemd ends it with SIGKILL at TimeoutStopSec)"

@@ -238,12 +238,14 @@ class Handover(Bridging):
             if say:
                 say("draining", elapsed, line)
 
+        vllm = ((self.old_meta or {}).get("config") or {}).get("backend") == "vllm"
         with self.old.client() as client:
             got = drain.wait_idle(
                 client,
                 timeout,
                 front_in_flight=in_flight,
                 progress=progress,
+                busy=drain.busy_vllm if vllm else None,
             )
         self.report["drain"] = {**got.to_dict(), "message": got.describe()}
         if got.timed_out:
@@ -528,7 +530,8 @@ class Handover(Bridging):
         if self.watch is not None:
             stop = self.watch.result()
             self.report["stop"] = stop
-            line = drain.linger_warning(stop)
+            vllm = ((self.old_meta or {}).get("config") or {}).get("backend") == "vllm"
+            line = drain.linger_warning(stop, vllm)
             if line:
                 self.warnings.append(line)
             self.watch = None
@@ -628,15 +631,13 @@ def slot_folder(scope: str, store_root: Path, show: Callable[..., dict[str, str]
     return Path("/var/lib") / names[0] if names else None
 
 
-def with_slot_dir(
-    cfg: config.ServerConfig, folder: Path | None, create: bool
-) -> config.ServerConfig:
+def with_slot_dir(cfg: config.AnyConfig, folder: Path | None, create: bool) -> config.AnyConfig:
     """With ``carry_slots`` on (the default), every config carries its slots:
     ``--slot-save-path`` is the ``slot_folder`` unless the config names one, so a whole
     desired config (``deploy --config``, Ansible) keeps it too. ``create``: make the folder
     (systemd makes a ``StateDirectory=`` itself, owned by the service's user)."""
-    if cfg.slot_save_path is not None or folder is None:
-        return cfg
+    if isinstance(cfg, config.VllmConfig) or cfg.slot_save_path is not None or folder is None:
+        return cfg  # vLLM has no slots to save
     if create and not folder.exists():
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
     return cfg.model_copy(update={"slot_save_path": folder})

@@ -238,6 +238,46 @@ options:
   allow_overcommit:
     description: Accept a shared KV pool whose slots can exhaust it.
     type: bool
+  backend:
+    description:
+      - The server the unit runs (C(install --backend)). Left out, the unit's recorded one.
+      - V(vllm) takes the vLLM options below, O(model) as the model folder, and none of
+        llama-server's.
+    type: str
+    choices: [llama-server, vllm]
+  vllm_python:
+    description: The python of the venv vLLM is installed in (C(--vllm-python)).
+    type: path
+  served_model_name:
+    description: vLLM's C(--served-model-name), the name clients ask for.
+    type: str
+  max_model_len:
+    description: vLLM's C(--max-model-len), one sequence's window.
+    type: int
+  max_num_seqs:
+    description: vLLM's C(--max-num-seqs), the sequences scheduled at once.
+    type: int
+  kv_cache_dtype:
+    description: vLLM's C(--kv-cache-dtype) (V(auto), V(fp8), ...).
+    type: str
+  kv_cache_memory_bytes:
+    description: vLLM's KV budget, C(--kv-cache-memory-bytes) (V(24G), V(512M) or bytes).
+    type: str
+  gpu_memory_utilization:
+    description: vLLM's C(--gpu-memory-utilization).
+    type: float
+  tensor_parallel_size:
+    description: vLLM's C(--tensor-parallel-size).
+    type: int
+  dtype:
+    description: vLLM's C(--dtype).
+    type: str
+  enforce_eager:
+    description: vLLM's C(--enforce-eager).
+    type: bool
+  shutdown_timeout:
+    description: vLLM's C(--shutdown-timeout), the seconds a stop drains (at most 50).
+    type: int
 notes:
   - Supports check mode and diff mode.
   - Options left out are not passed; the desired config is the whole config (C(deploy)),
@@ -350,7 +390,8 @@ rc:
 
 CACHE_TYPES = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"]
 
-#: The desired-config options: the keys of ``launcher.config.ServerConfig``.
+#: The desired-config options: the keys of ``launcher.config.ServerConfig`` and, for a vLLM
+#: unit, of ``launcher.config.vllm.VllmConfig``.
 CONFIG_SPEC: dict[str, dict[str, Any]] = {
     "llama_server": {"type": "path"},
     "model": {"type": "path"},
@@ -382,6 +423,19 @@ CONFIG_SPEC: dict[str, dict[str, Any]] = {
     "api_key_file": {"type": "path"},
     "extra_args": {"type": "list", "elements": "str"},
     "allow_overcommit": {"type": "bool"},
+    # a vLLM unit's (launcher.config.vllm.VllmConfig)
+    "backend": {"type": "str", "choices": ["llama-server", "vllm"]},
+    "vllm_python": {"type": "path"},
+    "served_model_name": {"type": "str"},
+    "max_model_len": {"type": "int"},
+    "max_num_seqs": {"type": "int"},
+    "kv_cache_dtype": {"type": "str"},
+    "kv_cache_memory_bytes": {"type": "str"},
+    "gpu_memory_utilization": {"type": "float"},
+    "tensor_parallel_size": {"type": "int"},
+    "dtype": {"type": "str"},
+    "enforce_eager": {"type": "bool"},
+    "shutdown_timeout": {"type": "int"},
 }
 
 #: The tool settings, passed as llama-launcher's own options.
