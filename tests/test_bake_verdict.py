@@ -278,8 +278,14 @@ def test_a_vllm_queueing_where_the_baseline_queued_too_is_no_bad_sample() -> Non
     assert verdict.soft_signals(POLICY, base, queued(3, preemptions=5), BUSY_WINDOW, 200) == []
 
 
-def test_a_baseline_never_sampled_at_that_load_judges_no_queue() -> None:
+def test_a_baseline_never_sampled_at_that_load_judges_no_preemption() -> None:
     base = Baseline(1, waited_by_busy={1: 0})
+    assert verdict.soft_signals(POLICY, base, queued(3, preemptions=2), BUSY_WINDOW, 200) is None
+
+
+def test_a_queue_without_preemptions_is_no_sign() -> None:
+    """Fewer sequences (--max-num-seqs) queue by design."""
+    base = Baseline(1, waited_by_busy={2: 0, 4: 0})
     assert verdict.soft_signals(POLICY, base, queued(3), BUSY_WINDOW, 200) is None
 
 

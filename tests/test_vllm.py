@@ -87,6 +87,10 @@ def vunit(sandbox: Sandbox, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         "--kv-cache-memory-bytes", "128M",
         "--dtype", "bfloat16",
         "--enforce-eager",
+        # no drain of vLLM's own at a stop: the deploy drains first (its /metrics, the front
+        # held), and each of this file's restarts is 4 s shorter (scripts/bench-vllm runs
+        # the default, 10 s)
+        "--shutdown-timeout", "0",
         "--front", "haproxy",
     )  # fmt: skip
     assert (rc, out["outcome"]) == (0, "deployed"), out
@@ -188,6 +192,24 @@ def test_a_kv_budget_too_small_for_the_window_is_refused(vunit: VllmHost) -> Non
     # 512 KiB at 256 bytes a token (fp8) is 2,048 tokens, one block of them vLLM's own
     assert "less than one sequence of --max-model-len 2048" in out["message"], out
     assert vunit.live() == live
+
+
+def test_a_deploy_for_another_server_than_the_units_is_refused(vunit: VllmHost) -> None:
+    live = vunit.live()
+    rc, out = vunit.run("deploy", "--backend", "llama-server", "-m", "/srv/m.gguf")
+    assert rc == 2 and "the unit runs vllm" in out["message"], out
+    assert vunit.live() == live
+
+
+def test_a_vllm_unit_in_system_scope_is_refused_before_anything_changes(
+    vunit: VllmHost,
+) -> None:
+    model = str(realvllm.tiny_model())
+    env = {"LLAMA_LAUNCHER_UNIT": "ll-vllm-system.service"}
+    rc, out = vunit.run("install", "--scope", "system", "--backend", "vllm", model,
+                        "--kv-cache-memory-bytes", "128M", env=env)  # fmt: skip
+    assert rc == 2 and "installs in user scope for now" in out["message"], out
+    assert not (vunit.sandbox.unit_dir / "ll-vllm-system.service").exists()
 
 
 def test_a_config_vllm_refuses_at_start_is_rolled_back_and_the_old_one_serves(

@@ -36,7 +36,7 @@ def tiny_folder(tmp_path: Path, tokenizer: bool = True) -> Path:
     """A model folder with the tiny model's config.json (hidden 128, 4 heads, 2 KV heads, 2
     layers: 512 bytes a token in bf16)."""
     folder = tmp_path / "tiny"
-    folder.mkdir()
+    folder.mkdir(exist_ok=True)
     shape = {
         "hidden_size": 128,
         "num_attention_heads": 4,
@@ -200,6 +200,8 @@ def test_why_vllm_did_not_start_is_classified(line: str, kind: str) -> None:
         ("200 OK", ("requests", "completions")),
         ("400 Bad Request", ("requests", "completions", "failures", "too_long")),
         ("404 Not Found", ("requests", "completions", "failures", "decode_failed")),
+        ("503 Service Unavailable", ("requests", "completions", "failures", "decode_failed")),
+        ("401 Unauthorized", ("requests",)),
     ],
 )
 def test_the_access_log_counts_each_generation_request(status: str, counts: tuple[str]) -> None:
@@ -220,8 +222,9 @@ def test_vllms_metrics_read_as_the_samplers_counters() -> None:
             'vllm:num_requests_waiting{engine="0",model_name="tiny"} 2.0',
             'vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.25',
             'vllm:num_preemptions_total{engine="0",model_name="tiny"} 3.0',
-            'vllm:prompt_tokens_total{engine="0",model_name="tiny"} 22.0',
-            'vllm:generation_tokens_total{engine="0",model_name="tiny"} 12.0',
+            'vllm:request_prompt_tokens_sum{engine="0",model_name="tiny"} 22.0',
+            'vllm:request_generation_tokens_sum{engine="0",model_name="tiny"} 12.0',
+            'vllm:generation_tokens_total{engine="0",model_name="tiny"} 15.0',
             'vllm:request_prefill_time_seconds_sum{engine="0",model_name="tiny"} 0.02',
             'vllm:request_decode_time_seconds_sum{engine="0",model_name="tiny"} 0.03',
         ]
@@ -231,3 +234,32 @@ def test_vllms_metrics_read_as_the_samplers_counters() -> None:
     assert m.counters["preemptions_total"] == 3.0
     assert (m.gauges["requests_processing"], m.gauges["requests_deferred"]) == (1.0, 2.0)
     assert m.process_start == "1.79646438341e+09"
+
+
+def test_a_window_reads_as_vllm_reads_it(tmp_path: Path) -> None:
+    assert cfg(tmp_path, "--max-model-len", "2K").max_model_len == 2048
+
+
+def test_a_switch_with_a_value_is_read_as_that_value(tmp_path: Path) -> None:
+    assert cfg(tmp_path, "--enforce-eager=false").enforce_eager is False
+    with pytest.raises(ConfigInvalid, match="'maybe' is not true or false"):
+        cfg(tmp_path, "--enforce-eager=maybe")
+
+
+def test_a_pool_vllm_sizes_itself_is_planned_as_its_own_not_refused(tmp_path: Path) -> None:
+    c = cfg(tmp_path, "--max-model-len", "2048", "--kv-cache-memory-bytes", "1M")
+    plan, notes = vconfig.pool_plan(c, vconfig.ModelShape.read(c.model), cpu=False)
+    assert not plan.exact
+    assert "the KV pool is vLLM's to size (on a GPU" in notes[0]
+
+
+def test_a_model_config_that_is_no_object_is_refused_naming_the_file(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ConfigInvalid, match="is no JSON object"):
+        vconfig.ModelShape.read(tmp_path)
+
+
+def test_an_env_file_with_both_servers_is_refused() -> None:
+    values = {"LLAMA_SERVER": "/bin/llama-server", "VLLM_PYTHON": PYTHON, "EXTRA_ARGS": "/m"}
+    with pytest.raises(launch.LaunchError, match="sets both LLAMA_SERVER and VLLM_PYTHON"):
+        launch.argv_from_values(values)

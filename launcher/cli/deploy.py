@@ -78,7 +78,7 @@ def config_from(ns: argparse.Namespace, base: dict[str, Any] | None = None) -> A
             raise ConfigInvalid(f"cannot read --config {ns.config}: {e.strerror}") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigInvalid(f"--config {ns.config} is not valid TOML: {e}") from None
-    backend = getattr(ns, "backend", None) or data.pop("backend", None) or _recorded_backend(ns)
+    backend = _backend(ns, data.pop("backend", None))
     if backend == "vllm":
         return _vllm_config(ns, data)
     if getattr(ns, "vllm_python", None):
@@ -93,18 +93,49 @@ def config_from(ns: argparse.Namespace, base: dict[str, Any] | None = None) -> A
     return config.from_flags(ns.flags, data)
 
 
+def _backend(ns: argparse.Namespace, in_config: Any) -> str:
+    """The server a desired config is for: ``--backend``, the config file's ``backend``, else
+    the one the unit's newest generation recorded (a first install's that failed its gate
+    too), else llama-server. Only ``install`` changes the server a unit runs (it rewrites
+    the unit for it); another verb asking for another is refused before anything changes."""
+    from launcher.errors import ConfigInvalid
+
+    given = getattr(ns, "backend", None)
+    if given and in_config and given != in_config:
+        raise ConfigInvalid(
+            f"--backend {given}, but --config {ns.config} says backend = {in_config!r}: give "
+            "one of them"
+        )
+    if in_config not in (None, "llama-server", "vllm"):
+        raise ConfigInvalid(
+            f"backend = {in_config!r} in --config {ns.config} is not a backend; use "
+            "'llama-server' or 'vllm'"
+        )
+    recorded = _recorded_backend(ns)
+    backend = str(given or in_config or recorded or "llama-server")
+    if recorded is not None and backend != recorded and getattr(ns, "verb", "") != "install":
+        raise ConfigInvalid(
+            f"the unit runs {recorded} (install recorded it in its generations); a deploy "
+            f"does not change the server a unit runs: install --backend {backend} does (it "
+            "rewrites the unit for it); nothing was changed"
+        )
+    return backend
+
+
 def _recorded_backend(ns: argparse.Namespace) -> str | None:
-    """The backend the unit's live generation runs (None: none deployed, or unreadable)."""
+    """The backend of the unit's newest generation (None: none stored, or unreadable)."""
     from launcher.deploy import home, store
     from launcher.errors import LauncherError
 
     try:
         st = store.Store(home.state_dir(settings_from(ns)), None)
-        live = st.live_meta() or {}
+        numbers = st.numbers()
+        newest = st.get(numbers[-1]).meta if numbers else {}
     except (LauncherError, OSError, ValueError):
         return None
-    backend = (live.get("config") or {}).get("backend")
-    return str(backend) if backend else None
+    if not (newest.get("config") or newest.get("argv")):
+        return None
+    return "vllm" if (newest.get("config") or {}).get("backend") == "vllm" else "llama-server"
 
 
 def _vllm_config(ns: argparse.Namespace, data: dict[str, Any]) -> AnyConfig:
@@ -277,7 +308,10 @@ def cmd_set(ns: argparse.Namespace) -> int:
     from launcher.errors import ConfigInvalid
 
     if not ns.flags:
-        raise ConfigInvalid("set needs llama-server flags, e.g. llama-launcher set -ctk q8_0")
+        raise ConfigInvalid(
+            "set needs the server's flags, e.g. llama-launcher set -ctk q8_0 (a vLLM unit: "
+            "set --max-num-seqs 8)"
+        )
     flags = ns.flags + (["--allow-overcommit"] if ns.allow_overcommit else [])
     from launcher import config
     from launcher.host import envfile

@@ -120,6 +120,12 @@ def run(ns: argparse.Namespace) -> int:
     ns.unit = _default_unit(ns)
     pool_hint, hint_source, model = ns.pool, "--pool", ns.model
     live = _live_generation(ns.unit) if ns.unit else None
+    if live is not None and (live.meta.get("config") or {}).get("backend") == "vllm":
+        raise ConfigInvalid(
+            f"{ns.unit} runs vLLM, which answers a prompt too long with a 400 and queues what "
+            "its pool cannot hold (it never fails a request with 'Context size has been "
+            "exceeded'): `llama-launcher status` and `check` say its pool and its queue"
+        )
     if live is not None:
         if pool_hint is None and live.meta.get("planned"):
             pool_hint = int(live.meta["planned"]["pool_cells"])

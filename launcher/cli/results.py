@@ -81,7 +81,7 @@ def _plan_lines(result: Result, verbose: bool) -> list[str]:
         )
         if front := p.get("front"):
             lines.append(
-                f"  address: clients use {front['public']} (the front); llama-server "
+                f"  address: clients use {front['public']} (the front); the server "
                 f"listens on {front['server']}"
             )
             if front.get("routing"):

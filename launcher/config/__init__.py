@@ -18,7 +18,6 @@ from launcher.config.argv import (
     build,
     env_values,
     from_flags,
-    merge_extra,
     of,
     onto,
     parse_flags,
@@ -38,6 +37,7 @@ from launcher.config.server import (
     ServerConfig,
     admission_note,
     config_error,
+    merge_extra,
     overcommit_message,
     overcommit_warning,
 )

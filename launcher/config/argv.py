@@ -16,9 +16,19 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from launcher.config import vllm
-from launcher.config.server import FLAGS, SPELLING, ServerConfig, config_error, example, group_flags
+from launcher.config.server import (
+    FLAGS,
+    SPELLING,
+    ServerConfig,
+    config_error,
+    example,
+    group_flags,
+    merge_extra,
+)
 from launcher.config.vllm import VllmConfig
+from launcher.config.vllm import build as vllm_build
+from launcher.config.vllm import from_flags as vllm_flags
+from launcher.config.vllm import remove_flags as vllm_remove
 from launcher.errors import ConfigInvalid
 from launcher.host import envfile
 from launcher.server import binary
@@ -118,31 +128,22 @@ def of(data: dict[str, Any]) -> ServerConfig | VllmConfig:
     """The typed config of a unit's recorded config, whichever its backend (``backend``:
     ``vllm`` for a vLLM unit, none for llama-server)."""
     if data.get("backend") == "vllm":
-        return vllm.build(data)
+        return vllm_build(data)
     return build(data)
 
 
 def onto(tokens: Sequence[str], base: dict[str, Any]) -> ServerConfig | VllmConfig:
     """``from_flags`` for either backend: a vLLM unit's live config takes vLLM's flags."""
     if base.get("backend") == "vllm":
-        return vllm.from_flags(tokens, base)
+        return vllm_flags(tokens, base)
     return from_flags(tokens, base)
 
 
 def without(data: dict[str, Any], names: Sequence[str]) -> ServerConfig | VllmConfig:
     """``unset`` for either backend."""
     if data.get("backend") == "vllm":
-        return vllm.build(vllm.remove_flags(data, names))
+        return vllm_build(vllm_remove(data, names))
     return build(remove_flags(data, names))
-
-
-def merge_extra(current: tuple[str, ...], new: Sequence[str]) -> tuple[str, ...]:
-    """Add ``new`` extra flags to ``current``, replacing a flag's previous occurrence."""
-    groups = group_flags(list(current))
-    for name, words in group_flags(list(new)):
-        groups = [(n, w) for n, w in groups if n != name]
-        groups.append((name, words))
-    return tuple(w for _, ws in groups for w in ws)
 
 
 def remove_flags(data: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:

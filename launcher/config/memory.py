@@ -352,6 +352,30 @@ def releasable_memory(state: UnitState) -> int:
     return proc_status_bytes(state.main_pid, "RssAnon") or 0
 
 
+def tree_releasable(state: UnitState, proc: Path = Path("/proc")) -> int:
+    """``releasable_memory`` over the main process and its descendants: vLLM's KV cache and
+    weights live in its engine's and workers' processes, not in its main one."""
+    if not state.running or state.main_pid <= 0:
+        return 0
+    parents: dict[int, int] = {}
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_bytes()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        if len(fields) > 1:
+            parents[int(entry.name)] = int(fields[1])
+    tree, grew = {state.main_pid}, True
+    while grew:
+        more = {pid for pid, ppid in parents.items() if ppid in tree} - tree
+        tree |= more
+        grew = bool(more)
+    return sum(proc_status_bytes(pid, "RssAnon") or 0 for pid in tree)
+
+
 def process_memory(state: UnitState) -> int | None:
     """The service's memory: the cgroup's MemoryCurrent, else MainPID's RSS from /proc."""
     if state.memory_current:

@@ -11,7 +11,7 @@ reaches argv; llama-server reads it from ``API_KEY_FILE`` (``--api-key-file``).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -119,6 +119,15 @@ def group_flags(words: list[str]) -> list[tuple[str, list[str]]]:
         else:
             groups.append((w, [w]))
     return groups
+
+
+def merge_extra(current: tuple[str, ...], new: Sequence[str]) -> tuple[str, ...]:
+    """Add ``new`` extra flags to ``current``, replacing a flag's previous occurrence."""
+    groups = group_flags(list(current))
+    for name, words in group_flags(list(new)):
+        groups = [(n, w) for n, w in groups if n != name]
+        groups.append((name, words))
+    return tuple(w for _, ws in groups for w in ws)
 
 
 def _hint_choices(value: object, choices: Iterable[str]) -> str:

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 from launcher import config
 from launcher.config import memory
 from launcher.config import vllm as vllm_config
-from launcher.errors import CommandError, ConfigInvalid, ValidationFailed
+from launcher.errors import CommandError, ConfigInvalid, MemoryGuardError, ValidationFailed
 from launcher.host import launch, ports, proc, service, units
 from launcher.server import binary, devices, filefacts, kvbytes, kvlayout, vllm
 
@@ -137,6 +137,11 @@ class Validated:
         if not isinstance(self.config, config.VllmConfig):
             return self.plan.describe(self.admitted)
         p = self.plan
+        if not p.exact:
+            return (
+                f"vLLM {p.n_slots} sequences x {p.n_ctx_slot} tokens, one KV pool vLLM sizes "
+                "at start (its KV cache line says how large)"
+            )
         text = (
             f"vLLM {p.n_slots} sequences x {p.n_ctx_slot} tokens, one KV pool of {p.n_ctx} tokens"
         )
@@ -155,11 +160,17 @@ class Validated:
             "argv": self.argv,
             "config": self.config.masked(),
             "model": self.model,
-            ("vllm" if isinstance(self.server, vllm.VllmInfo) else "llama_server"): {
-                "path": self.server.path,
-                "version": self.server.version,
-                "fingerprint": self.server.fingerprint,
-            },
+            **(
+                {"vllm": self.server.meta()}
+                if isinstance(self.server, vllm.VllmInfo)
+                else {
+                    "llama_server": {
+                        "path": self.server.path,
+                        "version": self.server.version,
+                        "fingerprint": self.server.fingerprint,
+                    }
+                }
+            ),
             "kv_estimate": self.memory.to_dict(),
         }
 
@@ -534,7 +545,7 @@ def check_port(
     raise ValidationFailed(
         "port",
         f"the port {cfg.port} on {cfg.host} is held by {who}, listening on {where}; "
-        f"llama-server could not bind it and would exit at start. Give another --port, or "
+        f"the server could not bind it and would exit at start. Give another --port, or "
         f"{stop}; nothing was changed",
     )
 
@@ -577,6 +588,8 @@ def beside_state(
             running = unit_state()
             if not running or not running.running:
                 return {}
+            if isinstance(cfg, config.VllmConfig):  # its engine's processes hold its memory
+                return {"host": memory.tree_releasable(running)}
             on_devices = memory.device_releasable(live_meta())
             return {**on_devices, "host": memory.releasable_memory(running)}
 
@@ -709,21 +722,24 @@ def validate_vllm(
     if said:
         raise ValidationFailed("pool", said)
     try:
-        plan, notes = vllm_config.pool_plan(cfg, shape)
+        plan, notes = vllm_config.pool_plan(cfg, shape, info.cpu)
     except ConfigInvalid as e:
         raise ValidationFailed("pool", str(e)) from None
-    kv = cfg.kv_cache_memory_bytes
-    weights = int(model.get("weights_bytes") or 0)
-    need = memory.Need(
-        kv=kv,
-        weights=weights + VLLM_OVERHEAD,
-        cache_ram=0,
-        estimate={"kv_tokens": plan.n_ctx, "bytes_per_token": shape.bytes_per_token(cfg)},
-        unsupported=None if kv else "vLLM sizes its KV cache by --gpu-memory-utilization",
-    )
-    memory.guard(
-        need, releasable() if callable(releasable) else releasable, force_memory, available
-    )
+    need = vllm_need(cfg, shape, model, info.cpu)
+    if need.total is not None and not force_memory:
+        frees = releasable() if callable(releasable) else releasable
+        host = frees if isinstance(frees, int) else frees.get("host", 0)
+        free = (memory.mem_available() if available is None else available) + host
+        if need.total > free:
+            raise MemoryGuardError(
+                f"vLLM needs about {need.total / memory.MiB:,.0f} MiB of this host (its KV "
+                f"budget {(need.kv or 0) / memory.MiB:,.0f} + weights and its engine "
+                f"{need.weights / memory.MiB:,.0f}) but the host can give "
+                f"{free / memory.MiB:,.0f} MiB (MemAvailable + {host / memory.MiB:,.0f} the "
+                "running server frees). Cheapest fixes: a smaller --kv-cache-memory-bytes; "
+                "--kv-cache-dtype fp8 (half the bytes a token: the same pool in half the "
+                "budget); free memory. Or deploy anyway with --force-memory."
+            )
     return Validated(
         cfg, text, values, expected, plan, model, info, need, steps=VLLM_STEPS, notes=tuple(notes)
     )
@@ -744,11 +760,42 @@ def served_vllm(
         raise ValidationFailed("flags", f"{unknown[0]} is no longer a flag of {info.name}")
     shape, model = vllm_model(cfg)
     try:
-        plan, notes = vllm_config.pool_plan(cfg, shape)
+        plan, notes = vllm_config.pool_plan(cfg, shape, info.cpu)
     except ConfigInvalid as e:
         raise ValidationFailed("pool", str(e)) from None
     return Validated(
         cfg, text, values, argv, plan, model, info, need, steps=VLLM_STEPS, notes=tuple(notes)
+    )
+
+
+def vllm_need(
+    cfg: config.VllmConfig, shape: vllm_config.ModelShape, model: dict[str, Any], cpu: bool
+) -> memory.Need:
+    """What a vLLM config takes of the host: on its CPU build the KV budget, the weights and
+    the engine (torch, the workers: ``VLLM_OVERHEAD``); on a GPU the KV cache and the weights
+    are the device's, sized by vLLM itself (the gate reads its KV line), so the host's guard
+    has nothing it can add up."""
+    weights = int(model.get("weights_bytes") or 0)
+    estimate = {
+        "bytes_per_token": shape.bytes_per_token(cfg),
+        "engine_bytes": VLLM_OVERHEAD,
+        "weights_file_bytes": weights,
+    }
+    if not cpu or not cfg.kv_cache_memory_bytes:
+        return memory.Need(
+            kv=None,
+            weights=weights,
+            cache_ram=0,
+            estimate=estimate,
+            unsupported="vLLM sizes its KV cache on the device (or by "
+            "--gpu-memory-utilization): its startup line is the check",
+        )
+    return memory.Need(
+        kv=cfg.kv_cache_memory_bytes,
+        weights=weights + VLLM_OVERHEAD,
+        cache_ram=0,
+        estimate=estimate,
+        unsupported=None,
     )
 
 

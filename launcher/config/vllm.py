@@ -16,7 +16,7 @@ of ``--max-model-len`` is refused: vLLM would exit at startup.
 
 The env file: ``VLLM_PYTHON`` (the vLLM venv's python), ``EXTRA_ARGS`` (the model folder
 and the flags) and ``API_KEY_FILE``; ``launcher.host.launch`` execs
-``VLLM_PYTHON launcher/host/vllm_main.py serve EXTRA_ARGS``.
+``VLLM_PYTHON launcher/host/vllmshim/vllm_main.py serve EXTRA_ARGS``.
 """
 
 from __future__ import annotations
@@ -213,6 +213,20 @@ class VllmConfig(BaseModel):
     def _size(cls, v: object) -> object:
         return None if v is None else size_bytes(v)
 
+    @field_validator("max_model_len", mode="before")
+    @classmethod
+    def _window(cls, v: object) -> object:
+        # vLLM reads 32k and 32K as it reads a size (human_readable_int): 32000 and 32768
+        if isinstance(v, str) and v.strip() and not v.strip().isdigit():
+            try:
+                return size_bytes(v.replace("B", "").replace("b", ""), "--max-model-len")
+            except ValueError:
+                raise ValueError(
+                    f"{v!r} is not a number of tokens for --max-model-len; e.g. 32768, 32k "
+                    "(32,000) or 32K (32,768)"
+                ) from None
+        return v
+
     @field_validator("host", "served_model_name", "vllm_python", "model", "api_key_file")
     @classmethod
     def _no_control(cls, v: Any) -> Any:
@@ -317,6 +331,11 @@ class ModelShape:
     head_dim: int
     max_position: int | None
     dtype: str | None
+    #: every layer keeps K and V of every token (no sliding window, latent or mixed
+    #: attention): the bytes a token are this arithmetic's
+    plain: bool = True
+    #: rope scaling: vLLM may derive a window past ``max_position``
+    scaled: bool = False
 
     @classmethod
     def read(cls, folder: Path) -> ModelShape:
@@ -330,25 +349,47 @@ class ModelShape:
             ) from None
         except ValueError as e:
             raise ConfigInvalid(f"{path} is not JSON ({e})") from None
-        data = data.get("text_config", data)  # a multimodal model's language half
+        if isinstance(data, dict) and isinstance(data.get("text_config"), dict):
+            data = data["text_config"]  # a multimodal model's language half
+        if not isinstance(data, dict):
+            raise ConfigInvalid(f"{path} is no JSON object: not a model's config")
         try:
             heads = int(data["num_attention_heads"])
             layers = int(data["num_hidden_layers"])
             head_dim = int(data.get("head_dim") or int(data["hidden_size"]) // heads)
-        except (KeyError, TypeError, ValueError) as e:
+            kv_heads = int(data.get("num_key_value_heads") or heads)
+            pos = data.get("max_position_embeddings")
+            max_position = int(pos) if pos else None
+        except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
             raise ConfigInvalid(
-                f"{path} lacks the attention shape ({e}); the KV budget cannot be checked"
+                f"{path} lacks the attention shape ({type(e).__name__}: {e}); the KV budget "
+                "cannot be checked"
             ) from None
-        kv_heads = int(data.get("num_key_value_heads") or heads)
-        pos = data.get("max_position_embeddings")
-        return cls(layers, kv_heads, head_dim, int(pos) if pos else None, data.get("torch_dtype"))
+        kinds = data.get("layer_types")
+        plain = not (
+            data.get("sliding_window")
+            or data.get("kv_lora_rank")
+            or (isinstance(kinds, list) and any(k != "full_attention" for k in kinds))
+        )
+        dtype = data.get("torch_dtype") or data.get("dtype")
+        return cls(
+            layers,
+            kv_heads,
+            head_dim,
+            max_position,
+            str(dtype) if dtype else None,
+            plain,
+            bool(data.get("rope_scaling")),
+        )
 
     def bytes_per_token(self, cfg: VllmConfig) -> int:
         """K and V of every layer for one token, in the KV cache's dtype (an estimate for a
-        dtype not in ``EXACT_WIDTH``: a byte a value for the 8-bit ones, half for 4-bit)."""
+        dtype not in ``EXACT_WIDTH``: a byte a value for the 8-bit ones, half for 4-bit).
+        ``auto`` stores the model's dtype, 16-bit unless ``--dtype float32`` asks for more
+        (vLLM serves a float32 checkpoint in 16 bits by default)."""
         kv = cfg.kv_cache_dtype.value if cfg.kv_cache_dtype else "auto"
         values = 2 * self.layers * self.kv_heads * self.head_dim
-        if kv == "auto" and (cfg.dtype or self.dtype) in (Dtype.float32, Dtype.float, "float32"):
+        if kv == "auto" and cfg.dtype in (Dtype.float32, Dtype.float):
             return values * 4
         if kv in EXACT_WIDTH:
             return values * EXACT_WIDTH[kv]
@@ -360,25 +401,49 @@ def kv_tokens(budget: int, per_token: int, block: int = CPU_BLOCK) -> int:
     return budget // (per_token * block) * block
 
 
-def pool_plan(cfg: VllmConfig, shape: ModelShape) -> tuple[kvlayout.PoolPlan, list[str]]:
+def exact(cfg: VllmConfig, shape: ModelShape, cpu: bool) -> str | None:
+    """Why the pool a budget holds is not this arithmetic's to say (None: it is): it is
+    exact for vLLM's CPU build on one process, a plain model, an explicit budget and a KV
+    dtype of known width; otherwise vLLM sizes it and its startup line says how large."""
+    kv = cfg.kv_cache_dtype.value if cfg.kv_cache_dtype else "auto"
+    if not cpu:
+        return "on a GPU vLLM sizes its pool (its block size and the device's own use)"
+    if (cfg.tensor_parallel_size or 1) > 1:
+        return "--tensor-parallel-size splits the pool across processes"
+    if not shape.plain:
+        return "the model's attention is not plain (sliding window, latent or mixed layers)"
+    if not cfg.kv_cache_memory_bytes or cfg.gpu_memory_utilization:
+        return "--gpu-memory-utilization sizes the pool from the memory vLLM finds"
+    if kv not in EXACT_WIDTH:
+        return f"--kv-cache-dtype {kv} packs its values with scales of its own"
+    return None
+
+
+def pool_plan(
+    cfg: VllmConfig, shape: ModelShape, cpu: bool = True
+) -> tuple[kvlayout.PoolPlan, list[str]]:
     """vLLM's pool as the launcher's plan: ``max_num_seqs`` slots of ``max_model_len`` in one
-    shared pool of the KV budget's tokens; and the notes a deploy says of it. Refuses a
-    budget that cannot hold one whole sequence (vLLM exits with 'larger than the available
-    KV cache memory')."""
+    shared pool of the KV budget's tokens; and the notes a deploy says of it. Where the
+    arithmetic is exact (``exact``), a budget that cannot hold one whole sequence is
+    refused (vLLM exits with 'larger than the available KV cache memory'); elsewhere the
+    pool is vLLM's to size, and the plan says so."""
     window = cfg.max_model_len or shape.max_position
     if window is None:
         raise ConfigInvalid(
             f"{cfg.model}/config.json gives no max_position_embeddings; set --max-model-len"
         )
-    if shape.max_position and window > shape.max_position:
+    if shape.max_position and window > shape.max_position and not shape.scaled:
         raise ConfigInvalid(
             f"--max-model-len {window} is over the model's max_position_embeddings "
             f"({shape.max_position}); vLLM refuses it at startup: use at most {shape.max_position}"
         )
-    seqs = cfg.max_num_seqs or DEFAULT_SEQS
+    seqs = cfg.max_num_seqs or (DEFAULT_SEQS if cpu else GPU_DEFAULT_SEQS)
     per_token = shape.bytes_per_token(cfg)
     notes: list[str] = []
-    if cfg.kv_cache_memory_bytes:
+    why_not = exact(cfg, shape, cpu)
+    tokens = 0
+    if why_not is None:
+        assert cfg.kv_cache_memory_bytes is not None
         tokens = kv_tokens(cfg.kv_cache_memory_bytes, per_token)
         # one block of the pool is vLLM's own (its null block): a sequence gets the rest
         # (measured: 2,048 tokens of budget serve at most 1,920)
@@ -388,11 +453,14 @@ def pool_plan(cfg: VllmConfig, shape: ModelShape) -> tuple[kvlayout.PoolPlan, li
                 f"--kv-cache-memory-bytes {cfg.kv_cache_memory_bytes} holds {tokens} tokens "
                 f"({per_token} bytes each, one block of {CPU_BLOCK} vLLM's own), less than one "
                 f"sequence of --max-model-len {window}: vLLM would exit at startup; give at "
-                f"least {need} bytes "
-                f"(--kv-cache-memory-bytes {-(-need // 2**20)}M) or a smaller --max-model-len"
+                f"least {need} bytes (--kv-cache-memory-bytes {-(-need // 2**20)}M) or a "
+                "smaller --max-model-len"
             )
     else:
-        tokens = 0  # sized by vLLM from --gpu-memory-utilization: read from its startup line
+        notes.append(
+            f"the KV pool is vLLM's to size ({why_not}): its startup line says how many "
+            "tokens it holds, and the deploy records that"
+        )
     plan = kvlayout.PoolPlan(
         n_slots=seqs,
         kv_unified=True,
@@ -402,6 +470,7 @@ def pool_plan(cfg: VllmConfig, shape: ModelShape) -> tuple[kvlayout.PoolPlan, li
         per_slot_cap=0,
         pool_sized_by_per_slot=False,
         n_ctx_train=shape.max_position,
+        exact=why_not is None,
     )
     if cfg.max_num_seqs is None:
         notes.append(
@@ -418,8 +487,10 @@ def pool_plan(cfg: VllmConfig, shape: ModelShape) -> tuple[kvlayout.PoolPlan, li
     return plan, notes
 
 
-#: ``--max-num-seqs`` when not given: vLLM's default for ``vllm serve`` on CPU
+#: ``--max-num-seqs`` when not given: vLLM's default for ``vllm serve`` on CPU, and on most
+#: GPUs (1024 on one of 70 GiB or more: an H100, an H200; engine/arg_utils.py, 0.32)
 DEFAULT_SEQS = 128
+GPU_DEFAULT_SEQS = 256
 
 
 # -- flags <-> config ------------------------------------------------------------------------
@@ -452,7 +523,7 @@ def parse_flags(tokens: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
             i += 1
             continue
         if flag.kind == "switch":
-            fields[flag.field] = True
+            fields[flag.field] = _switch(name, inline) if eq else True
             i += 1
             continue
         if eq:
@@ -463,6 +534,14 @@ def parse_flags(tokens: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
             raise ConfigInvalid(f"{name} needs a value, e.g. {name} {_EXAMPLE.get(flag.field, 4)}")
         fields[flag.field] = value
     return fields, extra
+
+
+def _switch(name: str, value: str) -> bool:
+    if value.lower() in ("true", "1", "yes"):
+        return True
+    if value.lower() in ("false", "0", "no"):
+        return False
+    raise ConfigInvalid(f"{name}={value!r} is not true or false; e.g. {name} or --no-{name[2:]}")
 
 
 _EXAMPLE = {
@@ -485,7 +564,7 @@ def build(data: dict[str, Any]) -> VllmConfig:
 
 
 def from_flags(tokens: Sequence[str], base: dict[str, Any]) -> VllmConfig:
-    from launcher.config.argv import merge_extra
+    from launcher.config.server import merge_extra
 
     fields, extra = parse_flags(tokens)
     data = {**base, **fields}

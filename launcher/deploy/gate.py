@@ -242,7 +242,7 @@ class Gate:
             "non_default_args": {k: repr(v) for k, v in startup.non_default.items()},
         }
         if plan is not None:
-            _compare_vllm(plan, startup, self.argv, log)
+            self.warnings += _compare_vllm(plan, startup, self.argv, log)
         if isinstance(asked, BaseException):
             raise asked
         props = {
@@ -555,26 +555,41 @@ class _Watch:
 
 def _compare_vllm(
     plan: kvlayout.PoolPlan, startup: vllm.Startup, argv: list[str], log: list[str]
-) -> None:
-    """vLLM's lines against the plan: every flag in ``non-default args`` that the argv
-    sets has the argv's value; the KV line's window is the planned one, and its pool the
-    planned tokens where the budget is explicit (``plan.n_ctx``)."""
+) -> list[str]:
+    """vLLM's lines against the plan, failing the gate where they differ: every typed flag
+    the argv sets that ``non-default args`` names has the argv's value there (a flag it
+    leaves out is at vLLM's default, which the argv asked for); the KV line's window is
+    ``--max-model-len``, and where the plan's arithmetic is exact (``plan.exact``) its pool
+    and its concurrency are the planned ones. Returns what the lines say beside the plan: a
+    pool vLLM sized that holds fewer whole sequences than ``--max-num-seqs``, a line it
+    could not read."""
     bad: list[str] = []
+    said: list[str] = []
     nd = startup.non_default
-    seqs = nd.get("max_num_seqs")
-    if seqs is not None and seqs != plan.n_slots:
-        bad.append(f"max_num_seqs = {seqs} (planned {plan.n_slots})")
+    if "unread" in nd:
+        said.append(f"vLLM's non-default args line could not be read: {str(nd['unread'])[:200]}")
+    fields, _ = vllm_config.parse_flags(argv[3:])
+    for name, value in fields.items():
+        key = vllm_config.NON_DEFAULT_KEY.get(name)
+        if key is None or key not in nd:
+            continue
+        got = nd[key][0] if isinstance(nd[key], list) and len(nd[key]) == 1 else nd[key]
+        if not _same(got, value):
+            bad.append(f"{key} = {got!r} (the argv says {value!r})")
     if startup.n_ctx_slot != plan.n_ctx_slot:
         bad.append(f"the window = {startup.n_ctx_slot} tokens (planned {plan.n_ctx_slot})")
-    explicit = any(w == "--kv-cache-memory-bytes" for w in argv)
-    dtype = argv[argv.index("--kv-cache-dtype") + 1] if "--kv-cache-dtype" in argv else "auto"
-    if explicit and dtype in vllm_config.EXACT_WIDTH and startup.pool_cells != plan.n_ctx:
-        bad.append(f"the KV cache = {startup.pool_cells} tokens (planned {plan.n_ctx})")
-    for flag, key in (("--kv-cache-dtype", "kv_cache_dtype"), ("--dtype", "dtype")):
-        if flag in argv and key in nd:
-            want = argv[argv.index(flag) + 1]
-            if str(nd[key]) != want:
-                bad.append(f"{key} = {nd[key]} (planned {want})")
+    if plan.exact:
+        if startup.pool_cells != plan.n_ctx:
+            bad.append(f"the KV cache = {startup.pool_cells} tokens (planned {plan.n_ctx})")
+        want = plan.n_ctx / plan.n_ctx_slot
+        if abs(startup.concurrency - want) > 0.01 * max(want, 1):
+            bad.append(f"the maximum concurrency = {startup.concurrency:g}x (planned {want:.2f}x)")
+    elif startup.concurrency < plan.n_slots:
+        said.append(
+            f"vLLM's KV pool holds {startup.pool_cells} tokens: {startup.concurrency:g} "
+            f"sequences of {startup.n_ctx_slot} at once, fewer than --max-num-seqs "
+            f"{plan.n_slots}; when all are long the rest wait (vLLM preempts, none fails)"
+        )
     if bad:
         raise GateFailure(
             "startup",
@@ -582,6 +597,17 @@ def _compare_vllm(
             "vLLM's startup lines differ from the plan: " + ", ".join(bad),
             log[-30:],
         )
+    return said
+
+
+def _same(got: Any, want: Any) -> bool:
+    """A ``non-default args`` value (Python's) against the argv's word."""
+    if isinstance(got, bool) or isinstance(want, bool):
+        return str(got).lower() == str(want).lower()
+    try:
+        return float(got) == float(want)
+    except (TypeError, ValueError):
+        return str(got) == str(want)
 
 
 def _compare(plan: kvlayout.PoolPlan, startup: dict[str, Any], log: list[str]) -> None:

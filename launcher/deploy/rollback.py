@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from launcher import config
 from launcher.config import memory, validate
+from launcher.config import vllm as vllm_config
 from launcher.deploy import budgets, keys, store
 from launcher.deploy.gate import Gate, together
 from launcher.deploy.restart import bridge, fronthold
@@ -65,7 +66,7 @@ from launcher.errors import (
 )
 from launcher.host import envfile, launch, service
 from launcher.host.systemd import Systemd, UnitState
-from launcher.server import slotsave, vllm
+from launcher.server import kvlayout, slotsave, vllm
 
 if TYPE_CHECKING:
     from launcher.deploy.outcome import Result
@@ -224,6 +225,21 @@ def _config(gen: store.Generation, argv: list[str], key_file: str | None) -> con
         ) from e
 
 
+def _plan_of(gen: store.Generation) -> kvlayout.PoolPlan:
+    """The pool a stored generation was planned with, for the gate of its restore."""
+    cfg = config.of(dict(gen.meta["config"]))
+    if isinstance(cfg, config.VllmConfig):
+        shape = vllm_config.ModelShape.read(cfg.model)
+        return vllm_config.pool_plan(cfg, shape, _cpu_of(gen))[0]
+    return cfg.pool_plan(gen.meta.get("model", {}).get("n_ctx_train"))
+
+
+def _cpu_of(gen: store.Generation) -> bool:
+    """Whether a vLLM generation ran vLLM's CPU build (its recorded version says so)."""
+    info = gen.meta.get("vllm") or {}
+    return bool(info.get("cpu")) or "+cpu" in str(info.get("version", ""))
+
+
 def _need(estimate: dict[str, Any] | None) -> memory.Need:
     """The memory estimate recorded when the generation was deployed (not re-made)."""
     e = estimate or {}
@@ -340,9 +356,7 @@ class Reverter:
             with contextlib.suppress(StoreError, ConfigInvalid, KeyError):
                 gen = self.store.get(int(number))
                 load = budgets.Load.of_meta(gen.meta)
-                plan = config.build(dict(gen.meta["config"])).pool_plan(
-                    gen.meta.get("model", {}).get("n_ctx_train")
-                )
+                plan = _plan_of(gen)
         # the budget its own generation needed; the stop is a phase of its own (a hung
         # server that ignores SIGTERM takes TimeoutStopSec to go, and the start waits)
         budget = budgets.for_rollback(self.gate.waits, load)

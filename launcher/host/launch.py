@@ -4,7 +4,7 @@
 ``launcher.host.envfile``, builds llama-server's argv and replaces itself with llama-server
 (``os.execve``), so systemd supervises llama-server directly: signals and exit statuses pass
 through unchanged. An env file with ``VLLM_PYTHON`` instead of ``LLAMA_SERVER`` runs vLLM:
-``VLLM_PYTHON launcher/host/vllm_main.py serve EXTRA_ARGS`` (``vllm_argv``), its key handed
+``VLLM_PYTHON launcher/host/vllmshim/vllm_main.py serve EXTRA_ARGS`` (``vllm_argv``), its key handed
 over in ``VLLM_API_KEY``, never on its command line. A configuration error of the
 launcher's own exits with ``EX_CONFIG`` (78), which the units list in
 ``RestartPreventExitStatus=``.
@@ -27,8 +27,10 @@ from launcher.host import envfile
 #: would silently change llama-server behind the typed config's back.
 KEYS = ("LLAMA_SERVER", "VLLM_PYTHON", "EXTRA_ARGS", "API_KEY_FILE")
 REQUIRED = ("LLAMA_SERVER", "EXTRA_ARGS")
-#: the shim vLLM's python runs (``launcher.host.vllm_main``), beside this file
-VLLM_SHIM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_main.py")
+#: the shim vLLM's python runs, alone in a folder of its own: python puts a script's folder
+#: first on its import path, where this folder's modules (proc, ports, ...) would shadow
+#: vLLM's imports
+VLLM_SHIM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllmshim", "vllm_main.py")
 #: Environment variables llama-server reads as flags; removed so only the argv counts.
 _SCRUBBED_PREFIXES = ("LLAMA_ARG_",)
 _SCRUBBED = ("LLAMA_API_KEY", "PYTHONPATH")  # PYTHONPATH: the unit's, for the launcher only
@@ -73,7 +75,12 @@ def argv_from_values(
             f"llama-server){reads}; an env file for llama-launcher holds only "
             f"{', '.join(KEYS)} (llama-server flags go into EXTRA_ARGS)"
         )
-    vllm = "VLLM_PYTHON" in values and "LLAMA_SERVER" not in values
+    if "VLLM_PYTHON" in values and "LLAMA_SERVER" in values:
+        raise LaunchError(
+            f"{where('VLLM_PYTHON')}: the env file sets both LLAMA_SERVER and VLLM_PYTHON; "
+            "one unit runs one server: keep the one of its backend (install --backend)"
+        )
+    vllm = "VLLM_PYTHON" in values
     required = ("VLLM_PYTHON", "EXTRA_ARGS") if vllm else REQUIRED
     missing = [k for k in required if not values.get(k)]
     if missing:
@@ -115,11 +122,6 @@ def vllm_argv(python: str, words: Sequence[str]) -> list[str]:
 
 
 def _vllm_from(values: Mapping[str, str], words: list[str], where: Any) -> list[str]:
-    if "LLAMA_SERVER" in values:
-        raise LaunchError(
-            f"{where('VLLM_PYTHON')}: the env file sets both LLAMA_SERVER and VLLM_PYTHON; "
-            "one unit runs one server: keep the one of its backend"
-        )
     for word in words:
         if word == "--api-key" or word.startswith("--api-key="):
             raise LaunchError(
@@ -214,8 +216,10 @@ def server_environ(
     if added:
         if not env.get("VLLM_CPU_KVCACHE_SPACE", "x").strip():
             del env["VLLM_CPU_KVCACHE_SPACE"]
+        env.pop("VLLM_API_KEY", None)  # only the env file's key: an inherited one is not
+
         for k, v in added.items():
-            env[k] = v if k == "VLLM_API_KEY" else env.get(k, v)
+            env.setdefault(k, v)
     return env
 
 
@@ -253,7 +257,8 @@ def _parse_args(args: Sequence[str]) -> tuple[str, bool, str | None]:
             print_argv, i = True, i + 1
         elif a in ("-h", "--help"):
             print(
-                _USAGE + "\n\nRead the env file strictly and exec llama-server "
+                _USAGE
+                + "\n\nRead the env file strictly and exec its server (llama-server, or vLLM) "
                 "(--port N: listen on N whatever the env file says; --print-argv: print the "
                 "argv as JSON and exit)."
             )

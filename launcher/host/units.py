@@ -365,6 +365,7 @@ def render_standby(
     scope: Literal["system", "user"] = "system",
     state_dir: str | None = None,
     site: Site | None = None,
+    server: Literal["llama-server", "vllm"] = "llama-server",
 ) -> str:
     """The unit file of ``unit``'s second instance (``launcher.deploy.restart.standby``):
     llama-server on the front's standby ``port``, from an env file of its own (``env_file``:
@@ -392,7 +393,11 @@ def render_standby(
             f"shared\nUser={user}\n",
             1,
         )
+    label, docs, stop = _SERVERS[server]
     return _TEMPLATE.format(
+        server=label,
+        docs=docs,
+        stop=stop,
         what=f" (the second instance of {unit})",
         after=("After=network-online.target\nWants=network-online.target\n" if system else ""),
         python=python,

@@ -254,6 +254,13 @@ def install(
     template gets the site settings it was given in a drop-in of its own
     (``llama-server@NAME.service.d/``), so another instance's install never changes them.
     """
+    if isinstance(cfg, config.VllmConfig) and settings.scope == "system":
+        raise ConfigInvalid(
+            "--backend vllm installs in user scope for now: the hardened system unit "
+            "(DynamicUser, ProtectHome, MemoryDenyWriteExecute) is not tested with vLLM, "
+            "which writes a cache under its home and generates code at run time; install as "
+            "a user with linger (--scope user); nothing was changed"
+        )
     the_front, spec = _refuse_early(settings, cfg, template, front_kind, second_instance)
     if admission is not None and front_kind != "haproxy":
         raise ConfigInvalid(
@@ -413,6 +420,12 @@ def require_second_instance(settings: config.ToolSettings, front_kind: str, temp
         )
 
 
+def _runs_vllm(state_dir: Path) -> bool:
+    """Whether the unit's live generation runs vLLM (``install --backend vllm``)."""
+    live = store.Store(state_dir).live_meta() or {}
+    return (live.get("config") or {}).get("backend") == "vllm"
+
+
 def install_standby(
     settings: config.ToolSettings,
     spec: front.FrontSpec,
@@ -439,6 +452,7 @@ def install_standby(
         settings.scope,
         str(state_dir),
         site,
+        "vllm" if _runs_vllm(state_dir) else "llama-server",
     )
     write_unit(unit_dir / name, text, force)
     systemd.daemon_reload()

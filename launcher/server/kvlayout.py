@@ -45,6 +45,9 @@ class PoolPlan:
     per_slot_cap: int  # --kv-unified-per-slot, 0 when unset
     pool_sized_by_per_slot: bool  # the server sized the pool as n_slots * cap
     n_ctx_train: int | None
+    #: the pool's size is this plan's own arithmetic (False: a vLLM pool the server sizes,
+    #: on a GPU or by --gpu-memory-utilization; its startup line says it)
+    exact: bool = True
 
     @property
     def streams(self) -> int:

@@ -85,11 +85,14 @@ def parse(text: str) -> dict[str, float]:
     return values
 
 
-#: vLLM's names for the same figures (``launcher.server.vllm``): counters, then gauges
+#: vLLM's names for the same figures (``launcher.server.vllm``): counters, then gauges. The
+#: tokens are its per-request histograms' sums, observed as each request finishes, like the
+#: seconds beside them (``generation_tokens_total`` grows while a request streams, its
+#: seconds only at its end: their ratio would jump with long streams)
 VLLM_COUNTERS = {
-    "prompt_tokens_total": "vllm:prompt_tokens_total",
+    "prompt_tokens_total": "vllm:request_prompt_tokens_sum",
     "prompt_seconds_total": "vllm:request_prefill_time_seconds_sum",
-    "tokens_predicted_total": "vllm:generation_tokens_total",
+    "tokens_predicted_total": "vllm:request_generation_tokens_sum",
     "tokens_predicted_seconds_total": "vllm:request_decode_time_seconds_sum",
     "preemptions_total": "vllm:num_preemptions_total",
 }

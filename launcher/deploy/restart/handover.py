@@ -257,7 +257,12 @@ class Handover(Bridging):
         report: dict[str, Any] = {"saved": [], "restored": [], "skipped": []}
         self.report["slots"] = report
         if self.save_dir is None:
-            report["note"] = "the live config has no --slot-save-path: no cache is carried"
+            vllm = cfg.get("backend") == "vllm"
+            report["note"] = (
+                "vLLM keeps no slot cache to carry"
+                if vllm
+                else "the live config has no --slot-save-path: no cache is carried"
+            )
             return
         drained = self.report.get("drain", {})
         if self.old is None or "skipped" in drained or drained.get("timed_out"):
