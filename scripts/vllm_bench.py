@@ -84,7 +84,7 @@ def phases(out: dict[str, Any]) -> str:
     stop = ((out.get("handover") or {}).get("stop") or {}).get("exited_after")
     return (
         f"total {t.get('total', '?')} s, restart to serving {t.get('restart_to_serving', '?')} s "
-        f"(startup lines at {t.get('startup_line', '?')} s), old vLLM gone after {stop} s"
+        f"(healthy at {t.get('healthy', '?')} s), old vLLM gone after {stop} s"
     )
 
 
@@ -156,9 +156,12 @@ def main() -> None:
             th.start()
             st = store.Store(tmp / "state")
             b = None
+            judged = None
             while time.monotonic() - back < 300:
                 b = bake.load(st.get(int(gen)).path) if gen else None
-                if b is None or not b.running:
+                if b is not None and b.verdict is not None and judged is None:
+                    judged = time.monotonic() - back
+                if b is None or b.state not in (bake.RUNNING, bake.REVERTING):
                     break
                 time.sleep(0.2)
             reverted = time.monotonic() - back
@@ -166,8 +169,9 @@ def main() -> None:
             th.join(300)
             print("\n== set --served-model-name renamed --bake 10m (clients ask for the old name)")
             print(f"  deploy: {out.get('outcome')}; bake: {b.state if b else '?'} "
-                  f"({b.verdict.signal if b and b.verdict else '-'}) {reverted:.1f} s after the "
-                  "deploy returned")  # fmt: skip
+                  f"({b.verdict.signal if b and b.verdict else '-'}): judged "
+                  f"{judged if judged is None else round(judged, 1)} s and the previous config "
+                  f"serving {reverted:.1f} s after the deploy returned")  # fmt: skip
             print(f"  the client's requests meanwhile: {answered[0]}, failed {failed[0]}")
         finally:
             subprocess.run(

@@ -113,6 +113,8 @@ def test_install_gates_vllm_on_its_own_startup_lines_and_a_real_completion(
     unit = (vunit.sandbox.unit_dir / vunit.unit).read_text()
     assert "Description=vLLM server" in unit and "TimeoutStopSec=60" in unit
     assert vunit.ask() == 200
+    rc, status = vunit.run("status")
+    assert rc == 0 and status["watch"]["vllm"]["running"] == 0, status["watch"]
 
 
 class Streams(threading.Thread):
