@@ -11,7 +11,7 @@ reaches argv; llama-server reads it from ``API_KEY_FILE`` (``--api-key-file``).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -130,6 +130,27 @@ def merge_extra(current: tuple[str, ...], new: Sequence[str]) -> tuple[str, ...]
     return tuple(w for _, ws in groups for w in ws)
 
 
+def no_control(v: Any) -> Any:
+    """A value the env file can hold: no control character, not empty (a field validator's
+    body, shared by the typed configs)."""
+    if v is not None:
+        envfile.check_value("value", str(v))
+        if str(v) == "":
+            raise ValueError("must not be empty")
+    return v
+
+
+def absolute(v: Path | None, server: str) -> Path | None:
+    """An absolute path: the unit starts ``server`` in /, where a relative one names another
+    file."""
+    if v is not None and not v.is_absolute():
+        raise ValueError(
+            f"{str(v)!r} is a relative path; the unit runs {server} from /, where it "
+            f"would name another file: give the absolute path, e.g. {Path.cwd() / v}"
+        )
+    return v
+
+
 def _hint_choices(value: object, choices: Iterable[str]) -> str:
     return f"{value!r} is not one of {', '.join(choices)}"
 
@@ -217,22 +238,12 @@ class ServerConfig(BaseModel):
     )
     @classmethod
     def _no_control(cls, v: Any) -> Any:
-        if v is not None:
-            envfile.check_value("value", str(v))
-            if str(v) == "":
-                raise ValueError("must not be empty")
-        return v
+        return no_control(v)
 
     @field_validator("llama_server", "model", "chat_template_file", "api_key_file")
     @classmethod
     def _absolute(cls, v: Path | None) -> Path | None:
-        # the unit starts llama-server in /, where a relative path names another file
-        if v is not None and not v.is_absolute():
-            raise ValueError(
-                f"{str(v)!r} is a relative path; the unit runs llama-server from /, where it "
-                f"would name another file: give the absolute path, e.g. {Path.cwd() / v}"
-            )
-        return v
+        return absolute(v, "llama-server")
 
     @field_validator("extra_args")
     @classmethod
@@ -400,17 +411,28 @@ def example(field: str) -> str:
     }.get(field, "4096")
 
 
-def config_error(e: ValidationError) -> ConfigInvalid:
-    """Turn pydantic's error into one ``ConfigInvalid`` naming field, value and fix."""
+def config_error(
+    e: ValidationError,
+    spelling: Callable[[str], str | None] | None = None,
+    what: str = "config",
+) -> ConfigInvalid:
+    """Turn pydantic's error into one ``ConfigInvalid`` naming field, value and fix;
+    ``spelling``: a field's flag (default llama-server's), ``what``: the config's name."""
+
+    def canonical(name: str) -> str | None:
+        flag = FLAG_BY_FIELD.get(name)
+        return flag.canonical if flag else None
+
+    spelled = spelling or canonical
     parts = []
     for err in e.errors():
         loc = ".".join(str(p) for p in err["loc"]) or "config"
-        flag = FLAG_BY_FIELD.get(str(err["loc"][0])) if err["loc"] else None
-        name = f"{loc} ({flag.canonical})" if flag else loc
+        flag = spelled(str(err["loc"][0])) if err["loc"] else None
+        name = f"{loc} ({flag})" if flag else loc
         msg = str(err["msg"]).removeprefix("Value error, ")
         value = err.get("input")
         # extra_args is not echoed: its messages name the word, and a value may be a secret
         secret = loc == "api_key" or loc.startswith("extra_args")
         shown = "" if isinstance(value, dict) or secret else f" (got {value!r})"
         parts.append(f"{name}: {msg}{shown}")
-    return ConfigInvalid("invalid config: " + "; ".join(parts))
+    return ConfigInvalid(f"invalid {what}: " + "; ".join(parts))

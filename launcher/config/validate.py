@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from launcher import config
 from launcher.config import memory
@@ -48,6 +48,8 @@ from launcher.server import binary, devices, filefacts, kvbytes, kvlayout, vllm
 
 if TYPE_CHECKING:
     from launcher.host.systemd import UnitState
+
+T = TypeVar("T")
 
 #: The per-slot cap: offered only where the binary has it (b10901 and later).
 CAP = "--kv-unified-per-slot"
@@ -487,14 +489,9 @@ def validate(
     """
     if isinstance(cfg, config.VllmConfig):
         return validate_vllm(cfg, key_file, workdir, releasable, force_memory, available, svc)
-    text = config.render_env(cfg, key_file)
-    values = config.env_values(cfg, key_file)
-    expected = cfg.argv(key_file)
-    with tempfile.TemporaryDirectory(prefix="llama-launcher-", dir=workdir) as tmp:
-        path = Path(tmp) / "candidate.env"
-        path.write_text(text)
-        os.chmod(path, 0o600)
-        info = validate_file(path, cfg, values, expected)
+    text, values, expected, info = _candidate(
+        cfg, key_file, workdir, lambda path, v, e: validate_file(path, cfg, v, e)
+    )
     model, layout, unsupported = check_world(cfg, svc, made)
     try:
         plan = cfg.check_overcommit(
@@ -507,6 +504,25 @@ def validate(
         need, releasable() if callable(releasable) else releasable, force_memory, available
     )
     return Validated(cfg, text, values, expected, plan, model, info, need, admitted=admitted)
+
+
+def _candidate(
+    cfg: config.AnyConfig,
+    key_file: str | None,
+    workdir: Path | None,
+    steps: Callable[[Path, dict[str, str], list[str]], T],
+) -> tuple[str, dict[str, str], list[str], T]:
+    """``cfg`` rendered to a temporary env file (0600) and ``steps`` run on it (its path,
+    the values it must hold, the argv it must launch): the text, values, argv and what the
+    steps said of the installed server."""
+    text = config.render_env(cfg, key_file)
+    values = config.env_values(cfg, key_file)
+    expected = cfg.argv(key_file)
+    with tempfile.TemporaryDirectory(prefix="llama-launcher-", dir=workdir) as tmp:
+        path = Path(tmp) / "candidate.env"
+        path.write_text(text)
+        os.chmod(path, 0o600)
+        return text, values, expected, steps(path, values, expected)
 
 
 def check_port(
@@ -698,16 +714,14 @@ def validate_vllm(
     """The chain for a vLLM config: the file steps as for llama-server, then the installed
     vLLM and its flags (``--help=all``), the model folder (a config and a tokenizer), the
     KV budget (explicit, and room for one whole sequence) and the memory guard."""
-    text = config.render_env(cfg, key_file)
-    values = config.env_values(cfg, key_file)
-    expected = cfg.argv(key_file)
-    with tempfile.TemporaryDirectory(prefix="llama-launcher-", dir=workdir) as tmp:
-        path = Path(tmp) / "candidate.env"
-        path.write_text(text)
-        os.chmod(path, 0o600)
-        info = check_file(
-            path, values, expected, lambda: vllm.inspect(str(cfg.vllm_python), launch.VLLM_SHIM)
-        )
+    text, values, expected, info = _candidate(
+        cfg,
+        key_file,
+        workdir,
+        lambda path, v, e: check_file(
+            path, v, e, lambda: vllm.inspect(str(cfg.vllm_python), launch.VLLM_SHIM)
+        ),
+    )
     unknown = vllm.unknown_flags(info, list(cfg.extra_args))
     if unknown:
         raise ValidationFailed(

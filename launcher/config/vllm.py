@@ -31,6 +31,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
+from launcher.config.server import absolute, group_flags, merge_extra, no_control
+from launcher.config.server import config_error as server_error
 from launcher.errors import ConfigInvalid
 from launcher.host import envfile
 from launcher.server import kvlayout
@@ -230,21 +232,12 @@ class VllmConfig(BaseModel):
     @field_validator("host", "served_model_name", "vllm_python", "model", "api_key_file")
     @classmethod
     def _no_control(cls, v: Any) -> Any:
-        if v is not None:
-            envfile.check_value("value", str(v))
-            if str(v) == "":
-                raise ValueError("must not be empty")
-        return v
+        return no_control(v)
 
     @field_validator("vllm_python", "model", "api_key_file")
     @classmethod
     def _absolute(cls, v: Path | None) -> Path | None:
-        if v is not None and not v.is_absolute():
-            raise ValueError(
-                f"{str(v)!r} is a relative path; the unit runs vLLM from /, where it would "
-                f"name another file: give the absolute path, e.g. {Path.cwd() / v}"
-            )
-        return v
+        return absolute(v, "vLLM")
 
     @field_validator("extra_args")
     @classmethod
@@ -564,8 +557,6 @@ def build(data: dict[str, Any]) -> VllmConfig:
 
 
 def from_flags(tokens: Sequence[str], base: dict[str, Any]) -> VllmConfig:
-    from launcher.config.server import merge_extra
-
     fields, extra = parse_flags(tokens)
     data = {**base, **fields}
     if extra:
@@ -575,8 +566,6 @@ def from_flags(tokens: Sequence[str], base: dict[str, Any]) -> VllmConfig:
 
 def remove_flags(data: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
     """``unset`` of a vLLM config: typed fields by spelling, extra flags by name."""
-    from launcher.config.server import group_flags
-
     data = dict(data)
     extra = group_flags(list(data.get("extra_args", ())))
     for name in names:
@@ -600,14 +589,8 @@ def remove_flags(data: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
 
 
 def config_error(e: ValidationError) -> ConfigInvalid:
-    parts = []
-    for err in e.errors():
-        loc = ".".join(str(p) for p in err["loc"]) or "config"
-        flag = FLAG_BY_FIELD.get(str(err["loc"][0])) if err["loc"] else None
-        name = f"{loc} ({flag.spelling})" if flag else loc
-        msg = str(err["msg"]).removeprefix("Value error, ")
-        value = err.get("input")
-        secret = loc == "api_key" or loc.startswith("extra_args")
-        shown = "" if isinstance(value, dict) or secret else f" (got {value!r})"
-        parts.append(f"{name}: {msg}{shown}")
-    return ConfigInvalid("invalid vLLM config: " + "; ".join(parts))
+    def spelling(name: str) -> str | None:
+        flag = FLAG_BY_FIELD.get(name)
+        return flag.spelling if flag else None
+
+    return server_error(e, spelling, "vLLM config")

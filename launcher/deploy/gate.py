@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from urllib.parse import urlsplit
 
 import tenacity
@@ -47,6 +47,9 @@ from launcher.server.httpclient import url_from_argv
 
 if TYPE_CHECKING:
     from launcher.server.probe import Completion, Probe
+
+
+T = TypeVar("T")
 
 
 class Progress(Protocol):
@@ -204,6 +207,23 @@ class Gate:
             "startup", kind, reason + (f": {sentence}" if sentence else ""), log[-30:]
         )
 
+    def _beside(
+        self, ready: _Ready, cursor: str | None, ask: Callable[[], T]
+    ) -> tuple[serverlog.StartupScan | vllm.StartupScan, list[str], UnitState, T | BaseException]:
+        """``ask`` (the HTTP checks) while the startup line (a journal read) and the unit's
+        state (a systemctl) are read beside it: each costs a process start. What ``ask``
+        raised is returned, for the caller to report in the order of its checks."""
+        with ThreadPoolExecutor(2) as workers:
+            read = workers.submit(self._startup_line, ready, cursor)
+            shown = workers.submit(self.systemd.state)
+            asked: T | BaseException
+            try:
+                asked = ask()
+            except (ProbeError, GateFailure) as e:
+                asked = e
+            scan, log = read.result()
+            return scan, log, shown.result(), asked
+
     def _check_vllm(
         self,
         probe: Probe,
@@ -213,16 +233,9 @@ class Gate:
     ) -> tuple[dict[str, Any], list[str], dict[str, Any], Completion, UnitState]:
         """vLLM's startup lines against the plan, and a real completion of its served
         model (it has no /props: what /props says of llama-server, the lines say)."""
-        with ThreadPoolExecutor(2) as workers:
-            read = workers.submit(self._startup_line, ready, cursor)
-            shown = workers.submit(self.systemd.state)
-            asked: Completion | BaseException
-            try:
-                asked = probe.chat(self.waits.probe, model=vllm.served_name(self.argv))
-            except ProbeError as e:
-                asked = e
-            scan, log = read.result()
-            state = shown.result()
+        scan, log, state, asked = self._beside(
+            ready, cursor, lambda: probe.chat(self.waits.probe, model=vllm.served_name(self.argv))
+        )
         startup = scan.startup
         if startup is None or not isinstance(startup, vllm.Startup):
             raise GateFailure(
@@ -265,18 +278,13 @@ class Gate:
         of the checks: startup line, plan, /props, completion."""
         if self.vllm:
             return self._check_vllm(probe, plan, cursor, ready)
-        with ThreadPoolExecutor(2) as workers:
-            read = workers.submit(self._startup_line, ready, cursor)
-            shown = workers.submit(self.systemd.state)
-            asked: tuple[dict[str, Any], Completion] | BaseException
-            try:
-                props = probe.props()
-                _compare_props(plan, props, ready.log)
-                asked = props, probe.chat(self.waits.probe)
-            except (ProbeError, GateFailure) as e:
-                asked = e
-            ready.scan, log = read.result()
-            state = shown.result()
+
+        def ask() -> tuple[dict[str, Any], Completion]:
+            props = probe.props()
+            _compare_props(plan, props, ready.log)
+            return props, probe.chat(self.waits.probe)
+
+        ready.scan, log, state, asked = self._beside(ready, cursor, ask)
         startup = ready.scan.startup
         assert not isinstance(startup, vllm.Startup)
         if startup is None:
