@@ -252,13 +252,27 @@ class Host:
         return self.sandbox.journal(self.unit, self.cursor)
 
     def remove(self) -> None:
-        from launcher.host import timer
+        """The test's teardown: every unit of this host stopped and its files removed, the
+        unit and each one named after it (``NAME-*``: its sampler, front, release watcher,
+        second instance and its timer, lanes) in two systemctl calls. What ``uninstall``
+        does, without its steps (tests/test_*.py test those); the hosts of a run have names
+        no other one's begins with and end before the next one begins."""
+        import shutil
 
-        sampler = timer.names(self.unit)
-        self.sandbox.systemctl("stop", *sampler, self.unit, check=False)
-        self.sandbox.systemctl("reset-failed", *sampler, self.unit, check=False)
-        for name in (self.unit, *sampler):
-            (self.sandbox.unit_dir / name).unlink(missing_ok=True)
+        stem = self.unit.removesuffix(".service")
+        names = [self.unit, f"{stem}-*"]
+        self.sandbox.systemctl("stop", *names, check=False)
+        self.sandbox.systemctl("reset-failed", *names, check=False)
+        unit_dir = self.sandbox.unit_dir
+        for f in [
+            unit_dir / self.unit,
+            *unit_dir.glob(f"{stem}.service.d"),
+            *unit_dir.glob(f"{stem}-*"),
+        ]:
+            if f.is_dir() and not f.is_symlink():
+                shutil.rmtree(f, ignore_errors=True)
+            else:
+                f.unlink(missing_ok=True)
 
 
 def taken_at_restart(host: Host, *args: str) -> tuple[subprocess.CompletedProcess[str], int]:

@@ -535,5 +535,4 @@ def test_module_routes_long_prompts_to_a_lane_address(host: Host) -> None:
         assert again.returncode == 0, again.stdout + again.stderr
         assert '"changed": false' in again.stdout
     finally:
-        host.cli("uninstall", "--lane", "far")
-        host.cli("uninstall")
+        host.remove()

@@ -159,7 +159,8 @@ def test_a_sampler_killed_mid_bake_is_resumed_by_the_next_timer_run_which_says_s
 def test_a_sampler_killed_and_away_past_the_deadline_ends_inconclusive_and_says_so(
     system: System,
 ) -> None:
-    baked = system.baking("-t", "1", "--bake", "30s")
+    # a bake long enough for its first sample, in the bed's time, to come before its end
+    baked = system.baking("-t", "1", "--bake", "20s")
     system.kill_sampler()
     first = system.bake(baked)
     assert first is not None and first["state"] == "baking", first

@@ -42,8 +42,7 @@ BAKE_ENV = {
 def unit(host: Host) -> Iterator[Host]:
     host.env.update(BAKE_ENV)
     installed(host, "-c", "2048", "-np", "2", "-t", "1")
-    yield host
-    host.cli("uninstall")
+    yield host  # the host fixture removes its units
 
 
 def bake_of(h: Host, generation: int) -> bake.Bake:
@@ -165,8 +164,7 @@ def fronted(host: Host, request: pytest.FixtureRequest) -> Iterator[Host]:
     host.env["LLAMA_LAUNCHER_SAMPLE_INTERVAL"] = "3600"
     front = ["--second-instance"] if request.param == "switch" else []
     installed(host, *GOOD, "--front", "haproxy", *front)
-    yield host
-    host.cli("uninstall")
+    yield host  # the host fixture removes its units
 
 
 def test_seed_000_baked_behind_the_front_loses_no_request_sent_after_the_first_hard_signal(
@@ -296,4 +294,4 @@ def test_a_config_failing_as_the_front_releases_it_is_reverted_by_the_deploy_its
         assert host.chat()["usage"]["completion_tokens"] > 0  # the old config serves
         assert Front(host.state_dir, host.unit).holding() is None  # no hold left behind
     finally:
-        host.cli("uninstall")
+        host.remove()

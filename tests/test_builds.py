@@ -307,5 +307,4 @@ def test_the_lane_routes_and_holds_with_the_builds_own_health_check(build_host: 
         assert (rc, out["outcome"], out["handover"]["lane"]["held"]) == (0, "deployed", True)
         assert served_by(build_host, LONG) == "lane"
     finally:
-        build_host.cli("uninstall", "--lane", "long")
-        build_host.cli("uninstall")
+        build_host.remove()

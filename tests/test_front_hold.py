@@ -45,8 +45,7 @@ def fronted(host: Host) -> Iterator[Host]:
     them); its front units are removed after the test."""
     installed(host, "-c", "8192", "-np", "2", "--front", "haproxy")
     assert completion(host.url, HISTORY)["timings"]["prompt_n"] > 1000
-    yield host
-    host.cli("uninstall")
+    yield host  # the host fixture removes its units
 
 
 def with_fault(host: Host, fault: str, *args: str) -> subprocess.CompletedProcess[str]:

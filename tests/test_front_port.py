@@ -72,8 +72,7 @@ def whole(host: Host, *flags: str) -> list[str]:
 @pytest.fixture
 def fronted(host: Host) -> Iterator[Host]:
     installed(host, "-c", "4096", "-np", "2", "--front", "haproxy")
-    yield host
-    host.cli("uninstall")
+    yield host  # the host fixture removes its units
 
 
 def test_a_whole_config_with_the_public_port_deploys_and_the_server_stays_private(
@@ -114,7 +113,7 @@ def test_a_whole_config_with_the_public_port_is_gated_on_the_process_it_started(
         assert spec is not None and f"--port {spec.private_port}" in host.env_file.read_text()
         assert host.chat()["usage"]["completion_tokens"] > 0
     finally:
-        host.cli("uninstall")
+        host.remove()
 
 
 def test_render_without_a_front_keeps_the_port(host: Host) -> None:

@@ -33,13 +33,7 @@ def fronted(host: Host) -> Iterator[Host]:
     them, so it records every phase); its front units are removed after the test."""
     installed(host, "-c", "8192", "-np", "2", "--front", "haproxy")
     assert completion(host.url, HISTORY)["timings"]["prompt_n"] > 1000
-    yield host
-    host.cli("uninstall")
-    dropins = host.sandbox.unit_dir / f"{front_of(host).service}.d"
-    for f in dropins.glob("*.conf"):
-        f.unlink()
-    if dropins.exists():
-        dropins.rmdir()
+    yield host  # the host fixture removes its units and their drop-ins
 
 
 def use_up_start_limit(host: Host) -> None:

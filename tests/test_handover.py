@@ -393,9 +393,8 @@ def test_haproxy_refuses_a_broken_front_config_and_says_so(tmp_path: Path) -> No
 
 @pytest.fixture
 def fronted(host: Host) -> Iterator[Host]:
-    """A host whose front units are removed after the test (uninstall stops them)."""
+    """A host whose front units are removed after the test (the host fixture's teardown)."""
     yield host
-    host.cli("uninstall")
 
 
 def front_stat(host: Host) -> dict[str, str]:

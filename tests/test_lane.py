@@ -54,9 +54,7 @@ def laned(host: Host) -> Iterator[Host]:
     installed(host, *MAIN, "--front", "haproxy")
     rc, out = install_lane(host)
     assert (rc, out["outcome"]) == (0, "deployed"), out
-    yield host
-    host.cli("uninstall", "--lane", "long")
-    host.cli("uninstall")
+    yield host  # the host fixture removes its units
 
 
 def served_by(host: Host, content: str, max_tokens: int = 2) -> str:
@@ -272,8 +270,7 @@ def test_a_lane_on_another_host_is_routed_to_by_its_address(host: Host) -> None:
         assert spec is not None and (spec.lane, spec.lane_unit) == ("far", "")
         assert "server lane 127.0.0.1:" in (front_of(host).live_text() or "")
     finally:
-        host.cli("uninstall", "--lane", "far")
-        host.cli("uninstall")
+        host.remove()
 
 
 def test_a_lane_without_a_front_is_refused(host: Host) -> None:
@@ -379,8 +376,7 @@ def test_lane_requests_are_not_admitted_against_the_main_pool(host: Host) -> Non
         assert admitted is not None and admitted.admitted == 1
         assert ledger(host).routed == 1
     finally:
-        host.cli("uninstall", "--lane", "long")
-        host.cli("uninstall")
+        host.remove()
 
 
 def test_a_lane_deploy_that_changes_its_slots_tells_the_front(laned: Host) -> None:
@@ -416,8 +412,7 @@ def test_a_lane_whose_first_deploy_fails_is_not_routed_to(host: Host, tmp_path: 
         assert spec is not None and spec.lane == ""
         assert served_by(host, LONG) == "main"
     finally:
-        host.cli("uninstall", "--lane", "long")
-        host.cli("uninstall")
+        host.remove()
 
 
 def test_a_client_that_leaves_while_it_waits_for_the_lane_is_no_longer_counted(
@@ -454,8 +449,7 @@ def test_a_lane_on_another_host_takes_as_many_requests_as_it_is_given(host: Host
         assert rc == 0, out
         assert "server lane 10.0.0.9:8081 maxconn 4" in (front_of(host).live_text() or "")
     finally:
-        host.cli("uninstall", "--lane", "far")
-        host.cli("uninstall")
+        host.remove()
 
 
 def test_the_lane_of_an_instance_is_a_unit_named_after_it() -> None:

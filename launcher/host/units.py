@@ -296,7 +296,11 @@ _VLLM_STOP = f"""\
 # vLLM drains what is in flight for its --shutdown-timeout, then stops its engine (7-10 s
 # with 10, measured on a CPU); a stop that hangs on an open connection (its default abort
 # mode, seen 2 times in 5) is ended here with SIGKILL, and the deploy says so.
-TimeoutStopSec={VLLM_STOP_SECONDS}"""
+TimeoutStopSec={VLLM_STOP_SECONDS}
+# vLLM's temporary files (its processes' IPC sockets, a distributed-init file) go in a folder
+# of this unit's own (TMPDIR), which systemd removes at every stop, however it ended
+RuntimeDirectory=%N
+RuntimeDirectoryMode=0700"""
 
 #: what a unit's server is: its Description= and Documentation=
 _SERVERS = {

@@ -154,6 +154,13 @@ def save_path(config: dict[str, Any]) -> Path | None:
     return Path(value) if value else None
 
 
+def no_carry(config: dict[str, Any]) -> str:
+    """Why nothing is carried from a server with the stored ``config`` (no ``save_path``)."""
+    if config.get("backend") == "vllm":
+        return "vLLM keeps no slot cache to carry"
+    return "the live config has no --slot-save-path: no cache is carried"
+
+
 def slot_ids(client: httpx.Client) -> list[int]:
     """The slots the server has (``GET /slots``)."""
     import httpx

@@ -266,7 +266,7 @@ class Bridging(abc.ABC):
             with self._carrying(carried, src_meta):
                 self.save_dir = slotsave.save_path(src_meta.get("config") or {})
                 if self.save_dir is None:
-                    carried["note"] = "no --slot-save-path: no cache is carried"
+                    carried["note"] = slotsave.no_carry(src_meta.get("config") or {})
                     return
                 why = slotsave.differences(
                     slotsave.fingerprint(src_meta), slotsave.fingerprint(dst_meta)
@@ -332,8 +332,10 @@ class Bridging(abc.ABC):
             self._top_up(final=False)
 
         assert self.front is not None
+        # both sides run the unit's server (install alone changes it): either's meta says which
+        busy = drain.busy_of(self.old_meta or (self.bridge.meta if self.bridge else None))
         try:
-            switched = self.front.switch(spec, n, drain_timeout, old, serving=ready)
+            switched = self.front.switch(spec, n, drain_timeout, old, serving=ready, busy=busy)
             self._top_up(final=True)
             return switched
         finally:
@@ -455,7 +457,9 @@ class Bridging(abc.ABC):
             if not serves_live(front):
                 back = replace(spec, serving="a")
                 with self.old.client() if self.old is not None else contextlib.nullcontext() as c:
-                    front.switch(back, _slots(b.meta), self.drain_timeout, c)
+                    front.switch(
+                        back, _slots(b.meta), self.drain_timeout, c, busy=drain.busy_of(b.meta)
+                    )
             else:
                 front.swap(front.render(replace(spec, serving="b"), _slots(b.meta)), backup=False)
                 front.save_spec(replace(spec, serving="b"))

@@ -126,6 +126,12 @@ def busy_vllm(client: httpx.Client, timeout: float = 10.0) -> list[Busy]:
     return [Busy(i, None, None, None) for i in range(n)]
 
 
+def busy_of(meta: dict[str, Any] | None) -> Callable[[httpx.Client], list[Busy]] | None:
+    """How the server of a generation's ``meta`` says what it does: ``busy_vllm`` for a
+    vLLM config, None (``wait_idle``'s default, ``busy_slots``) for llama-server's."""
+    return busy_vllm if ((meta or {}).get("config") or {}).get("backend") == "vllm" else None
+
+
 def _busy(slot: dict[str, Any]) -> Busy:
     nxt = slot.get("next_token")
     first = nxt[0] if isinstance(nxt, list) and nxt else nxt if isinstance(nxt, dict) else {}

@@ -472,22 +472,23 @@ backend {BACKEND}
         old_server: httpx.Client | None = None,
         sleep: Callable[[float], None] = time.sleep,
         serving: Callable[[], None] | None = None,
+        busy: Callable[[httpx.Client], list[drain.Busy]] | None = None,
     ) -> tuple[FrontSpec, drain.DrainReport]:
         """Send new requests to the server that does not serve (the second instance, gated,
         with ``slots``; the caller holds the unit's deploy lock): the config and spec that
         name it as serving go on disk first, then it is ``ready`` and the one that served
         ``drain`` (HAProxy sends it nothing new; its requests finish); then a wait until the
         old one has no request in flight or queued at the front and, given ``old_server``,
-        no slot processing (at most ``drain_timeout``; the front's count alone when
-        ``/slots`` cannot be read), then ``maint``. The new server is ready before the old
-        one drains: with no usable server HAProxy 2.6 answers 503 at once, so there is never
-        such a moment; ``serving`` is called then, before the drain. From the first write
-        on, the disk names the new server, so a HAProxy restarted then serves it, and
-        ``apply`` of the saved spec puts a running HAProxy the switch left half-way as the
-        disk says. A runtime command that fails puts the old
-        config, spec and states back before it raises. ``maint`` cuts nothing: what the
-        timeout left runs to its end on the old server (the report names it). Returns the
-        spec that serves now and the drain's report."""
+        no slot processing (``busy``: how it says so, ``drain.wait_idle``'s; at most
+        ``drain_timeout``; the front's count alone when it cannot say), then ``maint``. The
+        new server is ready before the old one drains: with no usable server HAProxy 2.6
+        answers 503 at once, so there is never such a moment; ``serving`` is called then,
+        before the drain. From the first write on, the disk names the new server, so a
+        HAProxy restarted then serves it, and ``apply`` of the saved spec puts a running
+        HAProxy the switch left half-way as the disk says. A runtime command that fails puts
+        the old config, spec and states back before it raises. ``maint`` cuts nothing: what
+        the timeout left runs to its end on the old server (the report names it). Returns
+        the spec that serves now and the drain's report."""
         from launcher.deploy.restart import drain  # here: prestart's lean path loads this module
 
         if spec.standby_port is None:
@@ -513,7 +514,7 @@ backend {BACKEND}
         if serving is not None:
             serving()
         in_flight = functools.partial(self.in_flight, old)
-        report = drain.wait_idle(old_server, drain_timeout, in_flight, sleep=sleep)
+        report = drain.wait_idle(old_server, drain_timeout, in_flight, sleep=sleep, busy=busy)
         if report.skipped is not None and old_server is not None:
             report = drain.wait_idle(None, drain_timeout, in_flight, sleep=sleep)
         self._expect_empty(f"set server {BACKEND}/{old} state maint")

@@ -238,14 +238,13 @@ class Handover(Bridging):
             if say:
                 say("draining", elapsed, line)
 
-        vllm = ((self.old_meta or {}).get("config") or {}).get("backend") == "vllm"
         with self.old.client() as client:
             got = drain.wait_idle(
                 client,
                 timeout,
                 front_in_flight=in_flight,
                 progress=progress,
-                busy=drain.busy_vllm if vllm else None,
+                busy=drain.busy_of(self.old_meta),
             )
         self.report["drain"] = {**got.to_dict(), "message": got.describe()}
         if got.timed_out:
@@ -257,12 +256,7 @@ class Handover(Bridging):
         report: dict[str, Any] = {"saved": [], "restored": [], "skipped": []}
         self.report["slots"] = report
         if self.save_dir is None:
-            vllm = cfg.get("backend") == "vllm"
-            report["note"] = (
-                "vLLM keeps no slot cache to carry"
-                if vllm
-                else "the live config has no --slot-save-path: no cache is carried"
-            )
+            report["note"] = slotsave.no_carry(cfg)
             return
         drained = self.report.get("drain", {})
         if self.old is None or "skipped" in drained or drained.get("timed_out"):

@@ -41,7 +41,7 @@ from launcher.deploy import budgets, store
 from launcher.deploy.gate import Gate, GateResult, Progress
 from launcher.deploy.restart.front import FrontSpec
 from launcher.errors import LauncherError
-from launcher.host import proc
+from launcher.host import launch, proc
 from launcher.host.systemd import Scope, Systemd
 
 
@@ -166,8 +166,9 @@ class Standby:
         progress: Progress | None = None,
     ) -> GateResult:
         """Start the second instance on ``text`` (restarted if it runs something else) and
-        gate it on its own port: its startup line and a real completion. Raises
-        ``GateFailure``; the caller stops it."""
+        gate it on its own port: its startup line and a real completion, against ``argv`` as
+        its unit runs it (``exec --port``: on the standby port). Raises ``GateFailure``; the
+        caller stops it."""
         b = self.systemd
         before = b.state()
         store.atomic_write(self.env_file, text.encode(), 0o600)
@@ -178,6 +179,7 @@ class Standby:
         cursor = b.cursor()
         b.restart()
         gate = Gate(b, policy, self.url, progress)
+        argv = launch.with_port(argv, str(self.port))
         return gate(None, cursor, before, api_key, argv, budgets.for_deploy(policy, load))
 
     def stop(self) -> str | None:
