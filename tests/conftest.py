@@ -253,22 +253,26 @@ class Host:
 
     def remove(self) -> None:
         """The test's teardown: every unit of this host stopped and its files removed, the
-        unit and each one named after it (``NAME-*``: its sampler, front, release watcher,
-        second instance and its timer, lanes) in two systemctl calls. What ``uninstall``
-        does, without its steps (tests/test_*.py test those); the hosts of a run have names
-        no other one's begins with and end before the next one begins."""
+        unit, its sampler, and each one named after it (``NAME-*``, an instance's with ``@``
+        as ``-``: its front, release watcher, second instance and its timer, lanes) in two
+        systemctl calls. What ``uninstall`` does, without its steps (tests/test_*.py test
+        those); the hosts of a run have names no other one's begins with and end before the
+        next one begins."""
         import shutil
 
+        from launcher.host import timer
+
         stem = self.unit.removesuffix(".service")
-        names = [self.unit, f"{stem}-*"]
+        stems = {stem, stem.replace("@", "-", 1)}
+        sampler = timer.names(self.unit)
+        names = [self.unit, *sampler, *(f"{s}-*" for s in sorted(stems))]
         self.sandbox.systemctl("stop", *names, check=False)
         self.sandbox.systemctl("reset-failed", *names, check=False)
         unit_dir = self.sandbox.unit_dir
-        for f in [
-            unit_dir / self.unit,
-            *unit_dir.glob(f"{stem}.service.d"),
-            *unit_dir.glob(f"{stem}-*"),
-        ]:
+        files = [unit_dir / self.unit, unit_dir / f"{self.unit}.d"]
+        files += [unit_dir / n for n in sampler]
+        files += [f for s in stems for f in unit_dir.glob(f"{s}-*")]
+        for f in files:
             if f.is_dir() and not f.is_symlink():
                 shutil.rmtree(f, ignore_errors=True)
             else:

@@ -114,8 +114,11 @@ def run_server(
     timeout: float = 30.0,
     binary: str | None = None,
 ) -> Iterator[Server]:
-    """Start llama-server on a free port, wait for /health 200, yield, then stop it."""
+    """Start llama-server on a free port, wait for /health 200, yield, then stop it. Its log
+    is ``log_path``, else a file in /tmp removed at the stop (a start that fails says its
+    tail)."""
     port = free_port()
+    own_log = log_path is None
     log_path = log_path or Path(f"/tmp/llama-server-{port}.log")
     argv = [
         binary or server_binary(),
@@ -143,6 +146,8 @@ def run_server(
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        if own_log:
+            log_path.unlink(missing_ok=True)
 
 
 def wait_healthy(

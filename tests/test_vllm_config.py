@@ -12,6 +12,7 @@ import pytest
 
 from launcher import config
 from launcher.config import vllm as vconfig
+from launcher.deploy.restart import drain
 from launcher.errors import ConfigInvalid
 from launcher.host import envfile, launch, units
 from launcher.server import metrics, vllm
@@ -274,3 +275,15 @@ def test_an_env_file_with_both_servers_is_refused() -> None:
     values = {"LLAMA_SERVER": "/bin/llama-server", "VLLM_PYTHON": PYTHON, "EXTRA_ARGS": "/m"}
     with pytest.raises(launch.LaunchError, match="sets both LLAMA_SERVER and VLLM_PYTHON"):
         launch.argv_from_values(values)
+
+
+def test_a_vllm_stop_of_a_few_seconds_is_its_normal_teardown_and_not_said() -> None:
+    seen = {"old_pid": 4242, "exited_after": 8.0, "lingered": True}
+    assert drain.linger_warning(seen, vllm=True) is None
+
+
+def test_a_vllm_stop_that_took_the_units_stop_timeout_is_said_to_have_hung() -> None:
+    seen = {"old_pid": 4242, "exited_after": units.VLLM_STOP_SECONDS + 0.2, "lingered": True}
+    line = drain.linger_warning(seen, vllm=True)
+    assert line is not None and "pid 4242" in line
+    assert "it hung" in line and "SIGKILL at TimeoutStopSec" in line
