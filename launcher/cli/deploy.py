@@ -135,7 +135,7 @@ def _recorded_backend(ns: argparse.Namespace) -> str | None:
         return None
     if not (newest.get("config") or newest.get("argv")):
         return None
-    return "vllm" if (newest.get("config") or {}).get("backend") == "vllm" else "llama-server"
+    return "vllm" if store.runs_vllm(newest) else "llama-server"
 
 
 def _vllm_config(ns: argparse.Namespace, data: dict[str, Any]) -> AnyConfig:

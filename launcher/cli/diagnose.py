@@ -112,6 +112,7 @@ def _lacks_cap(path: str | None, live: Generation | None) -> str | None:
 
 def run(ns: argparse.Namespace) -> int:
     from launcher.cli.results import emit
+    from launcher.deploy import store
     from launcher.errors import ConfigInvalid
     from launcher.reports import diagnose
 
@@ -120,7 +121,7 @@ def run(ns: argparse.Namespace) -> int:
     ns.unit = _default_unit(ns)
     pool_hint, hint_source, model = ns.pool, "--pool", ns.model
     live = _live_generation(ns.unit) if ns.unit else None
-    if live is not None and (live.meta.get("config") or {}).get("backend") == "vllm":
+    if live is not None and store.runs_vllm(live.meta):
         raise ConfigInvalid(
             f"{ns.unit} runs vLLM, which answers a prompt too long with a 400 and queues what "
             "its pool cannot hold (it never fails a request with 'Context size has been "

@@ -134,6 +134,12 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
+def runs_vllm(meta: dict[str, Any] | None) -> bool:
+    """Whether a generation's ``meta`` runs vLLM (``install --backend vllm``, recorded in
+    its config) rather than llama-server."""
+    return ((meta or {}).get("config") or {}).get("backend") == "vllm"
+
+
 @dataclass(frozen=True)
 class Generation:
     number: int

@@ -420,12 +420,6 @@ def require_second_instance(settings: config.ToolSettings, front_kind: str, temp
         )
 
 
-def _runs_vllm(state_dir: Path) -> bool:
-    """Whether the unit's live generation runs vLLM (``install --backend vllm``)."""
-    live = store.Store(state_dir).live_meta() or {}
-    return (live.get("config") or {}).get("backend") == "vllm"
-
-
 def install_standby(
     settings: config.ToolSettings,
     spec: front.FrontSpec,
@@ -452,7 +446,7 @@ def install_standby(
         settings.scope,
         str(state_dir),
         site,
-        "vllm" if _runs_vllm(state_dir) else "llama-server",
+        "vllm" if store.runs_vllm(store.Store(state_dir).live_meta()) else "llama-server",
     )
     write_unit(unit_dir / name, text, force)
     systemd.daemon_reload()

@@ -20,7 +20,7 @@ from launcher.errors import LauncherError, StoreError
 from launcher.host.systemd import Systemd
 from launcher.server import metrics
 from launcher.watch import record, sampler
-from launcher.watch.reads import is_vllm, pressure_of, read_server
+from launcher.watch.reads import pressure_of, read_server
 
 if TYPE_CHECKING:  # a sample prints its pool with pool_lines, without the typed config
     from launcher import config
@@ -57,7 +57,7 @@ def snapshot(
             "last_sample": sampler.last_run(target),
         }
     )
-    if is_vllm(live) and reads.metrics is not None:
+    if store.runs_vllm(live.meta) and reads.metrics is not None:
         g, c = reads.metrics.gauges, reads.metrics.counters
         data["vllm"] = {
             "running": g.get("requests_processing"),

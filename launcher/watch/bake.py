@@ -224,8 +224,11 @@ def plan(settings: ToolSettings, st: store.Store, generation: int, previous: int
     policy = Policy.from_settings(settings)
     # vLLM preempts a sequence the pool cannot hold (it waits, none fails): its pool is
     # judged by its waiting queue and preemptions, not watched for an overflow
-    vllm = (gen.meta.get("config") or {}).get("backend") == "vllm"
-    if vllm or _overcommitted(gen) is not True or old_overcommitted is not False:
+    if (
+        store.runs_vllm(gen.meta)
+        or _overcommitted(gen) is not True
+        or old_overcommitted is not False
+    ):
         policy = dataclasses.replace(policy, pool_limit=0.0, pool_poll=0.0)
     return Bake(
         generation=generation,

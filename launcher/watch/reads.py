@@ -78,7 +78,7 @@ def read_server(
             key = None
             reads.unread["key"] = str(e)
         with _client(target, gen, key, transport) as client:
-            _read_http(reads, client, is_vllm(gen))
+            _read_http(reads, client, store.runs_vllm(gen.meta))
         if reads.slots and any(s.tokens is None for s in reads.slots):
             reads.unread["slots"] = (
                 f"this build's /slots has no {slots.TOKENS_FIELD} (it came with "
@@ -90,11 +90,6 @@ def read_server(
         why = f"{target.unit} is {reads.unit.active}/{reads.unit.sub}: the server is down"
         reads.unread.update({"slots": why, "metrics": why, "proc": why})
     return reads
-
-
-def is_vllm(gen: store.Generation) -> bool:
-    """Whether the generation runs vLLM (``install --backend vllm``)."""
-    return (gen.meta.get("config") or {}).get("backend") == "vllm"
 
 
 def _read_http(reads: Reads, client: httpx.Client, vllm: bool = False) -> None:

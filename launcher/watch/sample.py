@@ -39,7 +39,7 @@ from launcher.host import journalread
 from launcher.host.systemd import Systemd, UnitState
 from launcher.server import metrics, serverlog, slots, vllm
 from launcher.watch import bake, record, textfile, verdict, wedge
-from launcher.watch.reads import Reads, is_vllm, pressure_of, process_of, read_all
+from launcher.watch.reads import Reads, pressure_of, process_of, read_all
 from launcher.watch.sampler import (
     Outcome,
     State,
@@ -314,7 +314,7 @@ def _delta(
         state.cursor = None
     pressure = pressure_of(gen, reads)
     gauges = reads.metrics.gauges if reads.metrics else {}
-    if is_vllm(gen):
+    if store.runs_vllm(gen.meta):
         # vLLM: its KV use, requests running and waiting (preempted ones wait) from /metrics
         seen = record.Now(
             up=reads.metrics is not None,

@@ -129,7 +129,9 @@ def busy_vllm(client: httpx.Client, timeout: float = 10.0) -> list[Busy]:
 def busy_of(meta: dict[str, Any] | None) -> Callable[[httpx.Client], list[Busy]] | None:
     """How the server of a generation's ``meta`` says what it does: ``busy_vllm`` for a
     vLLM config, None (``wait_idle``'s default, ``busy_slots``) for llama-server's."""
-    return busy_vllm if ((meta or {}).get("config") or {}).get("backend") == "vllm" else None
+    from launcher.deploy import store
+
+    return busy_vllm if store.runs_vllm(meta) else None
 
 
 def _busy(slot: dict[str, Any]) -> Busy:

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher import config
+from launcher.deploy import store
 from launcher.deploy.restart import drain, fronthold, lane
 from launcher.deploy.restart.bridge import Bridge, Bridging, Carry, Endpoint
 from launcher.deploy.restart.front import Front, FrontDown, FrontError, FrontSpec, Hold
@@ -529,8 +530,7 @@ class Handover(Bridging):
         if self.watch is not None:
             stop = self.watch.result()
             self.report["stop"] = stop
-            vllm = ((self.old_meta or {}).get("config") or {}).get("backend") == "vllm"
-            line = drain.linger_warning(stop, vllm)
+            line = drain.linger_warning(stop, store.runs_vllm(self.old_meta))
             if line:
                 self.warnings.append(line)
             self.watch = None
